@@ -1,0 +1,45 @@
+# One entry point for newcomers: `make run` serves the stack, `make test` checks everything.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup run test lint typecheck pytest bench bench-service clean
+
+setup: $(STAMP)
+
+# The stamp depends on pyproject.toml so an edited dependency list reinstalls, and nothing else does.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Without CUDA, install the CPU torch build first so the project's torch requirement is already met.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"; \
+	fi
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/inflight dev
+
+test: setup lint typecheck pytest
+
+lint: setup
+	$(BIN)/ruff check engine services bench tests
+	$(BIN)/ruff format --check engine services bench tests
+
+typecheck: setup
+	$(BIN)/mypy engine services bench
+
+pytest: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/inflight bench engine --out bench-results
+
+bench-service: setup
+	$(BIN)/inflight bench service --out bench-results
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache bench-results

@@ -1,0 +1,173 @@
+"""AsyncLLMEngine: the engine loop on its own thread, streams on the caller's event loop.
+
+Every engine mutation (add, abort, step) happens on the engine thread, so the engine needs no
+locks; the event loop only enqueues commands and receives outputs. A caller's I/O (Kafka
+heartbeats, Redis, HTTP) therefore never waits for a model step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs: Any) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(model, **kwargs))
+
+    # ---- properties read from the event loop (plain int reads; no lock needed) -------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    @property
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.engine.scheduler.num_running
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def kv_stats(self) -> dict[str, float]:
+        kv = self.engine.kv
+        return {
+            "num_free_blocks": kv.num_free_blocks,
+            "num_total_blocks": kv.num_total_blocks,
+            "usage": kv.usage,
+        }
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+            self._thread = None
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                while True:
+                    try:
+                        self._commands.get_nowait()()
+                    except queue.Empty:
+                        break
+                if engine.has_unfinished_requests():
+                    for out in engine.step():
+                        self._deliver(out.request_id, out)
+                else:
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+        except BaseException as exc:  # a dead loop must fail every stream, not hang them
+            logger.exception("engine loop died")
+            self.dead_error = exc
+            for request_id in list(self._streams):
+                self._deliver(request_id, exc)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread and await its result (exceptions propagate)."""
+        if self.dead_error is not None:
+            raise RuntimeError("the engine loop has died") from self.dead_error
+        fut: Future[Any] = Future()
+
+        def command() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self._commands.put(command)
+        self._wake.set()
+        return await asyncio.wrap_future(fut)
+
+    # ---- requests --------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        resume_token_ids: list[int] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream delta outputs. Leaving the iterator early (or cancelling) aborts the request."""
+        if self._thread is None:
+            await self.start()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._streams[request_id] = stream
+        finished = added = False
+        try:
+            await self._call(
+                lambda: self.engine.add_request(
+                    request_id, prompt, params, priority=priority, resume_token_ids=resume_token_ids
+                )
+            )
+            added = True
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise RuntimeError("the engine loop has died") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if added and not finished and self.dead_error is None:
+                self._commands.put(lambda: self.engine.abort_request(request_id))
+                self._wake.set()
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request wherever it is; the stream then ends with finish_reason "abort"."""
+        await self._call(lambda: self.engine.abort_request(request_id))
+
+    async def run_on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """For tests and tools: inspect engine state between steps (e.g. kv.check_integrity)."""
+        return await self._call(fn)

@@ -1,0 +1,79 @@
+"""The attention backend interface and the metadata of one packed step.
+
+A step packs every scheduled token of every request flat. Worked example, block_size 4, two requests:
+
+    request   computed  scheduled   query tokens        seq_len  block table
+    A         5         1 (decode)  [A5]                6        [7, 2]
+    B         0         3 (prefill) [B0 B1 B2]          3        [4]
+
+    flat tokens       A5   B0   B1   B2
+    positions          5    0    1    2
+    slot_mapping      2*4+1=9   4*4+0=16   17   18          (block_table[pos // 4] * 4 + pos % 4)
+    query_start_loc   [0, 1, 4]
+    seq_lens          [6, 3]
+    block_tables      [[7, 2], [4, 0]]                    (padded with 0; never read past seq_len)
+
+Query token i of request r sits at position seq_lens[r] - query_len[r] + i and attends causally to
+every cached position <= its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int  # scheduled tokens in the step (T); padded steps count the padding
+    num_seqs: int  # requests in the step (S)
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor  # [S + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor  # [S] int32, context length after this step (computed + scheduled)
+    block_tables: torch.Tensor  # [S, max_blocks_per_seq] int32, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64, flat cache slot of each token; -1: padding, not stored
+    # Host-side copies for backends that loop per request on the CPU (no device sync needed).
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    decode_only: bool  # every request schedules exactly one token (CUDA graph eligible)
+
+
+class AttentionBackend(Protocol):
+    """Stores the step's K/V into the paged cache and attends through block tables.
+
+    kv_cache for one layer: [2, num_blocks, block_size, num_kv_heads, head_size] (index 0: K, 1: V).
+    """
+
+    name: str
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [T, num_kv_heads, head_size]
+        value: torch.Tensor,  # [T, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> None: ...
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_size]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_size]
+        ...
+
+
+def get_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        from engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,236 @@
+"""Engine configuration: frozen dataclasses validated once, unknown keys rejected."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of an HF ``config.json`` that the Llama family needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2 has q/k/v biases
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or raw.get('model_type')!r}; "
+                f"inflight serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        rope_scaling = raw.get("rope_scaling")
+        rope_theta = raw.get("rope_theta")
+        # transformers >= 5 folds rope_theta into rope_parameters.
+        rope_params = raw.get("rope_parameters")
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_params
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+            None,
+            "default",
+        ):
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=raw.get("bos_token_id"),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
+        )
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        cfg = Path(path) / "config.json"
+        if not cfg.is_file():
+            raise FileNotFoundError(f"no model at {path!s}: {cfg.name} not found")
+        return cls.from_dict(json.loads(cfg.read_text()))
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What a user may set, by the names vLLM uses. ``EngineArgs(**kwargs)`` rejects unknown names."""
+
+    model: str
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None  # bytes for K/V across all layers
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    batching: Literal["continuous", "static"] = "continuous"
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    seed: int = 0
+    device: str = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json only
+    max_waiting: int | None = None  # bound on the waiting queue; None = unbounded
+    enable_cuda_graph: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError("num_blocks must be at least 1")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"unknown load_format {self.load_format!r}")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
+        return cls(model=model, **kwargs)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """EngineArgs resolved against the model and the host: every field concrete."""
+
+    model_path: str
+    model: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    scheduling_policy: str
+    batching: str
+    attention_backend: str
+    seed: int
+    load_format: str
+    max_waiting: int | None
+    enable_cuda_graph: bool
+    num_blocks: int | None = None  # None: sized from kv_cache_memory or free memory by the runner
+    kv_cache_memory: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def resolve(cls, args: EngineArgs) -> EngineConfig:
+        model = ModelConfig.from_path(args.model)
+        if args.device == "auto":
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            device = torch.device(args.device)
+        if args.dtype == "auto":
+            # CPUs without bf16 units run bf16 matmuls hundreds of times slower than fp32.
+            if device.type == "cpu":
+                dtype = torch.float32
+            else:
+                dtype = _DTYPES.get(str(model.torch_dtype), torch.bfloat16)
+                if dtype == torch.float32:
+                    dtype = torch.bfloat16
+        else:
+            dtype = _DTYPES[args.dtype]
+        max_model_len = args.max_model_len or model.max_position_embeddings
+        if max_model_len > model.max_position_embeddings and model.rope_scaling is None:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"{model.max_position_embeddings}"
+            )
+        if args.max_num_batched_tokens is not None:
+            budget = args.max_num_batched_tokens
+        else:
+            # With chunking a modest budget keeps decodes fast; without it a whole prompt must fit.
+            budget = 2048 if args.enable_chunked_prefill else max_model_len
+        budget = max(budget, args.max_num_seqs) if args.enable_chunked_prefill else budget
+        if not args.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({budget} < {max_model_len})"
+            )
+        attn = args.attention_backend
+        if attn == "auto":
+            attn = "triton" if device.type == "cuda" else "torch"
+        return cls(
+            model_path=args.model,
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=budget,
+            block_size=args.block_size,
+            enable_prefix_caching=args.enable_prefix_caching,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            scheduling_policy=args.scheduling_policy,
+            batching=args.batching,
+            attention_backend=attn,
+            seed=args.seed,
+            load_format=args.load_format,
+            max_waiting=args.max_waiting,
+            enable_cuda_graph=args.enable_cuda_graph and device.type == "cuda",
+            num_blocks=args.num_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+        )

@@ -1,0 +1,84 @@
+"""Offline API: ``LLM(model=path, **engine_args).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from engine.llm_engine import LLMEngine, Prompt
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.engine = LLMEngine.from_engine_args(model, **engine_args)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; results in input order, with cumulative text and tokens."""
+        batch = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(batch)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(batch):
+                raise ValueError(f"{len(params)} sampling params for {len(batch)} prompts")
+        ids = [f"llm-{next(self._ids)}" for _ in batch]
+        for i, (request_id, prompt, p) in enumerate(zip(ids, batch, params, strict=True)):
+            try:
+                self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+            except Exception:
+                for added in ids[:i]:
+                    self.engine.abort_request(added)
+                raise
+        results = {request_id: _Accumulator() for request_id in ids}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                results[out.request_id].add(out)
+        return [results[request_id].result() for request_id in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # type: ignore[arg-type]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+class _Accumulator:
+    """Folds a request's delta outputs into one cumulative RequestOutput."""
+
+    def __init__(self) -> None:
+        self.last: RequestOutput | None = None
+        self.completions: dict[int, CompletionOutput] = {}
+
+    def add(self, out: RequestOutput) -> None:
+        self.last = out
+        for delta in out.outputs:
+            c = self.completions.setdefault(delta.index, CompletionOutput(delta.index, "", [], logprobs=None))
+            c.text += delta.text
+            c.token_ids.extend(delta.token_ids)
+            if delta.logprobs is not None:
+                c.logprobs = (c.logprobs or []) + delta.logprobs
+            c.finish_reason = delta.finish_reason
+            c.stop_reason = delta.stop_reason
+            c.num_output_tokens = delta.num_output_tokens
+
+    def result(self) -> RequestOutput:
+        assert self.last is not None and self.last.finished
+        out = self.last
+        out.outputs = [self.completions[i] for i in sorted(self.completions)]
+        return out

@@ -1,0 +1,277 @@
+"""The engine loop: schedule -> execute -> update, one bounded step at a time.
+
+Control returns here after every step, so finished requests leave and new ones join at each step
+boundary (iteration-level scheduling).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineArgs, EngineConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.metrics import EngineMetrics, StepRecord
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.sched.scheduler import Scheduler
+from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+@dataclass
+class _Group:
+    """A caller's request: n sibling sequences sharing one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    reported_finished: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reported_finished = [False] * len(self.children)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer: Tokenizer | None = load_tokenizer(config.model_path)
+        eos = set(config.model.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self.runner = ModelRunner(config)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, eos)
+        self.metrics = EngineMetrics()
+        self._groups: dict[str, _Group] = {}
+        self._child_to_group: dict[str, str] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced between steps (aborts)
+        self._rng = random.Random(config.seed)
+        self._step = 0
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.resolve(EngineArgs.from_kwargs(model, **kwargs)))
+
+    # ---- intake ----------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: send the prompt as token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        resume_token_ids: list[int] | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        text, ids = self.tokenize(prompt)
+        resumed = list(resume_token_ids or [])
+        self._validate(ids, resumed, params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        eos = self.tokenizer.eos_token_id if self.tokenizer else None
+        if eos is None and self.config.model.eos_token_ids:
+            eos = self.config.model.eos_token_ids[0]
+        children = [
+            Request(
+                request_id if params.n == 1 else f"{request_id}#{i}",
+                ids,
+                params,
+                eos,
+                arrival_time=arrival_time,
+                priority=priority,
+                parent_id=request_id,
+                index=i,
+                resumed_output_token_ids=resumed,
+                seed=seed + i,
+            )
+            for i in range(params.n)
+        ]
+        added: list[Request] = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child)
+        except Exception:
+            for child in added:
+                self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
+            raise
+        detoks = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                ids + resumed,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            for _ in children
+        ]
+        self._groups[request_id] = _Group(request_id, text, ids, children, detoks)
+        for child in children:
+            self._child_to_group[child.request_id] = request_id
+
+    def _validate(self, ids: list[int], resumed: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty")
+        total = len(ids) + len(resumed)
+        if total >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt of {total} tokens leaves no room to generate within max_model_len "
+                f"{self.config.max_model_len}"
+            )
+        vocab = self.config.model.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+            raise ValueError("resumed stream already reached max_tokens")
+
+    def abort_request(self, request_id: str) -> None:
+        """Abort a caller's request (all n sequences). Unknown or finished ids are a no-op."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for child in group.children:
+            if self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED):
+                self.metrics.on_finished(child)
+        self._pending.extend(self._collect([group], {}))
+
+    # ---- the loop --------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups or self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
+        out = self.scheduler.schedule()
+        scheduled_at = time.monotonic()
+        outputs, self._pending = self._pending, []
+        if out.is_empty:
+            return outputs
+        batch = [(r.request_id, out.num_scheduled_tokens[r.request_id], r.num_computed_tokens) for r in out.scheduled]
+        try:
+            result = self.runner.execute(out, self.kv)
+        except Exception as exc:  # the step failed: fail its requests, keep the engine serving
+            logger.exception("model step failed")
+            return outputs + self._fail(out.scheduled, f"{type(exc).__name__}: {exc}")
+        executed_at = time.monotonic()
+        got_token = self.scheduler.update_from_output(out, result.sampled)
+        touched: dict[str, _Group] = {}
+        deltas: dict[str, tuple[str, int | None, dict[int, float] | None]] = {}
+        for request in got_token:
+            group = self._groups[request.parent_id]
+            touched[group.request_id] = group
+            token = request.output_token_ids[-1]
+            lp = result.logprobs.get(request.request_id)
+            if lp is not None:
+                request.logprobs.append(lp)
+            detok = group.detoks[request.index]
+            delta = detok.update([token])
+            text = delta.text
+            if delta.stop_str is not None and not request.finished:
+                request.stop_reason = delta.stop_str
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            elif request.finished:
+                text += detok.flush()
+            if request.finished:
+                self.metrics.on_finished(request)
+            deltas[request.request_id] = (text, token, lp)
+        outputs.extend(self._collect(list(touched.values()), deltas))
+        self._step += 1
+        self.metrics.on_step(
+            StepRecord(
+                step=self._step,
+                start=start,
+                schedule_time=scheduled_at - start,
+                execute_time=executed_at - scheduled_at,
+                stats=self.scheduler.stats(out),
+                batch=batch,
+            )
+        )
+        return outputs
+
+    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        groups: dict[str, _Group] = {}
+        for request in requests:
+            if self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR):
+                request.error = message
+                self.metrics.on_finished(request)
+            groups[request.parent_id] = self._groups[request.parent_id]
+        return self._collect(list(groups.values()), {})
+
+    def _collect(
+        self, groups: list[_Group], deltas: dict[str, tuple[str, int | None, dict[int, float] | None]]
+    ) -> list[RequestOutput]:
+        """Delta outputs for the touched groups; drops groups whose every child has been reported."""
+        outputs = []
+        for group in groups:
+            completions = []
+            for child in group.children:
+                text, token, lp = deltas.get(child.request_id, ("", None, None))
+                if token is None and not (child.finished and not group.reported_finished[child.index]):
+                    continue
+                if child.finished:
+                    group.reported_finished[child.index] = True
+                completions.append(
+                    CompletionOutput(
+                        index=child.index,
+                        text=text,
+                        token_ids=[] if token is None else [token],
+                        finish_reason=child.status.finish_reason,
+                        stop_reason=child.stop_reason,
+                        logprobs=None if lp is None else [lp],
+                        num_output_tokens=child.num_output_tokens,
+                    )
+                )
+            finished = all(group.reported_finished)
+            error = next((c.error for c in group.children if c.error), None)
+            outputs.append(
+                RequestOutput(
+                    request_id=group.request_id,
+                    prompt=group.prompt,
+                    prompt_token_ids=group.prompt_token_ids,
+                    outputs=completions,
+                    finished=finished,
+                    metrics=_metrics(group.children[0]) if finished else None,
+                    error=error,
+                )
+            )
+            if finished:
+                del self._groups[group.request_id]
+                for child in group.children:
+                    self._child_to_group.pop(child.request_id, None)
+        return outputs
+
+
+def _metrics(request: Request) -> RequestMetrics:
+    t = request.timeline
+    return RequestMetrics(
+        arrival_time=t.arrival,
+        first_scheduled_time=t.first_scheduled,
+        first_token_time=t.first_token,
+        finished_time=t.finished,
+        queue_time=t.queue_time,
+        ttft=t.ttft,
+        tpot=t.tpot(request.num_new_output_tokens),
+        num_preemptions=t.num_preemptions,
+        num_cached_tokens=request.num_cached_tokens,
+    )

@@ -1,0 +1,90 @@
+"""Engine statistics: one record per step, one per finished request, for exporters to consume."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.request import Request
+from engine.sched.scheduler import SchedulerStats
+
+
+@dataclass
+class StepRecord:
+    step: int
+    start: float  # time.monotonic() when scheduling began
+    schedule_time: float  # seconds spent in the scheduler
+    execute_time: float  # seconds in input preparation, the model and sampling
+    stats: SchedulerStats
+    # (request id, scheduled tokens, computed before this step) in batch order.
+    batch: list[tuple[str, int, int]] = field(default_factory=list)
+    prepare_time: float = 0.0  # seconds of execute_time spent packing inputs
+
+    @property
+    def duration(self) -> float:
+        return self.schedule_time + self.execute_time
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    arrival: float
+    first_scheduled: float | None
+    prefill_done: float | None
+    first_token: float | None
+    finished: float | None
+    num_preemptions: int
+    queue_time: float | None
+    ttft: float | None
+    tpot: float | None
+
+    @classmethod
+    def from_request(cls, r: Request) -> RequestRecord:
+        t = r.timeline
+        return cls(
+            request_id=r.request_id,
+            finish_reason=r.status.finish_reason,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_new_output_tokens,
+            num_cached_tokens=r.num_cached_tokens,
+            arrival=t.arrival,
+            first_scheduled=t.first_scheduled,
+            prefill_done=t.prefill_done,
+            first_token=t.first_token,
+            finished=t.finished,
+            num_preemptions=t.num_preemptions,
+            queue_time=t.queue_time,
+            ttft=t.ttft,
+            tpot=t.tpot(r.num_new_output_tokens),
+        )
+
+
+class EngineMetrics:
+    """Keeps the last ``history`` steps and calls listeners; exporters subscribe, nothing polls."""
+
+    def __init__(self, history: int = 4096) -> None:
+        self.steps: deque[StepRecord] = deque(maxlen=history)
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self.request_listeners: list[Callable[[RequestRecord], None]] = []
+        self.num_steps = 0
+        self.num_finished = 0
+        self.started = time.monotonic()
+
+    def on_step(self, record: StepRecord) -> None:
+        self.num_steps += 1
+        self.steps.append(record)
+        for listener in self.step_listeners:
+            listener(record)
+
+    def on_finished(self, request: Request) -> None:
+        self.num_finished += 1
+        if self.request_listeners:
+            record = RequestRecord.from_request(request)
+            for listener in self.request_listeners:
+                listener(record)

@@ -1,0 +1,157 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) over packed, variable-length batches.
+
+Every tensor here is flat over the step's tokens ([T, ...]); requests are told apart only by the
+attention metadata, so the linear layers batch across requests while attention reads each
+request's own history through its block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from engine.models.rotary import apply_rotary, cos_sin_cache
+
+
+@dataclass
+class ModelOps:
+    """Pointwise ops, swappable for fused Triton kernels on CUDA."""
+
+    use_triton: bool = False
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.use_triton:
+            from engine.kernels import rms_norm
+
+            return rms_norm(x, weight, eps)
+        # As HF: normalise in float32, cast back, then scale.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from engine.kernels import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, weight, eps)
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from engine.kernels import rotary_embedding
+
+            return rotary_embedding(positions, q, k, cache)
+        return apply_rotary(positions, q, k, cache)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_triton:
+            from engine.kernels import silu_and_mul
+
+            return silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class LlamaForCausalLM:
+    """Weights are plain tensors in a dict (loaded by engine.models.loader), merged for fewer
+    matmuls: q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        backend: AttentionBackend,
+        ops: ModelOps,
+        max_positions: int,
+    ) -> None:
+        self.config = config
+        self.w = weights
+        self.backend = backend
+        self.ops = ops
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        device = weights["model.embed_tokens.weight"].device
+        self.rope_cache = cos_sin_cache(
+            self.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        ).to(device)
+        self.layers = [self._layer_weights(i) for i in range(config.num_hidden_layers)]
+        self.lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+
+    def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
+        p = f"model.layers.{i}."
+        return {
+            "input_norm": self.w[p + "input_layernorm.weight"],
+            "post_norm": self.w[p + "post_attention_layernorm.weight"],
+            "qkv": self.w[p + "self_attn.qkv_proj.weight"],
+            "qkv_bias": self.w.get(p + "self_attn.qkv_proj.bias"),
+            "o": self.w[p + "self_attn.o_proj.weight"],
+            "gate_up": self.w[p + "mlp.gate_up_proj.weight"],
+            "down": self.w[p + "mlp.down_proj.weight"],
+        }
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden] after the final norm
+        eps = self.config.rms_norm_eps
+        hidden = F.embedding(input_ids, self.w["model.embed_tokens.weight"])
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            assert layer["input_norm"] is not None and layer["post_norm"] is not None
+            if residual is None:
+                residual = hidden
+                x = self.ops.rms_norm(hidden, layer["input_norm"], eps)
+            else:
+                x, residual = self.ops.add_rms_norm(hidden, residual, layer["input_norm"], eps)
+            x = self._attention(layer, x, positions, kv_cache, metadata)
+            x, residual = self.ops.add_rms_norm(x, residual, layer["post_norm"], eps)
+            hidden = self._mlp(layer, x)
+        assert residual is not None
+        out, _ = self.ops.add_rms_norm(hidden, residual, self.w["model.norm.weight"], eps)
+        return out
+
+    def _attention(
+        self,
+        layer: dict[str, torch.Tensor | None],
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert layer["qkv"] is not None and layer["o"] is not None
+        qkv = F.linear(x, layer["qkv"], layer["qkv_bias"])  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = x.shape[0]
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
+        q, k = self.ops.rotary(positions, q.contiguous(), k.contiguous(), self.rope_cache)
+        # Store first: a request's own new tokens must be visible to its causal attention.
+        self.backend.store_kv(k, v, kv_cache, metadata)
+        attn = self.backend.forward(q, kv_cache, metadata, self.scale)  # [T, Hq, D]
+        return F.linear(attn.reshape(num_tokens, self.q_size), layer["o"])
+
+    def _mlp(self, layer: dict[str, torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
+        assert layer["gate_up"] is not None and layer["down"] is not None
+        return F.linear(self.ops.silu_and_mul(F.linear(x, layer["gate_up"])), layer["down"])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,126 @@
+"""Load an HF-format checkpoint (config.json + safetensors, sharded or not) into merged weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no safetensors weights in {path}")
+    return found
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def dummy_weights(
+    config: ModelConfig, seed: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Random weights with the checkpoint's names and shapes, for benchmarks of a shape, not a model.
+
+    Drawn directly on the target device in the target dtype: an 8B model never passes through host
+    memory in float32.
+    """
+    device = device or torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype) * 0.02
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, device=device, dtype=dtype)
+
+    w = {"model.embed_tokens.weight": rand(config.vocab_size, h), "model.norm.weight": ones(h)}
+    if not config.tie_word_embeddings:
+        w["lm_head.weight"] = rand(config.vocab_size, h)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = ones(h)
+        w[p + "post_attention_layernorm.weight"] = ones(h)
+        w[p + "self_attn.q_proj.weight"] = rand(q, h)
+        w[p + "self_attn.k_proj.weight"] = rand(kv, h)
+        w[p + "self_attn.v_proj.weight"] = rand(kv, h)
+        if config.attention_bias:
+            for name, size in (("q", q), ("k", kv), ("v", kv)):
+                w[p + f"self_attn.{name}_proj.bias"] = rand(size)
+        w[p + "self_attn.o_proj.weight"] = rand(h, q)
+        w[p + "mlp.gate_proj.weight"] = rand(inter, h)
+        w[p + "mlp.up_proj.weight"] = rand(inter, h)
+        w[p + "mlp.down_proj.weight"] = rand(h, inter)
+    return w
+
+
+def merge_weights(
+    config: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Cast, move, and fuse q/k/v and gate/up so each layer runs two fewer matmuls."""
+
+    def take(name: str) -> torch.Tensor:
+        if name not in raw:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        return raw.pop(name)
+
+    out: dict[str, torch.Tensor] = {}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        out[a + "qkv_proj.weight"] = torch.cat(
+            [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]
+        )
+        if a + "q_proj.bias" in raw:
+            out[a + "qkv_proj.bias"] = torch.cat(
+                [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]
+            )
+        out[a + "o_proj.weight"] = take(a + "o_proj.weight")
+        out[m + "gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[m + "down_proj.weight"] = take(m + "down_proj.weight")
+        out[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
+        out[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+    out["model.embed_tokens.weight"] = take("model.embed_tokens.weight")
+    out["model.norm.weight"] = take("model.norm.weight")
+    if not config.tie_word_embeddings and "lm_head.weight" in raw:
+        out["lm_head.weight"] = take("lm_head.weight")
+    raw.pop("lm_head.weight", None)
+    # Rotary buffers some exporters save are recomputed here.
+    leftover = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
+    if leftover:
+        raise KeyError(f"checkpoint has tensors this architecture does not use: {leftover[:5]}")
+    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in out.items()}
+
+
+def load_weights(
+    path: str | Path,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    if load_format == "dummy":
+        raw = dummy_weights(config, seed, dtype, device)
+    else:
+        raw = read_safetensors(Path(path))
+    return merge_weights(config, raw, dtype, device)

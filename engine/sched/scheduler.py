@@ -1,0 +1,287 @@
+"""The iteration-level scheduler: pure bookkeeping over requests and KV blocks, no tensors.
+
+Every step spends one token budget. Running requests go first (a decode costs one token, an
+unfinished prefill takes what the budget has left: chunked prefill); then waiting requests are
+admitted while sequences, budget and blocks last. When blocks run out a running request is
+preempted (its blocks freed, recomputed later) and the allocation retried.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.sched.output import SchedulerOutput
+from engine.sched.policy import make_waiting_queue, priority_key
+
+
+class EngineQueueFull(RuntimeError):
+    """The waiting queue is at its bound (``max_waiting``): shed load instead of growing."""
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_scheduled_tokens: int
+    num_scheduled_seqs: int
+    kv_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int  # cumulative, tokens
+    prefix_cache_hits: int  # cumulative, tokens
+    num_preemptions: int  # cumulative
+    step_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, eos_token_ids: set[int]) -> None:
+        self.config = config
+        self.kv = kv
+        self.eos_token_ids = eos_token_ids
+        self.static = config.batching == "static"
+        self.waiting = make_waiting_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # live (not finished) requests by id
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0
+        self._step_preemptions = 0
+
+    # ---- intake ----------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        # A request whose whole life cannot fit in the pool would be preempted forever: refuse it.
+        max_len = self.config.max_model_len
+        if request.max_tokens is not None:
+            max_len = min(max_len, request.num_prompt_tokens + request.max_tokens)
+        need = self.kv.blocks_needed(max(max_len, request.num_tokens))
+        if need > self.kv.num_total_blocks:
+            raise ValueError(
+                f"request needs up to {need} KV blocks but the cache has {self.kv.num_total_blocks}; "
+                "lower max_tokens or the prompt length"
+            )
+        if self.config.max_waiting is not None and len(self.waiting) >= self.config.max_waiting:
+            raise EngineQueueFull(f"waiting queue is full ({self.config.max_waiting})")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Move a live request to a terminal status and free its blocks; unknown ids are a no-op."""
+        assert status.finished
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, status)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.timeline.finished = time.monotonic()
+        self.kv.free(request)
+        self._finished_since_last_step.add(request.request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        self._step_preemptions = 0
+        budget = self.config.max_num_batched_tokens
+        admit = not self.static or not self.running  # a static batch admits only when it is empty
+        budget = self._schedule_running(out, budget)
+        if admit and not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            preempted_self = False
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self._pick_victim(self.running)
+                victim_index = self.running.index(victim)
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    preempted_self = True
+                    break
+                if victim_index < i:  # priority policy: an already scheduled, less urgent request
+                    i -= 1
+            if preempted_self:
+                continue  # the next running request slid into slot i
+            self._add_to_batch(out, request, num_new)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        cfg = self.config
+        reserved = 0  # static batching: worst-case blocks promised to this batch so far
+        free_at_start = self.kv.num_free_blocks
+        # A static batch forms whole even past the budget: its members prefill over the next steps.
+        while len(self.waiting) and (budget > 0 or self.static):
+            request = self.waiting.peek()
+            if len(self.running) >= cfg.max_num_seqs:
+                if not self._preempt_for(request, out):
+                    break
+                budget = self._budget_left(out)
+                continue
+            hits, num_cached = self.kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_cached
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            if self.static:
+                # The baseline reserves every request's worst case up front, as fixed-batch servers do,
+                # so nothing in the batch can ever be preempted.
+                worst = self.kv.blocks_needed(self._max_len(request))
+                if reserved + worst > free_at_start:
+                    break
+                reserved += worst
+            if not self.kv.allocate_slots(request, num_new, hits):
+                if self._preempt_for(request, out):
+                    budget = self._budget_left(out)
+                    continue
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            request.num_cached_tokens = num_cached
+            if request.timeline.first_scheduled is None:
+                request.timeline.first_scheduled = time.monotonic()
+            self.running.append(request)
+            out.new_req_ids.append(request.request_id)
+            out.num_cached_tokens[request.request_id] = num_cached
+            if num_new > 0:
+                self._add_to_batch(out, request, num_new)
+                budget -= num_new
+
+    def _max_len(self, request: Request) -> int:
+        limit = self.config.max_model_len
+        if request.max_tokens is not None:
+            limit = min(limit, request.num_prompt_tokens + request.max_tokens)
+        return max(limit, request.num_tokens)
+
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
+
+    @staticmethod
+    def _add_to_batch(out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        out.scheduled.append(request)
+        out.num_scheduled_tokens[request.request_id] = num_tokens
+        out.total_num_scheduled_tokens += num_tokens
+
+    # ---- preemption ------------------------------------------------------------------------
+    def _pick_victim(self, candidates: list[Request]) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(candidates, key=priority_key)
+        return candidates[-1]  # fcfs: the most recently admitted
+
+    def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
+        """Priority policy only: evict a strictly less urgent running request to admit ``request``."""
+        if self.config.scheduling_policy != "priority" or self.static or not self.running:
+            return False
+        victim = self._pick_victim(self.running)
+        if victim.priority <= request.priority:
+            return False
+        self._preempt(victim, out)
+        return True
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Push a running request back to waiting, freeing its blocks. Returns budget given back."""
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.timeline.num_preemptions += 1
+        self.waiting.add_front(victim)
+        self.num_preemptions += 1
+        self._step_preemptions += 1
+        out.preempted_req_ids.append(victim.request_id)
+        given_back = out.num_scheduled_tokens.pop(victim.request_id, 0)
+        if given_back:
+            out.scheduled.remove(victim)
+            out.total_num_scheduled_tokens -= given_back
+            if victim.request_id in out.new_req_ids:
+                out.new_req_ids.remove(victim.request_id)
+                out.num_cached_tokens.pop(victim.request_id, None)
+        return given_back
+
+    # ---- after the model ran ---------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress, append sampled tokens, finish requests that hit a stop condition.
+
+        Returns the requests that received a token this step (finished ones included).
+        """
+        now = time.monotonic()
+        got_token = []
+        for request in out.scheduled:
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            if request.timeline.prefill_done is None and request.num_computed_tokens >= request.num_tokens:
+                request.timeline.prefill_done = now
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            request.append_output_token(token)
+            if request.timeline.first_token is None:
+                request.timeline.first_token = now
+            request.timeline.last_token = now
+            got_token.append(request)
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.requests.pop(request.request_id, None)
+                self.running.remove(request)
+                self._finish(request, status)
+        return got_token
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_new_output_tokens + request.num_resumed_tokens >= params.min_tokens:
+            if not params.ignore_eos and (token in self.eos_token_ids or token == request.eos_token_id):
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self, out: SchedulerOutput) -> SchedulerStats:
+        pool = self.kv.pool
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_scheduled_tokens=out.total_num_scheduled_tokens,
+            num_scheduled_seqs=out.num_seqs,
+            kv_usage=self.kv.usage,
+            num_free_blocks=self.kv.num_free_blocks,
+            prefix_cache_queries=pool.num_cache_queries,
+            prefix_cache_hits=pool.num_cache_hits,
+            num_preemptions=self.num_preemptions,
+            step_preemptions=self._step_preemptions,
+        )

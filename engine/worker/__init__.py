@@ -1,0 +1,1 @@
+"""Turns scheduler decisions into tensors and runs the model."""

@@ -1,0 +1,184 @@
+"""Packs a scheduled step into flat tensors, runs the model, samples.
+
+The runner makes no policy: it executes exactly what the SchedulerOutput says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.backend import AttentionMetadata, get_attention_backend
+from engine.config import EngineConfig
+from engine.kv_cache.manager import KVCacheManager, cdiv
+from engine.models.llama import LlamaForCausalLM, ModelOps
+from engine.models.loader import load_weights
+from engine.request import Request
+from engine.sampling.sampler import Sampler, SamplingRow
+from engine.sched.output import SchedulerOutput
+from engine.worker.input_batch import InputBatch
+
+# Without an explicit size, the CPU cache holds every sequence at full length, capped at this.
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+_GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass
+class PreparedInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64: the flat index of each sampling request's last token
+    sampling_requests: list[Request]  # the N requests that sample a token this step
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int]  # request id -> new token
+    logprobs: dict[str, dict[int, float]]  # request id -> top logprobs (when asked for)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device
+        mc = config.model
+        self.backend = get_attention_backend(config.attention_backend)
+        use_triton_ops = config.attention_backend == "triton" and self.device.type == "cuda"
+        weights = load_weights(
+            config.model_path, mc, config.dtype, self.device, config.load_format, config.seed
+        )
+        self.model = LlamaForCausalLM(
+            mc, weights, self.backend, ModelOps(use_triton=use_triton_ops), config.max_model_len
+        )
+        self.num_blocks = self._decide_num_blocks()
+        shape = (2, self.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(mc.num_hidden_layers)
+        ]
+        self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
+        self.sampler = Sampler()
+
+    # ---- KV cache sizing -------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        mc = self.config.model
+        elem = torch.empty((), dtype=self.config.dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.config.block_size * mc.num_key_value_heads * mc.head_dim * elem
+
+    def _decide_num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = self.bytes_per_block()
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            # Leave headroom for activations and CUDA graphs beyond the weights already loaded.
+            budget = int(free - total * (1 - _GPU_MEMORY_UTILIZATION))
+        else:
+            full = cfg.max_num_seqs * cdiv(cfg.max_model_len, cfg.block_size) * per_block
+            budget = min(full, _DEFAULT_CPU_KV_BYTES)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+        return int(num_blocks)
+
+    # ---- one step --------------------------------------------------------------------------
+    def update_rows(self, out: SchedulerOutput, kv: KVCacheManager) -> None:
+        for request_id in out.finished_req_ids:
+            self.input_batch.remove(request_id)
+        for request_id in out.preempted_req_ids:
+            self.input_batch.remove(request_id)
+        for request in out.scheduled:
+            if request.request_id not in self.input_batch:
+                self.input_batch.add(request)
+
+    def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> PreparedInputs:
+        """Flat inputs for the step. Loops run per request (S), never per token (T).
+
+        Example, block_size 4: A computed 5 scheduled 1, B computed 0 scheduled 3
+            req_idx   [0 1 1 1]     offsets [0 0 1 2]     positions [5 0 1 2]
+            slot      table[A][5 // 4] * 4 + 5 % 4, table[B][0] * 4 + 0, ...
+        """
+        batch = self.input_batch
+        num_seqs = out.num_seqs
+        rows = np.empty(num_seqs, dtype=np.int64)
+        num_sched = np.empty(num_seqs, dtype=np.int64)
+        computed = np.empty(num_seqs, dtype=np.int64)
+        for i, request in enumerate(out.scheduled):
+            rows[i] = batch.sync(request, kv.block_ids(request.request_id))
+            num_sched[i] = out.num_scheduled_tokens[request.request_id]
+            computed[i] = request.num_computed_tokens
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(num_sched, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        req_idx = np.repeat(np.arange(num_seqs), num_sched)  # [T]
+        positions = computed[req_idx] + np.arange(num_tokens) - query_start_loc[:-1][req_idx]
+        token_rows = rows[req_idx]
+        input_ids = batch.token_ids[token_rows, positions]
+        bs = self.config.block_size
+        slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = computed + num_sched
+        max_blocks = int(cdiv(int(seq_lens.max()), bs))
+        block_tables = batch.block_table[rows, :max_blocks]
+        # A request samples when this step computes its last known token.
+        samples = seq_lens == batch.num_tokens[rows]
+        logits_indices = query_start_loc[1:][samples] - 1
+        sampling_requests = [r for r, s in zip(out.scheduled, samples, strict=True) if s]
+
+        dev = self.device
+
+        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dtype).to(dev, non_blocking=True)
+
+        metadata = AttentionMetadata(
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_query_len=int(num_sched.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=to_dev(query_start_loc, torch.int32),
+            seq_lens=to_dev(seq_lens, torch.int32),
+            block_tables=to_dev(block_tables, torch.int32),
+            slot_mapping=to_dev(slot_mapping, torch.int64),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            decode_only=bool((num_sched == 1).all()),
+        )
+        return PreparedInputs(
+            input_ids=to_dev(input_ids, torch.int64),
+            positions=to_dev(positions, torch.int64),
+            metadata=metadata,
+            logits_indices=to_dev(logits_indices, torch.int64),
+            sampling_requests=sampling_requests,
+        )
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> RunnerOutput:
+        self.update_rows(out, kv)
+        inputs = self.prepare(out, kv)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        if not inputs.sampling_requests:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        rows = [
+            SamplingRow(
+                params=r.sampling_params,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                seed=r.seed,
+                eos_token_id=r.eos_token_id,
+            )
+            for r in inputs.sampling_requests
+        ]
+        result = self.sampler(logits, rows)
+        sampled = {r.request_id: t for r, t in zip(inputs.sampling_requests, result.token_ids, strict=True)}
+        logprobs = {
+            r.request_id: lp
+            for r, lp in zip(inputs.sampling_requests, result.logprobs, strict=True)
+            if lp is not None
+        }
+        return RunnerOutput(sampled, logprobs)
