@@ -48,8 +48,8 @@ class LLMEngine:
         self.config = config
         self.tokenizer: Tokenizer | None = load_tokenizer(config.model_path)
         eos = set(config.model.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        if self.tokenizer is not None:
+            eos.update(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.runner = ModelRunner(config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)

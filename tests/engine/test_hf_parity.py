@@ -1,0 +1,131 @@
+"""Greedy output equals HF transformers token for token, under everything the scheduler does:
+mid-run arrivals, chunked prefill under a small budget, preemption by a tiny KV pool, prefix-cache
+hits and n > 1. The checkpoints are random-weight tiny models written by engine.models.tiny."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.models.tiny import write_tiny_checkpoint
+from tests.engine.hf_reference import hf_greedy
+
+MAX_NEW = 12
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Qwen2 shape: q/k/v biases and tied embeddings.
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("qwen2"), arch="qwen2", seed=2, tie_word_embeddings=True
+    )
+
+
+def prompts(n: int, seed: int, lo: int = 3, hi: int = 70, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(5, 1000) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(5, 1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def greedy(max_tokens: int = MAX_NEW, n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, n=n)
+
+
+def assert_matches_hf(path: Path, batch: list[list[int]], got: list[list[int]]) -> None:
+    for prompt, tokens in zip(batch, got, strict=True):
+        assert tokens == hf_greedy(path, prompt, len(tokens)), f"diverged on prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen2"])
+def test_batch_with_chunked_prefill_matches_hf(model: str, request: pytest.FixtureRequest) -> None:
+    path = request.getfixturevalue(model)
+    batch = prompts(6, seed=3)
+    llm = LLM(str(path), max_num_batched_tokens=24, block_size=16, max_num_seqs=4)
+    outs = llm.generate(batch, greedy())
+    assert_matches_hf(path, batch, [o.outputs[0].token_ids for o in outs])
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_total_blocks
+
+
+def test_mid_run_arrivals_match_hf(llama: Path) -> None:
+    engine = LLMEngine.from_engine_args(str(llama), max_num_batched_tokens=32, block_size=8)
+    batch = prompts(5, seed=4)
+    got: dict[str, list[int]] = {}
+    pending = list(enumerate(batch))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:  # a new request joins every third step
+            i, prompt = pending.pop(0)
+            engine.add_request(f"r{i}", prompt, greedy())
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.outputs[0].token_ids if out.outputs else [])
+        steps += 1
+    assert_matches_hf(llama, batch, [got[f"r{i}"] for i in range(len(batch))])
+
+
+def test_preemption_by_tiny_kv_pool_matches_hf(llama: Path) -> None:
+    batch = prompts(5, seed=5, lo=20, hi=40)
+    llm = LLM(str(llama), num_blocks=18, block_size=4, max_num_seqs=5, enable_prefix_caching=False)
+    outs = llm.generate(batch, greedy(16))
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    assert_matches_hf(llama, batch, [o.outputs[0].token_ids for o in outs])
+    llm.engine.kv.check_integrity()
+
+
+def test_prefix_cache_hits_match_hf(llama: Path) -> None:
+    batch = prompts(4, seed=6, lo=3, hi=10, shared_prefix=40)
+    llm = LLM(str(llama), block_size=8)
+    first = llm.generate(batch[:1], greedy())
+    rest = llm.generate(batch[1:], greedy())
+    pool = llm.engine.kv.pool
+    assert pool.num_cache_hits >= 3 * 40 // 8 * 8, "each later request should reuse the 40-token prefix"
+    assert all(o.metrics is not None and o.metrics.num_cached_tokens >= 40 for o in rest)
+    assert_matches_hf(llama, batch, [o.outputs[0].token_ids for o in first + rest])
+
+
+def test_n_greater_than_one_shares_the_prompt(llama: Path) -> None:
+    batch = prompts(2, seed=7, lo=30, hi=40)
+    llm = LLM(str(llama), block_size=8)
+    outs = llm.generate(batch, greedy(8, n=3))
+    for prompt, out in zip(batch, outs, strict=True):
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        reference = hf_greedy(llama, prompt, 8)
+        assert all(c.token_ids == reference for c in out.outputs)
+    # Siblings were admitted together; the later two read the first one's full prompt blocks.
+    assert llm.engine.kv.pool.num_cache_hits >= 2 * 2 * (30 // 8) * 8
+
+
+def test_llama3_rope_scaling_and_shards_match_hf(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(
+        tmp_path,
+        arch="llama",
+        seed=8,
+        num_shards=3,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    batch = prompts(3, seed=9, lo=50, hi=90)
+    outs = LLM(str(path)).generate(batch, greedy())
+    assert_matches_hf(path, batch, [o.outputs[0].token_ids for o in outs])
+
+
+def test_mistral_matches_hf(tmp_path: Path) -> None:
+    path = write_tiny_checkpoint(tmp_path, arch="mistral", seed=10)
+    batch = prompts(3, seed=11)
+    outs = LLM(str(path), max_num_batched_tokens=16).generate(batch, greedy())
+    assert_matches_hf(path, batch, [o.outputs[0].token_ids for o in outs])
