@@ -24,7 +24,14 @@ _EXPORTS = {
     "CompletionOutput": "engine.outputs",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [
+    "LLM",
+    "AsyncLLMEngine",
+    "EngineArgs",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+]
 
 
 def __getattr__(name: str) -> Any:

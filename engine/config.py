@@ -132,7 +132,9 @@ class EngineArgs:
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be at least 1")
         if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
@@ -204,7 +206,13 @@ class EngineConfig:
         else:
             # With chunking a modest budget keeps decodes fast; without it a whole prompt must fit.
             budget = 2048 if args.enable_chunked_prefill else max_model_len
-        budget = max(budget, args.max_num_seqs) if args.enable_chunked_prefill else budget
+        if args.max_num_batched_tokens is None:
+            budget = max(budget, args.max_num_seqs)
+        elif budget < args.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({args.max_num_seqs}): "
+                "every running sequence needs a token of budget to decode"
+            )
         if not args.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "

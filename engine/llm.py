@@ -42,6 +42,8 @@ class LLM:
             except Exception:
                 for added in ids[:i]:
                     self.engine.abort_request(added)
+                while self.engine.has_unfinished_requests():  # flush the aborts' final outputs
+                    self.engine.step()
                 raise
         results = {request_id: _Accumulator() for request_id in ids}
         while self.engine.has_unfinished_requests():

@@ -68,6 +68,8 @@ class LLMEngine:
     # ---- intake ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: send the prompt as token ids")
             return prompt, self.tokenizer.encode(prompt)
@@ -167,7 +169,10 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         if out.is_empty:
             return outputs
-        batch = [(r.request_id, out.num_scheduled_tokens[r.request_id], r.num_computed_tokens) for r in out.scheduled]
+        batch = [
+            (r.request_id, out.num_scheduled_tokens[r.request_id], r.num_computed_tokens)
+            for r in out.scheduled
+        ]
         try:
             result = self.runner.execute(out, self.kv)
         except Exception as exc:  # the step failed: fail its requests, keep the engine serving

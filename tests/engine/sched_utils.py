@@ -65,7 +65,12 @@ def make_scheduler(
 
 
 def make_request(
-    request_id: str, prompt_len: int, max_tokens: int = 16, priority: int = 0, first_token: int = 10, **kw: object
+    request_id: str,
+    prompt_len: int,
+    max_tokens: int = 16,
+    priority: int = 0,
+    first_token: int = 10,
+    **kw: object,
 ) -> Request:
     prompt = [(first_token + i) % 100 + 10 for i in range(prompt_len)]
     return Request(

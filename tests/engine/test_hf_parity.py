@@ -58,7 +58,7 @@ def test_batch_with_chunked_prefill_matches_hf(model: str, request: pytest.Fixtu
 
 
 def test_mid_run_arrivals_match_hf(llama: Path) -> None:
-    engine = LLMEngine.from_engine_args(str(llama), max_num_batched_tokens=32, block_size=8)
+    engine = LLMEngine.from_engine_args(str(llama), max_num_batched_tokens=32, max_num_seqs=8, block_size=8)
     batch = prompts(5, seed=4)
     got: dict[str, list[int]] = {}
     pending = list(enumerate(batch))
@@ -127,5 +127,5 @@ def test_llama3_rope_scaling_and_shards_match_hf(tmp_path: Path) -> None:
 def test_mistral_matches_hf(tmp_path: Path) -> None:
     path = write_tiny_checkpoint(tmp_path, arch="mistral", seed=10)
     batch = prompts(3, seed=11)
-    outs = LLM(str(path), max_num_batched_tokens=16).generate(batch, greedy())
+    outs = LLM(str(path), max_num_batched_tokens=16, max_num_seqs=4).generate(batch, greedy())
     assert_matches_hf(path, batch, [o.outputs[0].token_ids for o in outs])
