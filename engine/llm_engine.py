@@ -10,7 +10,8 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs, EngineConfig
 from engine.kv_cache.manager import KVCacheManager
@@ -20,8 +21,10 @@ from engine.request import Request, RequestStatus
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
-from engine.tokenizer import Tokenizer, load_tokenizer
 from engine.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class _Group:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.tokenizer: Tokenizer | None = load_tokenizer(config.model_path)
+        self.tokenizer: Tokenizer | None = _load_tokenizer(config.model_path)
         eos = set(config.model.eos_token_ids)
         if self.tokenizer is not None:
             eos.update(self.tokenizer.eos_token_ids)
@@ -168,6 +171,7 @@ class LLMEngine:
         scheduled_at = time.monotonic()
         outputs, self._pending = self._pending, []
         if out.is_empty:
+            self.runner.update_rows(out)  # still drop the rows of requests finished since last step
             return outputs
         batch = [
             (r.request_id, out.num_scheduled_tokens[r.request_id], r.num_computed_tokens)
@@ -265,6 +269,16 @@ class LLMEngine:
                 for child in group.children:
                     self._child_to_group.pop(child.request_id, None)
         return outputs
+
+
+def _load_tokenizer(path: str) -> Tokenizer | None:
+    # Imported only when there is one: a GPU host benchmarking a random-weight checkpoint needs no
+    # tokenizers package.
+    if not (Path(path) / "tokenizer.json").is_file():
+        return None
+    from engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
 
 
 def _metrics(request: Request) -> RequestMetrics:

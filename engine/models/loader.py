@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from engine.config import ModelConfig
 
@@ -26,6 +25,8 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open  # not needed for dummy weights (GPU benchmarks)
+
     tensors: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:

@@ -18,6 +18,7 @@ from engine.models.loader import load_weights
 from engine.request import Request
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sched.output import SchedulerOutput
+from engine.worker.cuda_graph import GraphedDecode
 from engine.worker.input_batch import InputBatch
 
 # Without an explicit size, the CPU cache holds every sequence at full length, capped at this.
@@ -61,6 +62,16 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
         self.sampler = Sampler()
+        self.graphs: GraphedDecode | None = None
+        if config.enable_cuda_graph and self.device.type == "cuda":
+            self.graphs = GraphedDecode(
+                self.model,
+                self.kv_caches,
+                config.max_num_seqs,
+                self.max_blocks_per_req,
+                config.max_model_len,
+                self.device,
+            )
 
     # ---- KV cache sizing -------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -88,7 +99,7 @@ class ModelRunner:
         return int(num_blocks)
 
     # ---- one step --------------------------------------------------------------------------
-    def update_rows(self, out: SchedulerOutput, kv: KVCacheManager) -> None:
+    def update_rows(self, out: SchedulerOutput) -> None:
         for request_id in out.finished_req_ids:
             self.input_batch.remove(request_id)
         for request_id in out.preempted_req_ids:
@@ -132,8 +143,12 @@ class ModelRunner:
 
         dev = self.device
 
+        pin = dev.type == "cuda"
+
         def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(dtype).to(dev, non_blocking=True)
+            host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
+            # From pinned memory the copy is truly asynchronous; the step's kernels queue behind it.
+            return host.pin_memory().to(dev, non_blocking=True) if pin else host
 
         metadata = AttentionMetadata(
             num_tokens=num_tokens,
@@ -158,9 +173,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> RunnerOutput:
-        self.update_rows(out, kv)
+        self.update_rows(out)
         inputs = self.prepare(out, kv)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        meta = inputs.metadata
+        if self.graphs is not None and meta.decode_only and meta.num_seqs <= self.graphs.max_batch:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, meta)
         if not inputs.sampling_requests:
             return RunnerOutput({}, {})
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

@@ -196,3 +196,22 @@ def test_static_batching_mode_gives_the_same_greedy_tokens(tiny_llama_path: Path
     cont = LLM(str(tiny_llama_path)).generate(batch, params)
     static = LLM(str(tiny_llama_path), batching="static").generate(batch, params)
     assert [o.outputs[0].token_ids for o in cont] == [o.outputs[0].token_ids for o in static]
+
+
+def test_aborts_followed_by_an_idle_step_release_runner_rows(tiny_llama_path: Path) -> None:
+    """Rows of requests aborted before an empty step must still be freed, or the next full batch
+    finds no row (a leak that only shows once max_num_seqs requests run again)."""
+    engine = LLMEngine.from_engine_args(str(tiny_llama_path), max_num_seqs=4, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    for round_ in range(3):
+        ids = [f"r{round_}-{i}" for i in range(4)]
+        for rid in ids:
+            engine.add_request(rid, [3, 4, 5, round_], params)
+        engine.step()
+        engine.step()
+        for rid in ids:
+            engine.abort_request(rid)
+        assert all(o.finished for o in engine.step())  # nothing left to schedule: an empty step
+        assert not engine.has_unfinished_requests()
+        assert not engine.runner.input_batch.row_of
+    engine.kv.check_integrity()

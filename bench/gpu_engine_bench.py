@@ -1,0 +1,216 @@
+"""Engine benchmark on one GPU: a Llama-3-8B-shaped random-weight model in bfloat16.
+
+    python -m bench.gpu_engine_bench --out bench-results
+
+Prints output tokens/s, TTFT and TPOT for a mixed batch; the decode step at batch 64 next to its
+bandwidth bound ((weights + KV read per step) / measured copy bandwidth); and batch-1 decode with
+CUDA graphs vs eager. Needs only torch, triton, numpy and this repository (weights are drawn on the
+device, no tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+LLAMA3_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "torch_dtype": "bfloat16",
+}
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30, iters: int = 20) -> float:
+    """Device copy bandwidth in bytes/s, counting the read and the write."""
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    return 2 * num_bytes * iters / (time.perf_counter() - start)
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def run_until_prefilled(engine: LLMEngine, ids: list[str]) -> None:
+    pending = set(ids)
+    while pending:
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                pending.discard(out.request_id)
+
+
+def time_decode_steps(engine: LLMEngine, steps: int) -> float:
+    """Mean seconds per engine step (the sampler's host copy synchronises every step)."""
+    engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - start) / steps
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    return sum(t.numel() * t.element_size() for t in engine.runner.model.w.values())
+
+
+def decode_bound(engine: LLMEngine, batch: int, context: int, bandwidth: float) -> tuple[float, float]:
+    mc = engine.config.model
+    elem = torch.empty((), dtype=engine.config.dtype).element_size()
+    kv = batch * context * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * elem
+    w = weight_bytes(engine)
+    return (w + kv) / bandwidth, float(w + kv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="bench-results")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--decode-batch", type=int, default=64)
+    parser.add_argument("--decode-context", type=int, default=1024)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_engine_bench needs a CUDA device")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    bandwidth = copy_bandwidth()
+    results["copy_bandwidth_GBps"] = bandwidth / 1e9
+    print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(LLAMA3_8B))
+        t0 = time.perf_counter()
+        engine = LLMEngine.from_engine_args(
+            tmp, dtype="bfloat16", load_format="dummy", max_model_len=4096, max_num_seqs=128
+        )
+        results["engine_init_s"] = time.perf_counter() - t0
+        print(f"engine ready in {results['engine_init_s']:.1f}s, {engine.kv.num_total_blocks} KV blocks")
+        rng = random.Random(0)
+        vocab = int(LLAMA3_8B["vocab_size"])
+
+        # -- decode step at batch B, context C, next to the bandwidth bound -------------------------
+        b, ctx = args.decode_batch, args.decode_context
+        params = SamplingParams(temperature=0, max_tokens=4096 - ctx - 1, ignore_eos=True)
+        ids = [f"d{i}" for i in range(b)]
+        for rid in ids:
+            engine.add_request(rid, [rng.randrange(vocab) for _ in range(ctx)], params)
+        run_until_prefilled(engine, ids)
+        step_s = time_decode_steps(engine, 30)
+        bound_s, bytes_per_step = decode_bound(engine, b, ctx + 16, bandwidth)
+        results["decode_step"] = {
+            "batch": b,
+            "context": ctx,
+            "step_ms": step_s * 1e3,
+            "bound_ms": bound_s * 1e3,
+            "ratio_to_bound": step_s / bound_s,
+            "bytes_per_step_GB": bytes_per_step / 1e9,
+            "target": "<= 1.5x the bound",
+        }
+        print(
+            f"decode step @ batch {b}, ctx {ctx}: {step_s * 1e3:.2f} ms, bound {bound_s * 1e3:.2f} ms "
+            f"-> {step_s / bound_s:.2f}x (target <= 1.5x)"
+        )
+        for rid in ids:
+            engine.abort_request(rid)
+        engine.step()
+
+        # -- batch-1 decode: CUDA graphs vs eager --------------------------------------------------
+        engine.add_request("one", [rng.randrange(vocab) for _ in range(128)], params)
+        run_until_prefilled(engine, ["one"])
+        graphed = time_decode_steps(engine, 50)
+        graphs, engine.runner.graphs = engine.runner.graphs, None
+        eager = time_decode_steps(engine, 50)
+        engine.runner.graphs = graphs
+        engine.abort_request("one")
+        engine.step()
+        results["batch1_decode"] = {
+            "graph_ms": graphed * 1e3,
+            "eager_ms": eager * 1e3,
+            "speedup": eager / graphed,
+            "target": ">= 1.5x",
+        }
+        print(
+            f"batch-1 decode: graphs {graphed * 1e3:.2f} ms, eager {eager * 1e3:.2f} ms "
+            f"-> {eager / graphed:.2f}x (target >= 1.5x)"
+        )
+
+        # -- a mixed workload, all arriving at once ------------------------------------------------
+        finished: list[Any] = []
+        engine.metrics.request_listeners.append(finished.append)
+        total_out = 0
+        for i in range(args.num_requests):
+            n_out = rng.randint(64, 512)
+            total_out += n_out
+            engine.add_request(
+                f"w{i}",
+                [rng.randrange(vocab) for _ in range(rng.randint(128, 1024))],
+                SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True),
+            )
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        elapsed = time.perf_counter() - start
+        ttft = [r.ttft for r in finished if r.ttft is not None]
+        tpot = [r.tpot for r in finished if r.tpot is not None]
+        results["workload"] = {
+            "num_requests": args.num_requests,
+            "output_tokens": total_out,
+            "seconds": elapsed,
+            "output_tokens_per_s": total_out / elapsed,
+            "ttft_p50_ms": pct(ttft, 50) * 1e3,
+            "ttft_p99_ms": pct(ttft, 99) * 1e3,
+            "tpot_p50_ms": pct(tpot, 50) * 1e3,
+            "tpot_p99_ms": pct(tpot, 99) * 1e3,
+        }
+        w = results["workload"]
+        print(
+            f"workload: {args.num_requests} requests, {w['output_tokens_per_s']:.0f} output tok/s, "
+            f"TTFT p50 {w['ttft_p50_ms']:.0f} ms p99 {w['ttft_p99_ms']:.0f} ms, "
+            f"TPOT p50 {w['tpot_p50_ms']:.1f} ms p99 {w['tpot_p99_ms']:.1f} ms"
+        )
+
+    (out_dir / "gpu_engine_bench.json").write_text(json.dumps(results, indent=2))
+    print(f"wrote {out_dir / 'gpu_engine_bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
