@@ -27,10 +27,10 @@ _EXPORTS = {
 __all__ = [
     "LLM",
     "AsyncLLMEngine",
-    "EngineArgs",
-    "SamplingParams",
-    "RequestOutput",
     "CompletionOutput",
+    "EngineArgs",
+    "RequestOutput",
+    "SamplingParams",
 ]
 
 

@@ -214,6 +214,7 @@ class LLMEngine:
                 execute_time=executed_at - scheduled_at,
                 stats=self.scheduler.stats(out),
                 batch=batch,
+                prepare_time=result.prepare_time,
             )
         )
         return outputs

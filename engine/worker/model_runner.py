@@ -5,6 +5,7 @@ The runner makes no policy: it executes exactly what the SchedulerOutput says.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +40,7 @@ class PreparedInputs:
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> new token
     logprobs: dict[str, dict[int, float]]  # request id -> top logprobs (when asked for)
+    prepare_time: float = 0.0  # seconds spent updating rows and packing inputs (host side)
 
 
 class ModelRunner:
@@ -173,15 +175,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> RunnerOutput:
+        start = time.perf_counter()
         self.update_rows(out)
         inputs = self.prepare(out, kv)
+        # Host time: on a GPU the copies above are asynchronous and the model has not started.
+        prepare_time = time.perf_counter() - start
         meta = inputs.metadata
         if self.graphs is not None and meta.decode_only and meta.num_seqs <= self.graphs.max_batch:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, meta)
         if not inputs.sampling_requests:
-            return RunnerOutput({}, {})
+            return RunnerOutput({}, {}, prepare_time)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         rows = [
             SamplingRow(
@@ -200,4 +205,4 @@ class ModelRunner:
             for r, lp in zip(inputs.sampling_requests, result.logprobs, strict=True)
             if lp is not None
         }
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, prepare_time)

@@ -1,0 +1,77 @@
+# syntax=docker/dockerfile:1
+# Two images from one file:
+#   docker build --target gateway -t inflight-gateway .   slim Python, no torch (~300 MB)
+#   docker build --target worker  -t inflight-worker  .   CUDA runtime + torch + triton
+# Both run as an unprivileged user (uid 10001), work with a read-only root filesystem (caches go to
+# /tmp and /cache, which the chart and compose mount as volumes) and start with `inflight <role>`.
+
+ARG PYTHON_IMAGE=python:3.12.11-slim-bookworm
+ARG CUDA_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04
+ARG TORCH_VERSION=2.13.0
+
+# ---- wheel: the project itself, built once for both images ----------------------------------------
+FROM ${PYTHON_IMAGE} AS wheel
+WORKDIR /src
+COPY pyproject.toml README.md* ./
+COPY engine ./engine
+COPY services ./services
+COPY bench ./bench
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---- gateway-build: a venv with the gateway's dependencies and the project, without torch ---------
+FROM ${PYTHON_IMAGE} AS gateway-build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+COPY deploy/requirements-gateway.txt /tmp/requirements-gateway.txt
+RUN pip install --no-cache-dir -r /tmp/requirements-gateway.txt
+COPY --from=wheel /wheels /wheels
+# --no-deps keeps torch out; the CLI must start without it (fails the build otherwise).
+RUN pip install --no-cache-dir --no-deps /wheels/*.whl \
+    && inflight --help > /dev/null
+
+# ---- gateway ------------------------------------------------------------------------------------
+FROM ${PYTHON_IMAGE} AS gateway
+ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp \
+    INFLIGHT_GATEWAY_PORT=8000
+RUN groupadd --system --gid 10001 inflight \
+    && useradd --system --uid 10001 --gid inflight --no-create-home --shell /usr/sbin/nologin inflight
+COPY --from=gateway-build /opt/venv /opt/venv
+USER 10001:10001
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=2)"]
+ENTRYPOINT ["inflight"]
+CMD ["gateway"]
+
+# ---- worker -------------------------------------------------------------------------------------
+FROM ${CUDA_IMAGE} AS worker
+ARG TORCH_VERSION
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
+    HOME=/tmp XDG_CACHE_HOME=/cache HF_HOME=/cache/huggingface TRITON_CACHE_DIR=/cache/triton \
+    INFLIGHT_WORKER_PORT=8001
+# Triton compiles its kernel launchers with the C compiler against Python's headers at run time, so
+# gcc and python3-dev belong in the runtime image. Versions come with the pinned Ubuntu release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 inflight \
+    && useradd --system --uid 10001 --gid inflight --no-create-home --shell /usr/sbin/nologin inflight \
+    && mkdir -p /cache /models \
+    && chown 10001:10001 /cache /models
+RUN python3 -m venv /opt/venv \
+    && pip install --no-cache-dir "torch==${TORCH_VERSION}"
+COPY --from=wheel /wheels /wheels
+# torch is pinned above and brings the triton build it was made with (a Linux dependency of torch's
+# wheel), which is what the project's gpu extra asks for; the import check keeps it that way.
+RUN pip install --no-cache-dir /wheels/inflight-*.whl \
+    && rm -rf /wheels \
+    && python -c "import torch, triton" \
+    && inflight --help > /dev/null
+USER 10001:10001
+EXPOSE 8001
+HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
+    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8001/healthz', timeout=4)"]
+ENTRYPOINT ["inflight"]
+CMD ["worker"]

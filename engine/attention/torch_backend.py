@@ -1,0 +1,135 @@
+"""Attention in plain torch: the CPU engine's hot path, and the fallback anywhere triton is absent.
+
+It reads the step's shape from the host-side metadata lists, so it never synchronises with the
+device. Decodes are batched: requests whose contexts round up to the same number of blocks (within
+25%) share one gather and one matmul, padded positions masked. Prefill chunks run one request at a
+time through SDPA, so nothing is padded to the longest prompt. Softmax is in float32 throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionMetadata
+from engine.kernels import reference
+
+
+def _decode_buckets(
+    rows: list[int], seq_lens: list[int], block_size: int, max_blocks: int
+) -> dict[int, list[int]]:
+    """Groups decode requests by block count, rounded up so padding wastes at most a quarter.
+
+    A request with nb blocks, 2^k <= nb < 2^(k+1), rounds up to a multiple of 2^(k-2): e.g. 9..10
+    blocks share the 10-block bucket and 11..12 the 12-block one; 1..7 blocks are exact.
+    """
+    buckets: dict[int, list[int]] = {}
+    for r in rows:
+        num_blocks = -(-seq_lens[r] // block_size)
+        quantum = 1 << max(0, num_blocks.bit_length() - 3)
+        bucket = min(-(-num_blocks // quantum) * quantum, max_blocks)
+        buckets.setdefault(bucket, []).append(r)
+    return buckets
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+    ) -> None:
+        reference.store_kvcache(key, value, kv_cache, metadata.slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]; padding rows are zero
+        out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+        starts = metadata.query_start_loc_cpu
+        seq_lens = metadata.seq_lens_cpu
+        decodes: list[int] = []
+        for r in range(metadata.num_seqs):
+            query_len = starts[r + 1] - starts[r]
+            if query_len == 1:
+                decodes.append(r)
+            elif query_len > 1:
+                q_start, q_end = starts[r], starts[r + 1]
+                out[q_start:q_end] = self._prefill(
+                    query[q_start:q_end], kv_cache, metadata.block_tables[r], seq_lens[r], scale
+                )
+        if decodes:
+            block_size = kv_cache.shape[2]
+            max_blocks = metadata.block_tables.shape[1]
+            for num_blocks, rows in _decode_buckets(decodes, seq_lens, block_size, max_blocks).items():
+                self._decode(
+                    query, kv_cache, metadata.block_tables, rows, starts, seq_lens, num_blocks, scale, out
+                )
+        return out
+
+    @staticmethod
+    def _prefill(
+        query: torch.Tensor,  # [L, Hq, D], the request's last L positions
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        block_table: torch.Tensor,  # [max_blocks] int32
+        seq_len: int,
+        scale: float,
+    ) -> torch.Tensor:  # [L, Hq, D]
+        num_queries, num_heads, head_size = query.shape
+        num_kv_heads = kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        key, value = reference.gather_kv(kv_cache, block_table, seq_len)  # [N, Hkv, D] each
+        # Fold the GQA group into the query rows, so K/V are shared without repeating them:
+        # [L, Hkv, G, D] -> [1, Hkv, G * L, D], row g * L + i is head g of query token i.
+        q = query.float().view(num_queries, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+        q = q.reshape(1, num_kv_heads, group * num_queries, head_size)
+        k = key.float().permute(1, 0, 2).unsqueeze(0)  # [1, Hkv, N, D]
+        v = value.float().permute(1, 0, 2).unsqueeze(0)
+        # Query i sits at position N - L + i: a bottom-right aligned causal mask, [L, N] -> [G * L, N].
+        q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+        allowed = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.repeat(group, 1), scale=scale)
+        o = o.view(num_kv_heads, group, num_queries, head_size).permute(2, 0, 1, 3)
+        return o.reshape(num_queries, num_heads, head_size).to(query.dtype)
+
+    @staticmethod
+    def _decode(
+        query: torch.Tensor,  # [T, Hq, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        block_tables: torch.Tensor,  # [S, max_blocks] int32
+        rows: list[int],  # n decode requests whose contexts fit in num_blocks blocks
+        starts: list[int],
+        seq_lens: list[int],
+        num_blocks: int,
+        scale: float,
+        out: torch.Tensor,  # [T, Hq, D], written at the rows' tokens
+    ) -> None:
+        _, num_heads, head_size = query.shape
+        num_kv_heads = kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        device = query.device
+        tokens = torch.tensor([starts[r] for r in rows], device=device)
+        lens = torch.tensor([seq_lens[r] for r in rows], device=device)
+        tables = block_tables[torch.tensor(rows, device=device), :num_blocks].long()  # [n, nb]
+        # [2, n, nb, block_size, Hkv, D] -> [2, n, L, Hkv, D] with L = nb * block_size.
+        # index_select over the flat table is about twice as fast as advanced indexing on CPU.
+        kv = kv_cache.index_select(1, tables.flatten())  # a fresh copy: safe to edit in place
+        kv = kv.view(2, len(rows), num_blocks * kv_cache.shape[2], num_kv_heads, head_size).float()
+        length = kv.shape[2]
+        valid = torch.arange(length, device=device)[None, :] < lens[:, None]  # [n, L]
+        # Slots past a request's end hold stale or uninitialised data (maybe NaN): zero V there, since
+        # a zero softmax weight times NaN is still NaN.
+        kv[1].masked_fill_(~valid[:, :, None, None], 0.0)
+        k = kv[0].permute(0, 2, 3, 1)  # [n, Hkv, D, L]
+        v = kv[1].permute(0, 2, 1, 3)  # [n, Hkv, L, D]
+        q = query[tokens].float().view(len(rows), num_kv_heads, group, head_size)
+        scores = torch.matmul(q, k) * scale  # [n, Hkv, G, L]
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [n, Hkv, G, D]
+        out[tokens] = o.reshape(len(rows), num_heads, head_size).to(out.dtype)

@@ -1,0 +1,41 @@
+"""Attention through the Triton kernels: one launch stores K/V, one (two with split-K) attends."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.backend import AttentionMetadata
+from engine.kernels.cache import store_kvcache
+from engine.kernels.paged_attention import paged_attention
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+    ) -> None:
+        store_kvcache(key, value, kv_cache, metadata.slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]; padding rows are zero
+        # The host-side maxima size the grid without a device sync (and keep CUDA graphs capturable).
+        return paged_attention(
+            query,
+            kv_cache,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            metadata.block_tables,
+            scale,
+            max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len,
+        )

@@ -1,0 +1,322 @@
+"""Paged attention over a packed mixed batch (prefill chunks and decodes in one launch), Triton.
+
+Grid: (request, query tile, kv head [x split]). A program owns BLOCK_Q query tokens of one request
+and the GROUP query heads that share one kv head, so each K/V tile is loaded once for the whole
+group. Its rows are (token, head) pairs, head fastest. Worked example, GROUP 4 (GROUP_PAD 4),
+BLOCK_Q 4, so BLOCK_M = 16 rows:
+
+    row        0  1  2  3   4  5  6  7   8 ...  15
+    token      0  0  0  0   1  1  1  1   2 ...   3     (row // GROUP_PAD, within the tile)
+    head       0  1  2  3   0  1  2  3   0 ...   3     (row % GROUP_PAD, within the group)
+
+K/V is walked BLOCK_N positions at a time; position n lives in block block_table[n // block_size] at
+offset n % block_size, so a tile may span several cache blocks. Online softmax runs in float32 in
+the log2 domain (exp2 is the native instruction; the scale absorbs log2(e)).
+
+Split-K (decode-only steps): with few requests and long contexts the grid above is too small to
+keep every SM streaming K/V. The context is then cut into NUM_SPLITS partitions; each program
+writes an unnormalised partial output with its running max and sum, and a second kernel merges
+the partitions of each (request, head).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._common import check_kv_cache, is_interpreted, sm_count
+
+# A partition shorter than this spends more on the merge than it gains in parallelism.
+_MIN_PARTITION = 256
+# Enough programs in flight per SM that K/V loads of one hide the latency of another.
+_PROGRAMS_PER_SM = 4
+# The merge holds every partition's [D] partial in registers.
+_MAX_SPLITS = 32
+
+
+@triton.jit
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]
+    out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
+    part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] float32, unnormalised partial outputs (split-K)
+    part_max_ptr,  # [T, Hq, NUM_SPLITS] float32, running max in the log2 domain (split-K)
+    part_sum_ptr,  # [T, Hq, NUM_SPLITS] float32, running sum of exponentials (split-K)
+    query_ptr,  # [T, Hq, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    query_start_loc_ptr,  # [S + 1] int32
+    seq_lens_ptr,  # [S] int32
+    block_tables_ptr,  # [S, max_blocks] int32
+    scale_log2,  # softmax scale * log2(e)
+    partition_size,  # KV positions per split, a multiple of BLOCK_N
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,  # Hq
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_SIZE rounded up to a power of two
+    BLOCK_SIZE: tl.constexpr,  # cache block size
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # KV positions per iteration
+    NUM_SPLITS: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter cannot multiply bf16)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 models, which are checked against HF to 1e-5
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:  # the grid is sized for the longest query of the step
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_cached = seq_len - q_len  # positions before this step's first query token
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_SIZE
+    tok = q_tile * BLOCK_Q + offs_m // GROUP_PAD  # [BLOCK_M] query index within the request
+    grp = offs_m % GROUP_PAD
+    head = kv_head * GROUP + grp
+    row_valid = (tok < q_len) & (grp < GROUP)
+    q_pos = num_cached + tok  # [BLOCK_M] absolute position of each row's token
+
+    token = (q_start + tok).to(tl.int64)
+    q_ptrs = query_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # Causality bounds the tile's KV range by its last token; split-K cuts it further.
+    kv_stop = tl.minimum(seq_len, num_cached + (q_tile + 1) * BLOCK_Q)
+    kv_start = 0
+    if NUM_SPLITS > 1:
+        kv_start = split * partition_size
+        kv_stop = tl.minimum(kv_stop, kv_start + partition_size)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head * stride_cache_head
+    for start_n in range(kv_start, kv_stop, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_stop
+        # int64 before multiplying: a large cache overflows int32 element offsets.
+        block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        kv_off = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot + kv_head_off
+        kv_mask = n_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # Rows that have seen nothing yet (padding rows, empty partitions) keep m = -inf; subtracting
+        # 0 instead keeps exp2 at exactly 0 rather than NaN from -inf - -inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        denom = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / denom[:, None]
+        o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_mask[None, :])
+    else:
+        # Partial buffers are dense: [T, Hq, NUM_SPLITS(, D)].
+        part_row = (token * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part_row, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + part_row, l_i, mask=row_valid)
+        a_ptrs = part_acc_ptr + part_row[:, None] * HEAD_SIZE + offs_d[None, :]
+        tl.store(a_ptrs, acc, mask=row_valid[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(  # type: ignore[no-untyped-def]
+    out_ptr,  # [T, Hq, D]
+    part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] float32
+    part_max_ptr,  # [T, Hq, NUM_SPLITS] float32
+    part_sum_ptr,  # [T, Hq, NUM_SPLITS] float32
+    query_start_loc_ptr,  # [S + 1] int32
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    # One program per (request, query head); split-K runs on decode-only steps: one token each.
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # a request with nothing scheduled
+        return
+    token = q_start.to(tl.int64)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
+    m = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
+    l_part = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.math.exp2(m - m_ref)  # rescales each partition to the global max; 0 for empty ones
+    a_mask = s_mask[:, None] & (offs_d[None, :] < HEAD_SIZE)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], mask=a_mask, other=0.0)
+    total = tl.sum(w * l_part, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_SIZE,
+    )
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Split-K only when the plain grid leaves SMs idle and every partition stays long."""
+    programs = num_seqs * num_kv_heads
+    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
+    return max(1, min(wanted, max_seq_len // _MIN_PARTITION, _MAX_SPLITS))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    scale: float,
+    *,
+    max_query_len: int | None = None,  # pass it to avoid a device sync (the metadata has it)
+    max_seq_len: int | None = None,  # >= every seq_len; an upper bound only sizes split-K partitions
+    num_splits: int | None = None,  # None: heuristic; forced values apply to decode-only steps only
+) -> torch.Tensor:  # [T, Hq, D] contiguous; rows outside every request are zero
+    num_tokens, num_heads, head_size = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    check_kv_cache(kv_cache, num_kv_heads, head_size)
+    num_seqs = seq_lens.shape[0]
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} kv heads"
+    assert query.stride(2) == 1, "head_size dimension of query must be contiguous"
+    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    assert query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32
+    assert seq_lens.dtype == torch.int32
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
+    assert block_tables.stride(1) == 1, "block table rows must be contiguous"
+    assert query.device == kv_cache.device == query_start_loc.device == seq_lens.device == block_tables.device
+
+    out = torch.zeros((num_tokens, num_heads, head_size), dtype=query.dtype, device=query.device)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if max_query_len == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_d = max(16, triton.next_power_of_2(head_size))  # tl.dot's K dimension is at least 16
+    block_size = kv_cache.shape[2]
+    tile_bytes = query.element_size() * block_d
+    decode_only = max_query_len == 1
+    if decode_only:
+        block_m = max(16, group_pad)  # tl.dot needs 16 rows; a small group pads with idle rows
+    else:
+        # Shared memory budget: Q tile plus pipelined K and V tiles must fit on Hopper/Ampere.
+        block_m = 128 if tile_bytes <= 256 and max_query_len * group >= 128 else 64
+        block_m = max(block_m, group_pad)
+    block_q = block_m // group_pad
+    block_n = 64 if tile_bytes <= 256 else (32 if tile_bytes <= 512 else 16)
+    num_warps = 8 if block_m >= 128 else 4
+
+    splits = 1
+    if decode_only:
+        if num_splits is None:
+            splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(query.device))
+        else:
+            splits = min(max(1, num_splits), _MAX_SPLITS)
+    partition_size = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n) * block_n
+    splits = max(1, triton.cdiv(max_seq_len, partition_size))  # no partition starts past the end
+
+    if splits > 1:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, splits, head_size), dtype=torch.float32, device=query.device
+        )
+        part_max = torch.empty((num_tokens, num_heads, splits), dtype=torch.float32, device=query.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # unused by the kernel when NUM_SPLITS == 1
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads * splits)
+    _paged_attention_kernel[grid](
+        out,
+        part_acc,
+        part_max,
+        part_sum,
+        query,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        scale * math.log2(math.e),
+        partition_size,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_SIZE=head_size,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        DOT_FP32=is_interpreted(query),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+    )
+    if splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            query_start_loc,
+            out.stride(0),
+            out.stride(1),
+            NUM_HEADS=num_heads,
+            HEAD_SIZE=head_size,
+            BLOCK_D=block_d,
+            NUM_SPLITS=splits,
+            SPLITS_PAD=triton.next_power_of_2(splits),
+        )
+    return out

@@ -1,0 +1,136 @@
+"""Torch references of every kernel: the definition the Triton kernels are tested against.
+
+Written for clarity, not speed (the CPU attention backend has its own faster paths). Shapes use
+T = tokens in the step, S = requests, Hq / Hkv = query / key-value heads, D = head size,
+I = MLP intermediate size. The paged layout and the packed-step metadata are described in
+``engine/attention/backend.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kvcache(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]; 0: K, 1: V
+    slot_mapping: torch.Tensor,  # [T] int64, block_id * block_size + offset; -1: padding, skipped
+) -> None:
+    """Writes each token's K/V into its cache slot, in place."""
+    num_kv_heads, head_size = kv_cache.shape[-2:]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    # A flat view over (block, offset) makes the slot number a plain row index.
+    kv_cache[0].view(-1, num_kv_heads, head_size)[slots] = key[keep].to(kv_cache.dtype)
+    kv_cache[1].view(-1, num_kv_heads, head_size)[slots] = value[keep].to(kv_cache.dtype)
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    block_table: torch.Tensor,  # [max_blocks] int32, one request's row
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [seq_len, Hkv, D] each
+    """One request's first ``seq_len`` cached positions, in position order."""
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].long()
+    # [2, num_blocks, block_size, Hkv, D] -> [2, num_blocks * block_size, Hkv, D], then trim the tail.
+    kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]
+    return kv[0], kv[1]
+
+
+def causal_attention(
+    query: torch.Tensor,  # [L, Hq, D], the request's last L positions
+    key: torch.Tensor,  # [N, Hkv, D], positions 0..N-1
+    value: torch.Tensor,  # [N, Hkv, D]
+    scale: float,
+) -> torch.Tensor:  # [L, Hq, D] float32
+    """Dense attention of one request: query i sits at position N - L + i and sees positions <= it."""
+    num_queries, num_heads, head_size = query.shape
+    num_keys, num_kv_heads, _ = key.shape
+    group = num_heads // num_kv_heads
+    # GQA: query head h reads kv head h // group; view queries as [Hkv, group, L, D] instead of
+    # repeating K/V group times.
+    q = query.float().view(num_queries, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+    k = key.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, N, D]
+    v = value.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, N, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, group, L, N]
+    q_pos = torch.arange(num_keys - num_queries, num_keys, device=query.device)
+    k_pos = torch.arange(num_keys, device=query.device)
+    future = k_pos[None, :] > q_pos[:, None]  # [L, N]
+    scores = scores.masked_fill(future, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, group, L, D]
+    return out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, head_size)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    query_start_loc: torch.Tensor,  # [S + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor,  # [S] int32, context length including this step's tokens
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D], query dtype; rows outside every request are zero
+    """Causal attention of a packed mixed batch (prefill chunks and decodes) through block tables."""
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for r, seq_len in enumerate(lens):
+        q_start, q_end = starts[r], starts[r + 1]
+        if q_end == q_start:
+            continue
+        k, v = gather_kv(kv_cache, block_tables[r], seq_len)
+        out[q_start:q_end] = causal_attention(query[q_start:q_end], k, v, scale).to(query.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> torch.Tensor:  # [T, H]
+    # As HF Llama: normalise in float32, round to the input dtype, then scale by the weight.
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H], new_residual [T, H]
+    # The residual sum is rounded to the model dtype before the norm, as HF does.
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [T] int64
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
+) -> tuple[torch.Tensor, torch.Tensor]:  # rotated query [T, Hq, D], key [T, Hkv, D]
+    """NeoX / HF ``rotate_half`` rotary embedding, out of place.
+
+    Dimension i < D/2 pairs with i + D/2. Computed in float32 and rounded once; for float32 models
+    this is HF's result exactly (HF rounds cos/sin to the model dtype first, so bf16 may differ by
+    an ulp).
+    """
+    cos, sin = cos_sin_cache[positions].float().chunk(2, dim=-1)  # [T, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rotate(query), rotate(key)
+
+
+def silu_and_mul(
+    x: torch.Tensor,  # [T, 2 * I]: gate projection in [:, :I], up projection in [:, I:]
+) -> torch.Tensor:  # [T, I]
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,280 @@
+"""One step of token selection for a batch of rows, on the logits' device.
+
+Order, as in vLLM: penalties (repetition over prompt + output, presence / frequency over output) ->
+min_tokens masking -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> random draw.
+
+Randomness is a function of (seed, output position) only. Each row's draw uses exponential noise
+q ~ Exp(1) over the vocabulary and picks argmax(p / q), which is an exact sample from p (the
+"exponential race": token i wins with probability p_i). q comes from a counter-based hash of
+(seed, step, token id) rather than a stateful generator, so:
+  * a row draws the same token whatever else shares the batch (no shared generator state);
+  * a stream resumed elsewhere from its emitted tokens continues identically (step = number of
+    output tokens so far), on another GPU model or on the CPU: the hash is exact integer arithmetic,
+    unlike torch's CUDA generators whose streams depend on the launch configuration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+# Elements per block of noise generation; see exponential_noise.
+_NOISE_BLOCK_CPU = 1 << 16
+_NOISE_BLOCK_GPU = 1 << 24  # 128 MiB per int64 temporary
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one sequence in the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # includes a resumed stream's earlier tokens
+    seed: int  # the request's seed, or one the engine drew when it arrived
+    eos_token_id: int | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    # Per row, when params.logprobs is set: top-k token id -> logprob of the raw logits, plus the
+    # sampled token's entry. None for rows that did not ask.
+    logprobs: list[dict[int, float] | None]
+
+
+# ---- counter-based noise ---------------------------------------------------------------------
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) held in int64, without int64 overflow.
+
+    c is split in 16-bit halves: x * c_lo < 2**48 and x * c_hi < 2**48, both exact in int64.
+    In-place steps on fresh tensors: on CPU the allocations would cost as much as the arithmetic.
+    """
+    hi = x * (c >> 16)
+    hi.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return (x * (c & 0xFFFF)).add_(hi).bitwise_and_(_MASK32)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    # MurmurHash3's finaliser: a bijection on 32-bit values with full avalanche. Consumes h.
+    h.bitwise_xor_(h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h.bitwise_xor_(h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h.bitwise_xor_(h >> 16)
+
+
+def row_keys(seeds: list[int], steps: list[int]) -> list[tuple[int, int]]:
+    """Two 32-bit keys per (seed, step), mixed so nearby seeds and steps give unrelated noise."""
+    keys = []
+    for seed, step in zip(seeds, steps, strict=True):
+        z = _splitmix64((seed & _MASK64) ^ _splitmix64(step))
+        keys.append((z & _MASK32, z >> 32))
+    return keys
+
+
+def exponential_noise(
+    seeds: list[int], steps: list[int], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """q ~ Exp(1), shape [len(seeds), vocab_size] float32; row i depends only on (seeds[i], steps[i])."""
+    keys = torch.tensor(row_keys(seeds, steps), dtype=torch.int64, device=device)  # [n, 2]
+    token = torch.arange(vocab_size, dtype=torch.int64, device=device)[None, :]  # [1, V]
+    mixed = _mul32(token, 0x9E3779B1)  # spread consecutive ids before keying
+    q = torch.empty(len(seeds), vocab_size, dtype=torch.float32, device=device)
+    # Work in blocks of rows. On CPU small blocks stay in cache (2-3x faster); on a GPU big blocks
+    # keep launches few while bounding the 8-byte temporaries next to a full KV cache.
+    block = _NOISE_BLOCK_CPU if device.type == "cpu" else _NOISE_BLOCK_GPU
+    rows_per_block = max(1, block // vocab_size)
+    for start in range(0, len(seeds), rows_per_block):
+        k1, k2 = keys[start : start + rows_per_block].unbind(dim=1)
+        # Two keyed rounds of a bijection: distinct token ids never share a hash within a row.
+        h = _fmix32(_fmix32(mixed ^ k1[:, None]).bitwise_xor_(k2[:, None]))  # [rows, V] in [0, 2**32)
+        # Uniform in (0, 1), never 0 or 1, then q = -log(u); float64 keeps the tail of q exact.
+        u = h.to(torch.float64).add_(0.5).mul_(1.0 / 4294967296.0)
+        q[start : start + rows_per_block] = u.log_().neg_()
+    return q
+
+
+# ---- logit processing --------------------------------------------------------------------------
+def _row_token_pairs(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (row index, token id) pairs for index_put_: one host-to-device copy each."""
+    rows = [i for i, ids in enumerate(lists) for _ in ids]
+    flat = [t for ids in lists for t in ids]
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(flat, dtype=torch.long, device=device),
+    )
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Penalised copy of ``logits`` [N, V]; ``logits`` itself (unchanged) when no row has penalties.
+
+    repetition (HF / CTRL): for every token seen in prompt or output, logit / p if positive else * p.
+    presence / frequency (OpenAI): logit -= presence * (count > 0) + frequency * count, output only.
+    """
+    vocab = logits.shape[1]
+    device = logits.device
+    rep = {i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0}
+    freq = {
+        i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
+    }
+    if not rep and not freq:
+        return logits
+    idx = sorted(rep | freq)
+    every_row = len(idx) == len(rows)
+    counts = torch.zeros(len(idx), vocab, dtype=logits.dtype, device=device)  # output counts [n_pen, V]
+    r_idx, t_idx = _row_token_pairs([rows[i].output_token_ids for i in idx], device)
+    counts.index_put_((r_idx, t_idx), torch.ones_like(t_idx, dtype=logits.dtype), accumulate=True)
+    sub = logits if every_row else logits[idx]  # [n_pen, V]; the ops below never write in place
+    if rep:
+        seen = counts > 0
+        r_idx, t_idx = _row_token_pairs([rows[i].prompt_token_ids if i in rep else [] for i in idx], device)
+        seen[r_idx, t_idx] = True
+        p = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=device)[:, None]
+        sub = torch.where(seen, torch.where(sub > 0, sub / p, sub * p), sub)
+    if freq:
+        pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=device)[:, None]
+        fr = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=device)[:, None]
+        sub = sub - fr * counts - pres * (counts > 0).to(sub.dtype)
+    if every_row:
+        return sub
+    out = logits.clone()
+    out[idx] = sub
+    return out
+
+
+def _min_tokens_mask(rows: list[SamplingRow], vocab: int) -> list[tuple[int, int]]:
+    """(row, token) pairs banned because the row has not reached min_tokens yet.
+
+    Banned: stop_token_ids, and eos unless ignore_eos (then eos does not stop the row anyway).
+    """
+    pairs: list[tuple[int, int]] = []
+    for i, r in enumerate(rows):
+        if len(r.output_token_ids) < r.params.min_tokens:
+            banned = set(r.params.stop_token_ids)
+            if r.eos_token_id is not None and not r.params.ignore_eos:
+                banned.add(r.eos_token_id)
+            pairs.extend((i, t) for t in sorted(banned) if 0 <= t < vocab)
+    return pairs
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) logits below each row's k-th largest; top_k [n] int64, 0 for "off".
+
+    torch.topk up to the largest k instead of a full sort (a sort of the vocabulary is ~30x slower
+    on CPU). Tokens tied with the k-th logit all stay.
+    """
+    k_max = int(top_k.max())
+    if k_max <= 0:
+        return logits
+    top_vals = logits.topk(k_max, dim=-1).values  # [n, k_max], descending
+    kth = top_vals.gather(1, (top_k.clamp(min=1) - 1)[:, None])  # [n, 1]
+    kth = kth.masked_fill(top_k[:, None] <= 0, float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep each row's nucleus: the fewest most likely tokens whose probability mass reaches top_p.
+
+    top_p: [n] float in (0, 1). The most likely token always stays. Example, probs (0.4, 0.3, 0.2, 0.1)
+    and top_p 0.5: the mass before each token is (0, 0.4, 0.7, 0.9), so tokens 0 and 1 stay.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p [n] times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+# ---- the sampler ----------------------------------------------------------------------------------
+class Sampler:
+    """Chooses one token per row; see the module docstring for the order of operations."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        n, vocab = logits.shape
+        if n != len(rows):
+            raise ValueError(f"logits has {n} rows but {len(rows)} sampling rows were given")
+        if n == 0:
+            return SamplerOutput([], [])
+        logits = logits.float()
+        device = logits.device
+        work = apply_penalties(logits, rows)
+        banned = _min_tokens_mask(rows, vocab)
+        if banned:
+            if work is logits:
+                work = logits.clone()  # the caller's logits stay untouched
+            b_rows, b_tokens = torch.tensor(banned, dtype=torch.long, device=device).unbind(dim=1)
+            work[b_rows, b_tokens] = float("-inf")
+
+        tokens = work.argmax(dim=-1)  # right for greedy rows; random rows are overwritten below
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            tokens[random_rows] = self._draw(work[random_rows], [rows[i] for i in random_rows])
+        token_ids: list[int] = tokens.tolist()
+        return SamplerOutput(token_ids, self._logprobs(logits, rows, tokens, token_ids))
+
+    @staticmethod
+    def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Sample one token per row of ``logits`` [m, V] (penalised, masked)."""
+        vocab = logits.shape[1]
+        device = logits.device
+        params = [r.params for r in rows]
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+        logits = logits / temps[:, None]
+        # Fast path: no top-k / top-p work unless some row asks; the sort covers only top-p rows.
+        if any(0 < p.effective_top_k < vocab for p in params):
+            top_k = [p.effective_top_k if p.effective_top_k < vocab else 0 for p in params]
+            logits = apply_top_k(logits, torch.tensor(top_k, device=device))
+        p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+        if p_rows:
+            top_p = torch.tensor([params[j].top_p for j in p_rows], dtype=logits.dtype, device=device)
+            if len(p_rows) == len(params):
+                logits = apply_top_p(logits, top_p)
+            else:
+                logits[p_rows] = apply_top_p(logits[p_rows], top_p)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+            logits = apply_min_p(logits, min_p)
+        q = exponential_noise([r.seed for r in rows], [len(r.output_token_ids) for r in rows], vocab, device)
+        # argmax(p / q) == argmax(logits - log q): softmax's normaliser is the same for every token,
+        # and the log form keeps precision for tokens whose probability underflows.
+        return (logits - q.log()).argmax(dim=-1)
+
+    @staticmethod
+    def _logprobs(
+        raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor, token_ids: list[int]
+    ) -> list[dict[int, float] | None]:
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        result: list[dict[int, float] | None] = [None] * len(rows)
+        if not want:
+            return result
+        logprobs = torch.log_softmax(raw[want], dim=-1)  # [w, V], before penalties and temperature
+        k = max(rows[i].params.logprobs or 0 for i in want)
+        top_vals, top_ids = logprobs.topk(k, dim=-1)  # k == 0 gives [w, 0]
+        sampled = logprobs.gather(1, tokens[want][:, None]).squeeze(1)
+        # One device-to-host copy per tensor rather than one per element.
+        top_vals_l, top_ids_l, sampled_l = top_vals.tolist(), top_ids.tolist(), sampled.tolist()
+        for j, i in enumerate(want):
+            num = rows[i].params.logprobs or 0
+            entry = dict(zip(top_ids_l[j][:num], top_vals_l[j][:num], strict=True))
+            entry[token_ids[i]] = sampled_l[j]
+            result[i] = entry
+        return result
