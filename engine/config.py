@@ -88,7 +88,10 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
+            # Mistral always applies its window when one is set; Qwen2 only with use_sliding_window.
+            sliding_window=raw.get("sliding_window")
+            if arch == "MistralForCausalLM" or raw.get("use_sliding_window")
+            else None,
         )
 
     @classmethod
@@ -196,6 +199,15 @@ class EngineConfig:
         else:
             dtype = _DTYPES[args.dtype]
         max_model_len = args.max_model_len or model.max_position_embeddings
+        if model.sliding_window is not None and max_model_len > model.sliding_window:
+            # Attention here is full-context; within the window the two are identical, so serve
+            # only that far rather than silently diverge from the model past it.
+            if args.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {max_model_len} exceeds the model's sliding window "
+                    f"{model.sliding_window}, which inflight does not implement"
+                )
+            max_model_len = model.sliding_window
         if max_model_len > model.max_position_embeddings and model.rope_scaling is None:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "

@@ -43,6 +43,9 @@ class RequestRecord:
     queue_time: float | None
     ttft: float | None
     tpot: float | None
+    priority: int = 0
+    # (event, time.monotonic(), attributes): see Request.events.
+    events: list[tuple[str, float, dict[str, int | str]]] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, r: Request) -> RequestRecord:
@@ -62,6 +65,8 @@ class RequestRecord:
             queue_time=t.queue_time,
             ttft=t.ttft,
             tpot=t.tpot(r.num_new_output_tokens),
+            priority=r.priority,
+            events=list(r.events),
         )
 
 

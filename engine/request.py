@@ -115,6 +115,13 @@ class Request:
         self.logprobs: list[dict[int, float]] = []
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        # The seed's per-request timeline, in order: (event, time.monotonic(), attributes).
+        # queued, admitted, prefill_chunk, first_token, preempted, resumed, finished. Bounded: one
+        # entry per prefill chunk or preemption, never one per decode step.
+        self.events: list[tuple[str, float, dict[str, int | str]]] = []
+
+    def record(self, event: str, now: float, **attrs: int | str) -> None:
+        self.events.append((event, now, attrs))
 
     # ---- counts --------------------------------------------------------------------------
     @property

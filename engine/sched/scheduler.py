@@ -67,6 +67,7 @@ class Scheduler:
             raise EngineQueueFull(f"waiting queue is full ({self.config.max_waiting})")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        request.record("queued", time.monotonic(), prompt_tokens=request.num_prompt_tokens)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Move a live request to a terminal status and free its blocks; unknown ids are a no-op."""
@@ -83,7 +84,10 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        request.timeline.finished = time.monotonic()
+        request.timeline.finished = now = time.monotonic()
+        request.record(
+            "finished", now, reason=status.finish_reason or "", output_tokens=request.num_output_tokens
+        )
         self.kv.free(request)
         self._finished_since_last_step.add(request.request_id)
 
@@ -165,11 +169,14 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop()
+            now = time.monotonic()
+            resumed = request.status == RequestStatus.PREEMPTED
+            request.record("resumed" if resumed else "admitted", now, cached_tokens=num_cached)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             if request.timeline.first_scheduled is None:
-                request.timeline.first_scheduled = time.monotonic()
+                request.timeline.first_scheduled = now
             self.running.append(request)
             out.new_req_ids.append(request.request_id)
             out.num_cached_tokens[request.request_id] = num_cached
@@ -213,8 +220,9 @@ class Scheduler:
         self.running.remove(victim)
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
         victim.timeline.num_preemptions += 1
+        victim.record("preempted", time.monotonic(), computed_tokens=victim.num_computed_tokens)
+        victim.num_computed_tokens = 0
         self.waiting.add_front(victim)
         self.num_preemptions += 1
         self._step_preemptions += 1
@@ -239,7 +247,13 @@ class Scheduler:
         for request in out.scheduled:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += out.num_scheduled_tokens[request.request_id]
+            num_scheduled = out.num_scheduled_tokens[request.request_id]
+            prefilling = request.num_computed_tokens < request.num_prompt_tokens + request.num_resumed_tokens
+            request.num_computed_tokens += num_scheduled
+            if prefilling:
+                request.record(
+                    "prefill_chunk", now, tokens=num_scheduled, computed=request.num_computed_tokens
+                )
             if request.timeline.prefill_done is None and request.num_computed_tokens >= request.num_tokens:
                 request.timeline.prefill_done = now
             token = sampled.get(request.request_id)
@@ -248,6 +262,7 @@ class Scheduler:
             request.append_output_token(token)
             if request.timeline.first_token is None:
                 request.timeline.first_token = now
+                request.record("first_token", now)
             request.timeline.last_token = now
             got_token.append(request)
             status = self._check_stop(request, token)

@@ -193,3 +193,22 @@ def test_waiting_bound_sheds_load() -> None:
     sched.add_request(make_request("a", 4))
     with pytest.raises(EngineQueueFull):
         sched.add_request(make_request("b", 4))
+
+
+def test_request_timeline_events_in_order() -> None:
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_batched_tokens=5, prefix_caching=False)
+    a, b = make_request("a", 8, max_tokens=8), make_request("b", 8, max_tokens=8, first_token=50)
+    sched.add_request(a)
+    sched.add_request(b)
+    while sched.has_unfinished():
+        step(sched)
+    names = [e[0] for e in b.events]
+    assert names[:3] == ["queued", "admitted", "prefill_chunk"]
+    assert "preempted" in names and "resumed" in names
+    assert names.index("preempted") < names.index("resumed")
+    assert names[-1] == "finished" and b.events[-1][2]["reason"] == "length"
+    assert names.count("first_token") == 1
+    times = [e[1] for e in b.events]
+    assert times == sorted(times)
+    chunks = [e[2]["tokens"] for e in a.events if e[0] == "prefill_chunk"]
+    assert sum(chunks[:2]) == 8 and max(chunks) <= 5  # chunked under the 5-token budget
