@@ -67,9 +67,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.pool.num_cache_queries += request.num_tokens
-        self.pool.num_cache_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        """Count a lookup once its request is admitted (a request that waits is looked up again)."""
+        if self.enable_caching:
+            self.pool.num_cache_queries += num_queried
+            self.pool.num_cache_hits += num_hit
 
     # ---- allocation ------------------------------------------------------------------------
     def allocate_slots(

@@ -175,6 +175,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
+            self.kv.record_lookup(request.num_tokens, num_cached)
             if request.timeline.first_scheduled is None:
                 request.timeline.first_scheduled = now
             self.running.append(request)
