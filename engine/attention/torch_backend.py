@@ -123,13 +123,18 @@ class TorchAttentionBackend:
         kv = kv.view(2, len(rows), num_blocks * kv_cache.shape[2], num_kv_heads, head_size).float()
         length = kv.shape[2]
         valid = torch.arange(length, device=device)[None, :] < lens[:, None]  # [n, L]
-        # Slots past a request's end hold stale or uninitialised data (maybe NaN): zero V there, since
-        # a zero softmax weight times NaN is still NaN.
-        kv[1].masked_fill_(~valid[:, :, None, None], 0.0)
-        k = kv[0].permute(0, 2, 3, 1)  # [n, Hkv, D, L]
-        v = kv[1].permute(0, 2, 1, 3)  # [n, Hkv, L, D]
-        q = query[tokens].float().view(len(rows), num_kv_heads, group, head_size)
-        scores = torch.matmul(q, k) * scale  # [n, Hkv, G, L]
-        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-        o = torch.matmul(torch.softmax(scores, dim=-1), v)  # [n, Hkv, G, D]
-        out[tokens] = o.reshape(len(rows), num_heads, head_size).to(out.dtype)
+        # Slots past a request's end hold stale or uninitialised data (maybe NaN): zero K and V there,
+        # since SDPA adds its mask to the scores (NaN + -inf is NaN) and 0 * NaN is NaN too.
+        kv.masked_fill_(~valid[None, :, :, None, None], 0.0)
+        # SDPA's fused CPU kernel takes the strided [n, Hkv, L, D] views and the GQA sharing as they
+        # are; matmul on the same views copies K and falls back to a per-batch loop for V (2x slower).
+        q = query.index_select(0, tokens).float().unsqueeze(2)  # [n, Hq, 1, D]
+        o = F.scaled_dot_product_attention(
+            q,
+            kv[0].transpose(1, 2),
+            kv[1].transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=scale,
+            enable_gqa=group > 1,
+        )  # [n, Hq, 1, D]
+        out.index_copy_(0, tokens, o.view(len(rows), num_heads, head_size).to(out.dtype))

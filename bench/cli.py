@@ -1,0 +1,64 @@
+"""``inflight bench ...``: the benchmark commands (``engine.cli`` dispatches here).
+
+inflight bench engine   the seed's experiment: continuous vs static vs HF peers (make bench)
+inflight bench sweep    any targets over a range of request rates, Poisson / gamma / trace
+inflight bench trace    Chrome/Perfetto trace (and timelines) from saved run JSON files
+inflight bench service  the full service path (bench/service_bench.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from bench import experiment, sweep
+
+
+def _trace_command(args: argparse.Namespace) -> int:
+    from bench.results import RunResult, write_json
+    from bench.timeline import chrome_trace, request_timelines
+
+    runs = [RunResult.from_json(json.loads(Path(p).read_text())) for p in args.runs]
+    Path(args.trace_out).write_text(json.dumps(chrome_trace(runs)))
+    if args.timelines_out:
+        write_json(args.timelines_out, {f"{r.target} {r.label}": request_timelines(r) for r in runs})
+    print(f"wrote {args.trace_out} ({len(runs)} runs)")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="inflight bench", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    experiment.add_arguments(sub.add_parser("engine", help="the seed's experiment (issue 2's figures)"))
+    sweep.add_arguments(sub.add_parser("sweep", help="rate sweep over any targets"))
+    t = sub.add_parser("trace", help="Chrome/Perfetto trace from saved runs (out/runs/*.json)")
+    t.add_argument("runs", nargs="+", help="run JSON files written by engine or sweep")
+    t.add_argument("--trace-out", required=True)
+    t.add_argument("--timelines-out", help="also write per-request timelines joined with steps")
+    sub.add_parser(
+        "service", help="the full service path (arguments go to bench/service_bench.py)", add_help=False
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["service"]:
+        # The service benchmark owns its own arguments: hand them over untouched.
+        # Imported by name: another module owns it, and it pulls in the service stack.
+        service_bench = importlib.import_module("bench.service_bench")
+        return int(service_bench.main(argv[1:]) or 0)
+    args = _parser().parse_args(argv)
+    args.argv = argv[1:]
+    if args.command == "engine":
+        return experiment.run(args)
+    if args.command == "sweep":
+        return sweep.run(args)
+    return _trace_command(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

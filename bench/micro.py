@@ -1,0 +1,191 @@
+"""A decode step at a full batch next to the machine's matmul rate, measured side by side.
+
+A decode step at B running requests does, per layer, the linear layers on B rows plus attention over
+each request's context; its useful FLOPs are
+
+    2 * B * linear_params + sum over requests and layers of 4 * num_heads * head_dim * context
+
+(2 per multiply-add; attention is Q.K^T and P.V). "The machine's matmul rate" is the same linear
+layers, same shapes, same B rows, same F.linear, timed alone. The ratio says how much of the step
+is spent doing matmul-rate work; the rest is attention, pointwise ops, sampling and host overhead.
+
+The two are measured in alternation, several rounds, and compared by their medians, so a slow
+moment of a shared machine hits both sides alike.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from bench.results import RunResult
+from bench.workload import random_prompt
+from engine.config import ModelConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+
+def linear_shapes(mc: ModelConfig) -> list[tuple[int, int, int]]:
+    """(in_features, out_features, count) of every linear layer, merged as the engine runs them."""
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    layers = mc.num_hidden_layers
+    return [
+        (mc.hidden_size, q + 2 * kv, layers),  # qkv_proj
+        (q, mc.hidden_size, layers),  # o_proj
+        (mc.hidden_size, 2 * mc.intermediate_size, layers),  # gate_up_proj
+        (mc.intermediate_size, mc.hidden_size, layers),  # down_proj
+        (mc.hidden_size, mc.vocab_size, 1),  # lm_head
+    ]
+
+
+def linear_params(mc: ModelConfig) -> int:
+    return sum(i * o * n for i, o, n in linear_shapes(mc))
+
+
+def attention_flops(mc: ModelConfig, context_lens: list[int]) -> int:
+    return 4 * mc.num_attention_heads * mc.head_dim * mc.num_hidden_layers * sum(context_lens)
+
+
+def run_decode_share(run: RunResult, mc: ModelConfig, batch: int, matmul_gflops: float) -> tuple[float, int]:
+    """The probe's figure over a benchmark run's decode-only steps at ``batch`` sequences: real
+    contexts instead of the probe's short ones (the matmul rate still comes from the probe)."""
+    steps = [s for s in run.steps if s.is_decode_only and s.num_scheduled_seqs == batch]
+    if not steps or matmul_gflops <= 0:
+        return math.nan, 0
+    flops = sum(
+        2 * batch * linear_params(mc) + attention_flops(mc, [b + 1 for _, _, b in s.batch]) for s in steps
+    )
+    seconds = sum(s.duration for s in steps)
+    return flops / seconds / (matmul_gflops * 1e9), len(steps)
+
+
+class MatmulProbe:
+    """The model's linear layers at ``rows`` rows, run in model order; time one full pass."""
+
+    def __init__(self, mc: ModelConfig, rows: int, dtype: torch.dtype = torch.float32) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.rows = rows
+        self.ops = [
+            (
+                torch.randn(rows, i, generator=gen, dtype=dtype),
+                torch.randn(o, i, generator=gen, dtype=dtype),
+                n,
+            )
+            for i, o, n in linear_shapes(mc)
+        ]
+        self.flops = 2 * rows * linear_params(mc)
+
+    @torch.inference_mode()
+    def time_pass(self) -> float:
+        start = time.perf_counter()
+        for x, w, n in self.ops:
+            for _ in range(n):
+                F.linear(x, w)
+        return time.perf_counter() - start
+
+
+@dataclass
+class DecodeProbeResult:
+    batch: int
+    context_mean: float
+    rounds: int
+    matmul_gflops: float  # median over rounds
+    step_ms: float  # whole engine.step(), median
+    model_ms: float  # model + sampling only (execute - prepare), median
+    step_gflop: float  # useful FLOPs of the measured step
+    step_gflops: float  # step_gflop / step time
+    matmul_rate_share: float  # step_gflops / matmul_gflops: the issue's ">= 50%" figure
+    model_rate_share: float  # the same over model time only
+    sched_prep_share: float  # (schedule + input preparation) / whole step, median
+    schedule_ms: float
+    prepare_ms: float
+    kv_empty_slot_share: float  # allocated-but-empty KV slots / used slots, at the measured steps
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def decode_probe(
+    model: str,
+    *,
+    batch: int = 64,
+    prompt_len: int = 128,
+    rounds: int = 8,
+    block_size: int = 16,
+    max_num_batched_tokens: int = 512,
+    seed: int = 0,
+) -> DecodeProbeResult:
+    """Fill an engine with ``batch`` requests, finish their prefills, then alternate one matmul pass
+    with one decode step, ``rounds`` times. Short prompts keep the set-up prefill cheap; the context
+    (and so attention's share) is reported with the result."""
+    import random
+
+    rng = random.Random(seed)
+    budget = max(max_num_batched_tokens, batch)
+    # Early requests decode while later ones prefill: leave them enough tokens to outlast the probe.
+    new_tokens = rounds + 4 + -(-batch * prompt_len // budget)
+    engine = LLMEngine.from_engine_args(
+        model,
+        max_num_seqs=batch,
+        max_num_batched_tokens=budget,
+        block_size=block_size,
+        num_blocks=batch * (-(-(prompt_len + new_tokens + 1) // block_size)) + 1,
+        max_model_len=prompt_len + new_tokens + 8,
+        enable_prefix_caching=False,
+        dtype="float32",
+        seed=seed,
+    )
+    mc = engine.config.model
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"probe-{i}", list(random_prompt(prompt_len, mc.vocab_size, rng)), params)
+    # Run until every request has its first token: from then on each step is a pure decode of all.
+    while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
+        engine.step()
+    probe = MatmulProbe(mc, batch, engine.config.dtype)
+    probe.time_pass()  # first call: allocation
+    engine.step()  # one unmeasured decode step, for the same reason
+    mm, steps, models, scheds, preps, empties, flops, ctx = [], [], [], [], [], [], [], []
+    for _ in range(rounds):
+        mm.append(probe.time_pass())
+        running = list(engine.scheduler.running)
+        assert len(running) == batch, "a request left the batch early"
+        contexts = [r.num_tokens for r in running]  # the new token's position + 1
+        ctx.append(sum(contexts) / len(contexts))
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+        rec = engine.metrics.steps[-1]
+        assert rec.stats.num_scheduled_seqs == batch and rec.stats.num_scheduled_tokens == batch
+        models.append(rec.execute_time - rec.prepare_time)
+        scheds.append(rec.schedule_time)
+        preps.append(rec.prepare_time)
+        bs = engine.config.block_size
+        used = sum(len(engine.kv.req_blocks[r.request_id]) * bs for r in running)
+        empties.append((used - sum(r.num_computed_tokens for r in running)) / used)
+        flops.append(probe.flops + attention_flops(mc, contexts))
+    med = statistics.median
+    matmul_rate = probe.flops / med(mm)
+    step_rate = med(flops) / med(steps)
+    return DecodeProbeResult(
+        batch=batch,
+        context_mean=sum(ctx) / len(ctx),
+        rounds=rounds,
+        matmul_gflops=matmul_rate / 1e9,
+        step_ms=1e3 * med(steps),
+        model_ms=1e3 * med(models),
+        step_gflop=med(flops) / 1e9,
+        step_gflops=step_rate / 1e9,
+        matmul_rate_share=step_rate / matmul_rate,
+        model_rate_share=(med(flops) / med(models)) / matmul_rate,
+        sched_prep_share=med([(s + p) / t for s, p, t in zip(scheds, preps, steps, strict=True)]),
+        schedule_ms=1e3 * med(scheds),
+        prepare_ms=1e3 * med(preps),
+        kv_empty_slot_share=sum(empties) / len(empties),
+    )

@@ -1,0 +1,131 @@
+"""Shared plumbing of the benchmark commands: the model, threads, targets kept warm, runs saved."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.results import RunResult, write_json
+from bench.stats import SLO, summarize
+from bench.targets import Target, TargetConfig, make_target
+from bench.workload import RequestSpec, random_prompt
+
+
+def bench_model_path() -> Path:
+    """The benchmark checkpoint (tiny.py's "bench" preset, ~50M parameters, float32), written once
+    under ``$INFLIGHT_HOME`` (default ~/.cache/inflight) and renamed into place, so a concurrent run
+    sees either none or a complete one."""
+    from engine.models.tiny import write_tiny_checkpoint
+
+    home = Path(os.environ.get("INFLIGHT_HOME") or Path.home() / ".cache" / "inflight")
+    target = home / "models" / "bench-llama"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".bench-llama-", dir=target.parent))
+    try:
+        write_tiny_checkpoint(tmp, preset="bench", dtype="float32")
+        tmp.chmod(0o755)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def set_threads(threads: int) -> int:
+    """Same intra-op thread count for every target (0: torch's default). Returns the count in use."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def warmup_specs(vocab_size: int, max_model_len: int) -> list[RequestSpec]:
+    """A short prompt, a medium one and a long one, a few tokens each: every code path runs once."""
+    import random
+
+    rng = random.Random(12345)
+    lengths = [max(1, min(n, max_model_len - 8)) for n in (24, 130, 500)]
+    return [RequestSpec(f"w{i}", 0.0, random_prompt(n, vocab_size, rng), 4) for i, n in enumerate(lengths)]
+
+
+def fmt_ms(summary: dict[str, Any], key: str, q: str) -> str:
+    v = summary.get(key, {}).get(q, math.nan)
+    return "-" if not math.isfinite(v) else (f"{v / 1e3:.2f}s" if v >= 1e4 else f"{v:.0f}ms")
+
+
+def one_line(s: dict[str, Any]) -> str:
+    rate = s["offered_rate"]
+    rate_s = "all at t=0" if not math.isfinite(rate) else f"{rate:.3g} req/s"
+    text = (
+        f"{s['target']:<12} {s['label']:<14} offered {rate_s:<12} | {s['request_throughput']:.3f} req/s "
+        f"{s['output_throughput']:7.1f} out tok/s | TTFT p50 {fmt_ms(s, 'ttft', 'p50_ms')} "
+        f"p99 {fmt_ms(s, 'ttft', 'p99_ms')} | TPOT p50 {fmt_ms(s, 'tpot', 'p50_ms')} "
+        f"p99 {fmt_ms(s, 'tpot', 'p99_ms')} | ITL p99 {fmt_ms(s, 'itl', 'p99_ms')} "
+        f"| E2E p99 {fmt_ms(s, 'e2e', 'p99_ms')}"
+    )
+    if "goodput" in s:
+        text += f" | goodput {s['goodput']:.3f} req/s ({100 * s['slo_attainment']:.0f}%)"
+    if "output_tokens_per_cpu_s" in s:
+        text += f" | {s['output_tokens_per_cpu_s']:.1f} tok/CPU-s, load {s['loadavg_1m'][0]:.1f}"
+    return text
+
+
+class Session:
+    """Targets created on first use and warmed up once; every run is summarized, printed and saved."""
+
+    def __init__(self, config: TargetConfig, out: Path, slo: SLO | None, vocab_size: int) -> None:
+        self.config = config
+        self.out = out
+        self.slo = slo
+        self.vocab_size = vocab_size
+        self.targets: dict[str, Target] = {}
+        self.runs: list[RunResult] = []
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+
+    def target(self, name: str) -> Target:
+        if name not in self.targets:
+            t = make_target(name, self.config)
+            t.warmup(warmup_specs(self.vocab_size, self.config.max_model_len))
+            self.targets[name] = t
+        return self.targets[name]
+
+    def release(self, name: str) -> None:
+        t = self.targets.pop(name, None)
+        if t is not None:
+            t.close()
+
+    def run(
+        self, name: str, specs: list[RequestSpec], label: str, rate: float
+    ) -> tuple[RunResult, dict[str, Any]]:
+        target = self.target(name)
+        load_before = os.getloadavg()[0]
+        cpu_before = time.process_time()
+        result = target.run(specs, label, rate)
+        # CPU seconds of this process (all its threads): on a shared machine, tokens per CPU-second
+        # is the contention-free view of the same work that wall-clock tokens/s measures.
+        result.extra["cpu_s"] = time.process_time() - cpu_before
+        result.extra["loadavg_1m"] = [load_before, os.getloadavg()[0]]
+        summary = summarize(result, self.slo)
+        cpu = result.extra["cpu_s"]
+        summary["cpu_s"] = cpu
+        summary["output_tokens_per_cpu_s"] = sum(r.num_output_tokens for r in result.requests) / cpu
+        summary["loadavg_1m"] = result.extra["loadavg_1m"]
+        print(one_line(summary), flush=True)
+        write_json(self.out / "runs" / f"{name}_{label}.json", {"summary": summary, **result.to_json()})
+        self.runs.append(result)
+        return result, summary
+
+    def close(self) -> None:
+        for name in list(self.targets):
+            self.release(name)
