@@ -34,6 +34,7 @@ class SchedulerStats:
     prefix_cache_hits: int  # cumulative, tokens
     num_preemptions: int  # cumulative
     step_preemptions: int
+    num_allocation_failures: int = 0  # cumulative: times the pool said "no room"
 
 
 class Scheduler:
@@ -48,6 +49,7 @@ class Scheduler:
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
         self._step_preemptions = 0
+        self.num_allocation_failures = 0
 
     # ---- intake ----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -124,6 +126,7 @@ class Scheduler:
                 continue
             preempted_self = False
             while not self.kv.allocate_slots(request, num_new):
+                self.num_allocation_failures += 1
                 victim = self._pick_victim(self.running)
                 victim_index = self.running.index(victim)
                 budget += self._preempt(victim, out)
@@ -164,6 +167,7 @@ class Scheduler:
                     break
                 reserved += worst
             if not self.kv.allocate_slots(request, num_new, hits):
+                self.num_allocation_failures += 1
                 if self._preempt_for(request, out):
                     budget = self._budget_left(out)
                     continue
@@ -300,4 +304,5 @@ class Scheduler:
             prefix_cache_hits=pool.num_cache_hits,
             num_preemptions=self.num_preemptions,
             step_preemptions=self._step_preemptions,
+            num_allocation_failures=self.num_allocation_failures,
         )

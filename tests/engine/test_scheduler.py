@@ -93,6 +93,7 @@ def test_preemption_by_recompute_when_blocks_run_out() -> None:
         preempted += out.preempted_req_ids
     assert preempted and preempted[0] == "b"
     assert b.timeline.num_preemptions >= 1
+    assert sched.num_allocation_failures >= len(preempted)
     assert a.status == b.status == RequestStatus.FINISHED_LENGTH
     assert a.num_output_tokens == b.num_output_tokens == 8
     assert sched.kv.num_free_blocks == 6
