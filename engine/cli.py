@@ -20,17 +20,19 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
     dev.add_argument("--model", help="model directory (default: the tiny random-weight model)")
     dev.add_argument("--workers", type=int, default=1, help="number of worker processes (default 1)")
-    bench = sub.add_parser("bench", help="benchmarks (see bench/)", add_help=False)
-    bench.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("bench", help="benchmarks: inflight bench --help", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.command == "bench":
-        from bench.cli import main as bench_main  # lazy: bench pulls in plotting and workloads
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        # bench owns its arguments (--help included): hand them over untouched, importing it lazily
+        # since it pulls in plotting and workloads.
+        from bench.cli import main as bench_main
 
-        return int(bench_main(args.args) or 0)
+        return int(bench_main(argv[1:]) or 0)
+    args = _parser().parse_args(argv)
     if args.command == "dev":
         from services.dev import main as dev_main
 

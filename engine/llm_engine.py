@@ -125,13 +125,18 @@ class LLMEngine:
         detoks = [
             IncrementalDetokenizer(
                 self.tokenizer,
-                ids + resumed,
+                ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
             for _ in children
         ]
+        if resumed:
+            # Replay the tokens another engine already streamed, discarding their text, so the
+            # detokenizer (held-back bytes, stop-string prefixes) continues exactly where it left off.
+            for detok in detoks:
+                detok.update(resumed)
         self._groups[request_id] = _Group(request_id, text, ids, children, detoks)
         for child in children:
             self._child_to_group[child.request_id] = request_id

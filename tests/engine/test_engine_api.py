@@ -139,14 +139,23 @@ def test_logprobs_are_returned_per_token(llm: LLM) -> None:
 def test_resumed_stream_continues_exactly(llm: LLM) -> None:
     """What a crashed worker's successor does: prefill prompt + emitted tokens, carry on."""
     params = SamplingParams(temperature=0.9, seed=7, max_tokens=14, ignore_eos=True)
-    full = llm.generate([[21, 22, 23, 24]], params)[0].outputs[0].token_ids
+    whole = llm.generate([[21, 22, 23, 24]], params)[0].outputs[0]
+    full = whole.token_ids
     engine = llm.engine
-    engine.add_request("resumed", [21, 22, 23, 24], params, resume_token_ids=full[:5])
-    tail: list[int] = []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tail += out.outputs[0].token_ids if out.outputs else []
-    assert full[:5] + tail == full
+    for cut in range(1, 13):
+        # What the first engine streamed before the cut (the detokenizer's view, held-back text included).
+        first = llm.generate([[21, 22, 23, 24]], SamplingParams(**{**params.__dict__, "max_tokens": cut}))
+        assert first[0].outputs[0].token_ids == full[:cut]
+        engine.add_request(f"resumed-{cut}", [21, 22, 23, 24], params, resume_token_ids=full[:cut])
+        tail: list[int] = []
+        text = ""
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                for c in out.outputs:
+                    tail += c.token_ids
+                    text += c.text
+        assert full[:cut] + tail == full
+        assert whole.text.endswith(text) and len(text) > 0
 
 
 def test_prompts_as_text_and_token_ids(llm: LLM) -> None:

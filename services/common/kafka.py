@@ -1,0 +1,110 @@
+"""Kafka clients configured from settings, topic creation, and the message key and headers."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.helpers import create_ssl_context
+
+from services.common.settings import Settings
+
+log = logging.getLogger(__name__)
+
+TRACEPARENT = "traceparent"
+
+
+def client_kwargs(settings: Settings) -> dict[str, Any]:
+    """Connection and security options every client shares."""
+    kwargs: dict[str, Any] = {
+        "bootstrap_servers": settings.kafka_bootstrap,
+        "security_protocol": settings.kafka_security_protocol,
+    }
+    if settings.kafka_security_protocol in ("SSL", "SASL_SSL"):
+        kwargs["ssl_context"] = create_ssl_context()
+    if settings.kafka_sasl_mechanism:
+        kwargs.update(
+            sasl_mechanism=settings.kafka_sasl_mechanism,
+            sasl_plain_username=settings.kafka_sasl_username,
+            sasl_plain_password=settings.kafka_sasl_password,
+        )
+    return kwargs
+
+
+def make_producer(settings: Settings) -> AIOKafkaProducer:
+    return AIOKafkaProducer(
+        **client_kwargs(settings),
+        acks="all",
+        enable_idempotence=settings.kafka_idempotence,
+        linger_ms=0,  # a request is latency-bound; batching happens naturally under load
+        request_timeout_ms=max(1000, int(settings.kafka_produce_timeout_s * 1000)),
+    )
+
+
+def make_consumer(settings: Settings) -> AIOKafkaConsumer:
+    session = settings.kafka_session_timeout_ms
+    return AIOKafkaConsumer(
+        **client_kwargs(settings),
+        group_id=settings.kafka_consumer_group,
+        enable_auto_commit=False,  # offsets move only past terminal requests (at-least-once)
+        # A group without committed offsets (first start, or a broker that lost them) reads from the
+        # start: a request is redelivered rather than silently skipped, and redelivery is harmless.
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        session_timeout_ms=session,
+        heartbeat_interval_ms=max(100, session // 5),
+        max_poll_interval_ms=max(session * 3, 60_000),
+        metadata_max_age_ms=30_000,
+    )
+
+
+def make_admin(settings: Settings) -> AIOKafkaAdminClient:
+    return AIOKafkaAdminClient(**client_kwargs(settings), request_timeout_ms=5000)
+
+
+async def ensure_topic(settings: Settings) -> None:
+    """Create the request topic if it is missing; an existing topic is left as it is."""
+    admin = make_admin(settings)
+    await admin.start()
+    try:
+        # Describe, not list: tansu leaves topics that a client's metadata request auto-created out of
+        # its listing, and creating such a topic again hides the messages already in it.
+        (described,) = await admin.describe_topics([settings.kafka_topic])
+        if described.get("error_code") == 0 and described.get("partitions"):
+            return
+        topic = NewTopic(settings.kafka_topic, settings.kafka_partitions, settings.kafka_replication_factor)
+        try:
+            await admin.create_topics([topic])
+            log.info("created topic %s with %d partitions", settings.kafka_topic, settings.kafka_partitions)
+        except TopicAlreadyExistsError:
+            pass  # another replica created it first
+    finally:
+        await admin.close()
+
+
+def affinity_key(
+    prompt_token_ids: Sequence[int], block_tokens: int, session: str | None = None, text: str = ""
+) -> bytes:
+    """The message key: requests with one key land on one partition, hence one engine's prefix cache.
+
+    A client session id wins (a conversation's turns share ever longer prefixes); otherwise the first
+    full block of prompt tokens, the unit the engine's prefix cache hashes; a gateway without the
+    tokenizer uses the first characters of the text instead (about a block's worth).
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    if session:
+        digest.update(b"s:" + session.encode())
+    elif prompt_token_ids:
+        digest.update(b"p:" + ",".join(map(str, prompt_token_ids[:block_tokens])).encode())
+    else:
+        digest.update(b"t:" + text[: block_tokens * 4].encode())
+    return digest.hexdigest().encode()
+
+
+def trace_headers(traceparent: str | None) -> list[tuple[str, bytes]]:
+    return [(TRACEPARENT, traceparent.encode())] if traceparent else []

@@ -1,0 +1,225 @@
+"""The services' settings: every environment variable is read here, once, into a frozen dataclass.
+
+Names are a contract with the deployment (Helm values, docker-compose): see ``ENV_NAMES``. Values are
+validated when read, so a typo in a deployment fails at start-up, not at the first request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """An environment variable holds a value the services cannot use."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    # ---- Kafka ------------------------------------------------------------------------------
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    kafka_topic: str = "inflight.requests"
+    kafka_security_protocol: str = "PLAINTEXT"
+    kafka_sasl_mechanism: str | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = field(default=None, repr=False)
+    # Real Kafka: on, so a retried produce never duplicates. The tansu test broker cannot do it.
+    kafka_idempotence: bool = True
+    kafka_consumer_group: str = "inflight-workers"
+    # Used only when the topic does not exist yet; must be >= the number of worker replicas.
+    kafka_partitions: int = 8
+    kafka_replication_factor: int = 1
+    # tansu answers a fetch only when fetch_max_wait expires, so this is its produce-to-consume
+    # latency floor; real Kafka answers as soon as data arrives, and this only bounds idle fetches.
+    kafka_fetch_max_wait_ms: int = 5
+    kafka_session_timeout_ms: int = 10_000
+    kafka_produce_timeout_s: float = 5.0
+    # ---- Redis ------------------------------------------------------------------------------
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: str | None = field(default=None, repr=False)
+    # How long the worker keeps buffering token events while Redis is unreachable before giving up.
+    redis_outage_s: float = 30.0
+    # ---- model ------------------------------------------------------------------------------
+    model: str | None = None
+    served_model_name: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    max_model_len: int | None = None
+    # ---- gateway ----------------------------------------------------------------------------
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    max_pending: int = 256  # cluster-wide: admitted and not yet taken by an engine
+    job_ttl_s: int = 86_400
+    record_ttl_s: int = 900  # records and token logs of synchronous requests
+    max_body_bytes: int = 4 * 1024 * 1024
+    request_timeout_s: float = 600.0  # a synchronous request that sees no progress for this long fails
+    # A request whose reservation is not refreshed for this long no longer counts as pending: a gateway
+    # that dies between admitting and producing cannot shrink the cluster's admission for good.
+    pending_ttl_s: float = 30.0
+    gateway_port: int = 8000
+    # ---- worker -----------------------------------------------------------------------------
+    max_waiting: int = 16  # fetch from Kafka only while the engine's waiting queue is below this
+    drain_timeout_s: float = 60.0
+    # A worker's claim on a request; another worker takes over once it lapses (crash recovery time).
+    lease_ttl_s: float = 10.0
+    worker_port: int = 8001
+    # CPU hosts: intra-op threads of the worker's torch (None: torch's default, one per core). On a
+    # small host the broker, Redis and the gateway need cores too, and oversubscribed OpenMP threads
+    # spin: fewer threads can be faster.
+    torch_threads: int | None = None
+    # ---- process ----------------------------------------------------------------------------
+    bind_host: str = "0.0.0.0"
+    log_level: str = "INFO"
+    pod_name: str | None = None
+    pod_namespace: str | None = None
+    instance_id: str = field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    )
+
+    def __post_init__(self) -> None:
+        positive = {
+            "kafka_partitions": self.kafka_partitions,
+            "kafka_fetch_max_wait_ms": self.kafka_fetch_max_wait_ms,
+            "kafka_session_timeout_ms": self.kafka_session_timeout_ms,
+            "kafka_produce_timeout_s": self.kafka_produce_timeout_s,
+            "max_pending": self.max_pending,
+            "job_ttl_s": self.job_ttl_s,
+            "record_ttl_s": self.record_ttl_s,
+            "max_body_bytes": self.max_body_bytes,
+            "request_timeout_s": self.request_timeout_s,
+            "pending_ttl_s": self.pending_ttl_s,
+            "max_waiting": self.max_waiting,
+            "lease_ttl_s": self.lease_ttl_s,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise SettingsError(f"INFLIGHT_{name.upper()} must be positive, got {value}")
+        if self.drain_timeout_s < 0:
+            raise SettingsError("INFLIGHT_DRAIN_TIMEOUT_S must be >= 0")
+        if self.kafka_sasl_mechanism and not (self.kafka_sasl_username and self.kafka_sasl_password):
+            raise SettingsError(
+                "INFLIGHT_KAFKA_SASL_MECHANISM needs INFLIGHT_KAFKA_SASL_USERNAME and _PASSWORD"
+            )
+        if self.log_level.upper() not in logging.getLevelNamesMapping():
+            raise SettingsError(f"INFLIGHT_LOG_LEVEL {self.log_level!r} is not a logging level")
+
+    # ---- derived ----------------------------------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        """The id clients put in ``model``: the served name, else the model path as given."""
+        return self.served_model_name or self.model or "inflight"
+
+    @property
+    def worker_id(self) -> str:
+        """Unique per process: a restarted pod with the same name must not inherit old leases."""
+        return f"{self.pod_name}-{os.getpid()}-{self.instance_id[-6:]}" if self.pod_name else self.instance_id
+
+    @property
+    def affinity_block_tokens(self) -> int:
+        # The engine caches whole blocks: requests sharing a first block can share cached K/V.
+        return int(self.engine_args.get("block_size", 16))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if environ is None else environ
+        reader = _Reader(env)
+        values: dict[str, Any] = {}
+        for name, (attr, kind) in ENV_NAMES.items():
+            if name in env and env[name] != "":
+                values[attr] = reader.parse(name, kind)
+        unknown = sorted(
+            n for n in env if n.startswith("INFLIGHT_") and n not in ENV_NAMES and n not in _OTHERS
+        )
+        if unknown:
+            # Warn, not fail: other parts of the system (telemetry, bench) add their own INFLIGHT_* names.
+            log.warning("ignoring unknown settings: %s", ", ".join(unknown))
+        return cls(**values)
+
+
+# Read elsewhere (engine, telemetry, bench): not an error to see them.
+_OTHERS = {"INFLIGHT_HOME"}
+
+ENV_NAMES: dict[str, tuple[str, str]] = {
+    "INFLIGHT_KAFKA_BOOTSTRAP": ("kafka_bootstrap", "str"),
+    "INFLIGHT_KAFKA_TOPIC": ("kafka_topic", "str"),
+    "INFLIGHT_KAFKA_SECURITY_PROTOCOL": ("kafka_security_protocol", "str"),
+    "INFLIGHT_KAFKA_SASL_MECHANISM": ("kafka_sasl_mechanism", "str"),
+    "INFLIGHT_KAFKA_SASL_USERNAME": ("kafka_sasl_username", "str"),
+    "INFLIGHT_KAFKA_SASL_PASSWORD": ("kafka_sasl_password", "str"),
+    "INFLIGHT_KAFKA_IDEMPOTENCE": ("kafka_idempotence", "bool"),
+    "INFLIGHT_KAFKA_CONSUMER_GROUP": ("kafka_consumer_group", "str"),
+    "INFLIGHT_KAFKA_PARTITIONS": ("kafka_partitions", "int"),
+    "INFLIGHT_KAFKA_REPLICATION_FACTOR": ("kafka_replication_factor", "int"),
+    "INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS": ("kafka_fetch_max_wait_ms", "int"),
+    "INFLIGHT_KAFKA_SESSION_TIMEOUT_MS": ("kafka_session_timeout_ms", "int"),
+    "INFLIGHT_KAFKA_PRODUCE_TIMEOUT_S": ("kafka_produce_timeout_s", "float"),
+    "INFLIGHT_REDIS_URL": ("redis_url", "str"),
+    "INFLIGHT_REDIS_PASSWORD": ("redis_password", "str"),
+    "INFLIGHT_REDIS_OUTAGE_S": ("redis_outage_s", "float"),
+    "INFLIGHT_MODEL": ("model", "str"),
+    "INFLIGHT_SERVED_MODEL_NAME": ("served_model_name", "str"),
+    "INFLIGHT_ENGINE_ARGS": ("engine_args", "json"),
+    "INFLIGHT_MAX_MODEL_LEN": ("max_model_len", "int"),
+    "INFLIGHT_API_KEYS": ("api_keys", "csv"),
+    "INFLIGHT_MAX_PENDING": ("max_pending", "int"),
+    "INFLIGHT_JOB_TTL_S": ("job_ttl_s", "int"),
+    "INFLIGHT_RECORD_TTL_S": ("record_ttl_s", "int"),
+    "INFLIGHT_MAX_BODY_BYTES": ("max_body_bytes", "int"),
+    "INFLIGHT_REQUEST_TIMEOUT_S": ("request_timeout_s", "float"),
+    "INFLIGHT_PENDING_TTL_S": ("pending_ttl_s", "float"),
+    "INFLIGHT_GATEWAY_PORT": ("gateway_port", "int"),
+    "INFLIGHT_MAX_WAITING": ("max_waiting", "int"),
+    "INFLIGHT_DRAIN_TIMEOUT_S": ("drain_timeout_s", "float"),
+    "INFLIGHT_LEASE_TTL_S": ("lease_ttl_s", "float"),
+    "INFLIGHT_WORKER_PORT": ("worker_port", "int"),
+    "INFLIGHT_TORCH_THREADS": ("torch_threads", "int"),
+    "INFLIGHT_BIND_HOST": ("bind_host", "str"),
+    "INFLIGHT_LOG_LEVEL": ("log_level", "str"),
+    "POD_NAME": ("pod_name", "str"),
+    "POD_NAMESPACE": ("pod_namespace", "str"),
+}
+
+
+class _Reader:
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = env
+
+    def parse(self, name: str, kind: str) -> Any:
+        raw = self.env[name].strip()
+        try:
+            if kind == "int":
+                return int(raw)
+            if kind == "float":
+                return float(raw)
+            if kind == "bool":
+                if raw.lower() in _TRUE:
+                    return True
+                if raw.lower() in _FALSE:
+                    return False
+                raise ValueError("expected true or false")
+            if kind == "csv":
+                return tuple(part.strip() for part in raw.split(",") if part.strip())
+            if kind == "json":
+                value = json.loads(raw)
+                if not isinstance(value, dict):
+                    raise ValueError("expected a JSON object")
+                return value
+        except ValueError as exc:
+            raise SettingsError(f"{name}={raw!r}: {exc}") from None
+        return raw
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read from the environment on first use."""
+    return Settings.from_env()

@@ -1,0 +1,192 @@
+"""Versioned wire messages: the Kafka request, the token events, the cancel notice.
+
+Every message is a JSON object with ``"v"`` (the schema version) and ``"type"``. A reader rejects a
+version it does not know with ``WireError`` instead of guessing: a mixed-version deployment then fails
+loudly at the first message, not subtly in the middle of a stream.
+
+Token events carry ``seq``, numbered 1, 2, 3... per request across workers (a resumed request continues
+the numbering), so a reader detects a gap (seq jumps) or a duplicate (seq already seen).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+WIRE_VERSION = 1
+
+# Request (job) statuses, as the record and the jobs API show them.
+QUEUED = "queued"
+IN_PROGRESS = "in_progress"
+COMPLETED = "completed"
+FAILED = "failed"
+CANCELLED = "cancelled"
+TERMINAL = frozenset({COMPLETED, FAILED, CANCELLED})
+
+Kind = Literal["completion", "chat"]
+
+
+class WireError(ValueError):
+    """A message that this build cannot read: unknown version or type, or a malformed field."""
+
+
+def _load(raw: bytes | str, expected_type: tuple[str, ...]) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise WireError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise WireError("a wire message must be a JSON object")
+    version = obj.get("v")
+    if version != WIRE_VERSION:
+        raise WireError(f"unsupported wire version {version!r}: this build reads version {WIRE_VERSION} only")
+    if obj.get("type") not in expected_type:
+        raise WireError(f"unexpected message type {obj.get('type')!r}; expected one of {expected_type}")
+    return obj
+
+
+def _require(obj: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    value = obj.get(name)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise WireError(f"field {name!r} missing or of the wrong type: {value!r}")
+    return value
+
+
+def _int_list(obj: dict[str, Any], name: str) -> list[int]:
+    value = _require(obj, name, list)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise WireError(f"field {name!r} must be a list of integers")
+    return value
+
+
+@dataclass(frozen=True)
+class RequestMessage:
+    """What the gateway produces to Kafka: a tokenised, validated request."""
+
+    id: str
+    kind: Kind
+    model: str
+    prompt_token_ids: list[int]
+    params: dict[str, Any]  # engine SamplingParams fields, validated by the gateway
+    created: float  # unix seconds at admission
+    priority: int = 0
+    job: bool = False
+    # A gateway without the model's tokenizer sends text instead of token ids (prompt_token_ids
+    # empty): the completion prompt, or the chat messages to render with the model's template.
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {"v": WIRE_VERSION, "type": "request", **asdict(self)}, separators=(",", ":")
+        ).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> RequestMessage:
+        obj = _load(raw, ("request",))
+        kind = _require(obj, "kind", str)
+        if kind not in ("completion", "chat"):
+            raise WireError(f"unknown request kind {kind!r}")
+        prompt, messages = obj.get("prompt"), obj.get("messages")
+        if not isinstance(prompt, str | None) or not isinstance(messages, list | None):
+            raise WireError("prompt must be a string and messages a list")
+        return cls(
+            id=_require(obj, "id", str),
+            kind=kind,
+            model=_require(obj, "model", str),
+            prompt_token_ids=_int_list(obj, "prompt_token_ids"),
+            params=_require(obj, "params", dict),
+            created=float(_require(obj, "created", (int, float))),
+            priority=int(obj.get("priority", 0)),
+            job=bool(obj.get("job", False)),
+            prompt=prompt,
+            messages=messages,
+        )
+
+
+@dataclass(frozen=True)
+class DeltaEvent:
+    """New tokens of completion ``index``; the last one of an index carries its finish_reason."""
+
+    id: str
+    seq: int
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    # Per token: [[token id, logprob], ...] top candidates, the sampled token included.
+    logprobs: list[list[list[float]]] | None = None
+    worker: str = ""  # which worker generated it (crash tests check that a resume really happened)
+
+    type: Literal["delta"] = field(default="delta", init=False)
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    """The request is terminal. Always the last event of a request."""
+
+    id: str
+    seq: int
+    status: str  # COMPLETED | FAILED | CANCELLED
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    code: str | None = None  # machine-readable error kind, e.g. "engine_error", "lost_by_broker"
+    worker: str = ""
+
+    type: Literal["done"] = field(default="done", init=False)
+
+
+Event = DeltaEvent | DoneEvent
+
+
+def encode_event(event: Event) -> str:
+    # vars(), not asdict(): one per token on the hot path, and asdict deep-copies every list.
+    body = {"v": WIRE_VERSION, "type": event.type, **vars(event)}
+    return json.dumps(body, separators=(",", ":"))
+
+
+def decode_event(raw: bytes | str) -> Event:
+    obj = _load(raw, ("delta", "done"))
+    request_id, seq = _require(obj, "id", str), _require(obj, "seq", int)
+    if obj["type"] == "delta":
+        return DeltaEvent(
+            id=request_id,
+            seq=seq,
+            index=_require(obj, "index", int),
+            token_ids=_int_list(obj, "token_ids"),
+            text=_require(obj, "text", str),
+            finish_reason=obj.get("finish_reason"),
+            stop_reason=obj.get("stop_reason"),
+            logprobs=obj.get("logprobs"),
+            worker=str(obj.get("worker", "")),
+        )
+    status = _require(obj, "status", str)
+    if status not in TERMINAL:
+        raise WireError(f"done event with non-terminal status {status!r}")
+    return DoneEvent(
+        id=request_id,
+        seq=seq,
+        status=status,
+        prompt_tokens=int(obj.get("prompt_tokens", 0)),
+        completion_tokens=int(obj.get("completion_tokens", 0)),
+        error=obj.get("error"),
+        code=obj.get("code"),
+        worker=str(obj.get("worker", "")),
+    )
+
+
+@dataclass(frozen=True)
+class CancelMessage:
+    """Published on the cancel channel: every worker hears it, the one running ``id`` aborts it."""
+
+    id: str
+
+    def encode(self) -> str:
+        return json.dumps({"v": WIRE_VERSION, "type": "cancel", "id": self.id})
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> CancelMessage:
+        return cls(id=_require(_load(raw, ("cancel",)), "id", str))

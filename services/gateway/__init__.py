@@ -1,0 +1,1 @@
+"""The HTTP front door: OpenAI-compatible routes and async jobs over Kafka and Redis."""

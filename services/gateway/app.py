@@ -1,0 +1,156 @@
+"""The gateway's FastAPI app: lifespan (Redis, Kafka, tokenizer), middleware, probes, routes."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import Counter
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.common.kafka import ensure_topic
+from services.common.settings import Settings
+from services.common.store import REDIS_ERRORS, Store, connect_redis
+from services.common.telemetry import metrics_payload
+from services.gateway import errors, jobs_routes, openai_routes
+from services.gateway.dispatch import Dispatcher
+from services.gateway.errors import APIError
+from services.gateway.prompts import load_model_info
+from services.gateway.state import Gateway
+from services.gateway.streams import Hub
+
+log = logging.getLogger(__name__)
+
+RESPONSES = Counter("inflight_gateway_responses_total", "Responses by route and status", ["route", "status"])
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        info = load_model_info(settings)
+        client = connect_redis(settings)
+        store = Store(client)
+        hub = Hub(client, store, settings.instance_id, settings.redis_outage_s)
+        dispatcher = Dispatcher(settings, store, hub)
+        await ensure_topic(settings)
+        await hub.start()
+        await dispatcher.start()
+        app.state.gateway = Gateway(settings, info, store, hub, dispatcher)
+        log.info("gateway serving %s (max_model_len %d)", info.name, info.max_model_len)
+        try:
+            yield
+        finally:
+            await dispatcher.stop()
+            await hub.stop()
+            await client.aclose()
+
+    app = FastAPI(
+        title="inflight",
+        version="0.1.0",
+        description="Continuous-batching LLM serving: OpenAI-compatible API and async jobs.",
+        lifespan=lifespan,
+    )
+    errors.install(app)
+
+    async def require_key(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        auth = request.headers.get("authorization", "")
+        token = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+
+    guarded = [Depends(require_key)]
+    app.include_router(openai_routes.router, dependencies=guarded)
+    app.include_router(jobs_routes.router, dependencies=guarded)
+
+    @app.get("/healthz", include_in_schema=False)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", include_in_schema=False)
+    async def readyz(request: Request) -> JSONResponse:
+        gw: Gateway = request.app.state.gateway
+        try:
+            redis_ok = bool(await gw.store.client.ping())
+        except REDIS_ERRORS:
+            redis_ok = False
+        kafka_ok = await gw.dispatcher.kafka_ready()
+        ready = redis_ok and kafka_ok
+        return JSONResponse(
+            {"ready": ready, "redis": redis_ok, "kafka": kafka_ok}, status_code=200 if ready else 503
+        )
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        body, content_type = metrics_payload()
+        return Response(body, media_type=content_type)
+
+    app.add_middleware(_Limits, max_body_bytes=settings.max_body_bytes)
+    return app
+
+
+class _Limits:
+    """413 for bodies over the limit (declared or streamed), and a response counter by route.
+
+    The body is read here, up to the limit, before the app sees it: the app's own body parsing would
+    turn any error raised mid-read into a 400.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = _route_label(scope["path"])
+        too_large = APIError(
+            413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large"
+        )
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            RESPONSES.labels(route, "413").inc()
+            await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                RESPONSES.labels(route, "413").inc()
+                await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # later reads wait for the disconnect, as the app expects
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                RESPONSES.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, replay, counting_send)
+
+
+def _route_label(path: str) -> str:
+    # Job ids would make one time series per job.
+    if path.startswith("/v1/jobs/"):
+        return "/v1/jobs/{id}/events" if path.endswith("/events") else "/v1/jobs/{id}"
+    return path if path.startswith("/v1/") else "other"

@@ -1,0 +1,206 @@
+"""Admission, enqueue and the watch over queued requests.
+
+    admit (cluster-wide pending bound, 429 past it) -> record (queued) -> subscribe -> produce
+    -> watch until an engine takes it
+
+The watch refreshes this gateway's reservations in the pending set (so they outlive a long queue while
+this gateway lives, and expire soon after it dies), and notices a request whose Kafka message is gone:
+a broker that lost its log (tansu keeps it in memory) or was reset. Such a request is produced again,
+or after a few attempts failed with a clear error, instead of hanging its client forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import TopicPartition
+
+from services.common import keys
+from services.common.kafka import client_kwargs, ensure_topic, make_producer
+from services.common.settings import Settings
+from services.common.store import REDIS_ERRORS, Store
+from services.common.wire import FAILED, RequestMessage
+from services.gateway.errors import APIError, unavailable
+from services.gateway.streams import Hub, Subscription
+
+log = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 1.0
+_MAX_PRODUCE_ATTEMPTS = 3
+
+
+@dataclass
+class _Queued:
+    value: bytes
+    key: bytes
+    headers: list[tuple[str, bytes]]
+    partition: int
+    offset: int
+    attempts: int = 1
+
+
+class Dispatcher:
+    def __init__(self, settings: Settings, store: Store, hub: Hub) -> None:
+        self.settings = settings
+        self.store = store
+        self.hub = hub
+        self.producer: AIOKafkaProducer = make_producer(settings)
+        # Group-less consumer, only to read end offsets (has a queued message been lost?).
+        self._probe = AIOKafkaConsumer(**client_kwargs(settings), enable_auto_commit=False)
+        self._queued: dict[str, _Queued] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._cleanups: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.producer.start()
+        await self._probe.start()
+        self._task = asyncio.create_task(self._watch())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for client in (self.producer, self._probe):
+            with contextlib.suppress(Exception):
+                await client.stop()
+
+    async def kafka_ready(self) -> bool:
+        try:
+            await asyncio.wait_for(self._probe._client.fetch_all_metadata(), 2.0)
+            return True
+        except (KafkaError, TimeoutError, OSError):
+            return False
+
+    # ---- submit ----------------------------------------------------------------------------
+    async def submit(
+        self,
+        msg: RequestMessage,
+        key: bytes,
+        headers: list[tuple[str, bytes]],
+        record: dict[str, str | int | float],
+        *,
+        subscribe: bool,
+    ) -> Subscription | None:
+        s = self.settings
+        ttl = s.job_ttl_s if msg.job else s.record_ttl_s
+        # Subscribing and admitting are independent round trips: run them at once.
+        pending_sub = asyncio.ensure_future(self.hub.subscribe(msg.id)) if subscribe else None
+        sub: Subscription | None = None
+        try:
+            admitted = await self.store.admit_and_record(msg.id, s.max_pending, s.pending_ttl_s, record, ttl)
+            sub = await pending_sub if pending_sub is not None else None  # before producing: nothing missed
+            if not admitted:
+                self._forget(msg.id, sub)
+                message = (
+                    f"the service is at capacity ({s.max_pending} requests wait for an engine); retry shortly"
+                )
+                raise APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            value = msg.encode()
+            partition, offset = await self._produce(value, key, headers)
+        except APIError:
+            raise
+        except BaseException as exc:
+            if pending_sub is not None and not pending_sub.done():
+                pending_sub.cancel()
+            await self._abandon(msg.id, sub)
+            if isinstance(exc, KafkaError | TimeoutError):
+                log.warning("produce failed: %r", exc)
+                raise unavailable("the message broker is unavailable", "broker_unavailable") from None
+            raise
+        self._queued[msg.id] = _Queued(value, key, headers, partition, offset)
+        return sub
+
+    def _forget(self, request_id: str, sub: Subscription | None) -> None:
+        """A refused request: drop its record and subscription off the response's path."""
+
+        async def cleanup() -> None:
+            if sub is not None:
+                await self.hub.unsubscribe(sub)
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self.store.client.delete(keys.record(request_id))
+
+        task = asyncio.ensure_future(cleanup())
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _produce(self, value: bytes, key: bytes, headers: list[tuple[str, bytes]]) -> tuple[int, int]:
+        deadline = time.monotonic() + self.settings.kafka_produce_timeout_s
+        while True:
+            try:
+                remaining = max(0.1, deadline - time.monotonic())
+                fut = await asyncio.wait_for(
+                    self.producer.send(self.settings.kafka_topic, value, key=key, headers=headers), remaining
+                )
+                meta = await asyncio.wait_for(fut, max(0.1, deadline - time.monotonic()))
+                return meta.partition, meta.offset
+            except KafkaError:
+                # Hiccups of a broker that just came back (the topic being recreated, tansu's
+                # UnknownError) are retried until the deadline; the caller then answers 503.
+                if time.monotonic() >= deadline:
+                    raise
+                await asyncio.sleep(0.1)
+
+    async def _abandon(self, request_id: str, sub: Subscription | None) -> None:
+        if sub is not None:
+            await self.hub.unsubscribe(sub)
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self.store.release_pending(request_id)
+            # Failed, not deleted: if the message still reaches Kafka later, the worker skips it.
+            await self.store.set_fields(request_id, {"status": FAILED, "error": "never enqueued"})
+
+    async def cancel(self, request_id: str) -> str:
+        self._queued.pop(request_id, None)
+        return await self.store.cancel(request_id, max(self.settings.job_ttl_s, 60))
+
+    # ---- watch -----------------------------------------------------------------------------
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+            if not self._queued:
+                continue
+            try:
+                await self._check_queued()
+            except (*REDIS_ERRORS, KafkaError, TimeoutError) as exc:
+                log.warning("queue watch skipped a round: %r", exc)
+            except Exception:
+                log.exception("queue watch failed a round")  # never let the watch die
+
+    async def _check_queued(self) -> None:
+        ids = list(self._queued)
+        alive = await self.store.refresh_pending(ids, self.settings.pending_ttl_s)
+        for request_id in ids:
+            if request_id not in alive:
+                self._queued.pop(request_id, None)  # an engine took it (or it was cancelled)
+        if not alive:
+            return
+        topic = self.settings.kafka_topic
+        partitions = list({TopicPartition(topic, q.partition) for q in self._queued.values()})
+        ends = await asyncio.wait_for(self._probe.end_offsets(partitions), 5.0)
+        for request_id in alive:
+            queued = self._queued.get(request_id)
+            if queued is None:
+                continue
+            end = ends.get(TopicPartition(topic, queued.partition))
+            if end is not None and end <= queued.offset:
+                await self._requeue(request_id, queued)
+
+    async def _requeue(self, request_id: str, queued: _Queued) -> None:
+        """The partition's log ends before this message: the broker lost it."""
+        if queued.attempts >= _MAX_PRODUCE_ATTEMPTS:
+            log.error("request %s lost by the broker %d times; failing it", request_id, queued.attempts)
+            self._queued.pop(request_id, None)
+            await self.store.fail_queued(
+                request_id, "the message broker lost this request; please retry", "lost_by_broker"
+            )
+            return
+        log.warning("request %s was lost by the broker; producing it again", request_id)
+        await ensure_topic(self.settings)  # a restarted broker may have forgotten the topic too
+        queued.partition, queued.offset = await self._produce(queued.value, queued.key, queued.headers)
+        queued.attempts += 1

@@ -1,0 +1,167 @@
+"""Async jobs: submit without holding a connection, poll, follow the tokens, cancel.
+
+POST   /v1/jobs              202, {"id", "status": "queued", ...}, Location: /v1/jobs/{id}
+GET    /v1/jobs/{id}         status, result (the OpenAI response), usage, error, timings
+GET    /v1/jobs/{id}/events  SSE: the tokens so far, then live, as stream=true chunks, then [DONE]
+DELETE /v1/jobs/{id}         cancel wherever the job is (queued, running); a finished job is unchanged
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from services.common.wire import TERMINAL, DoneEvent, Kind
+from services.gateway.errors import APIError, error_body
+from services.gateway.openai_routes import SSE_HEADERS, _data, _sse, check_model
+from services.gateway.prompts import prepare_chat, prepare_completion
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
+from services.gateway.responses import ResponseBuilder, response_from_record
+from services.gateway.state import Gateway, gateway
+
+router = APIRouter()
+
+
+@router.post("/v1/jobs", status_code=202, response_model=None)
+async def create_job(body: JobRequest, request: Request) -> JSONResponse:
+    gw = gateway(request)
+    try:
+        if body.endpoint == "/v1/completions":
+            completion = CompletionRequest.model_validate(body.body)
+            check_model(gw, completion.model)
+            kind: Kind = "completion"
+            prepared = prepare_completion(completion, gw.info)
+        else:
+            chat = ChatCompletionRequest.model_validate(body.body)
+            check_model(gw, chat.model)
+            kind = "chat"
+            prepared = prepare_chat(chat, gw.info)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = f"body.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        raise APIError(422, message, code="invalid_value", param="body") from None
+    extra: dict[str, str | int | float] = {
+        "endpoint": body.endpoint,
+        "metadata": json.dumps(body.metadata or {}),
+    }
+    msg, _ = await gw.enqueue(request, kind, prepared, job=True, subscribe=False, extra=extra)
+    record = await gw.store.get_record(msg.id) or {}
+    return JSONResponse(
+        _job_view(msg.id, record), status_code=202, headers={"Location": f"/v1/jobs/{msg.id}"}
+    )
+
+
+@router.get("/v1/jobs/{job_id}")
+async def get_job(job_id: str, request: Request) -> dict[str, Any]:
+    gw = gateway(request)
+    return _job_view(job_id, await _job_record(gw, job_id))
+
+
+@router.delete("/v1/jobs/{job_id}")
+async def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
+    gw = gateway(request)
+    await _job_record(gw, job_id)
+    status = await gw.dispatcher.cancel(job_id)
+    record = await _job_record(gw, job_id)
+    view = _job_view(job_id, record)
+    if status == "cancelling":
+        view["status"] = "cancelling"  # a worker is aborting it; GET shows "cancelled" once it has
+    return view
+
+
+@router.get("/v1/jobs/{job_id}/events", response_model=None)
+async def job_events(job_id: str, request: Request) -> StreamingResponse:
+    gw = gateway(request)
+    record = await _job_record(gw, job_id)
+    kind: Kind = "chat" if record.get("kind") == "chat" else "completion"
+    logprobs = int(record["logprobs"]) if record.get("logprobs") else None
+    builder = ResponseBuilder(
+        kind, job_id, record.get("model", ""), int(float(record.get("created", 0))), int(record.get("n", 1)),
+        gw.info.tokenizer, logprobs,
+    )  # fmt: skip
+    sub = await gw.hub.subscribe(job_id)
+    if record.get("status") in TERMINAL and not any(
+        isinstance(e, DoneEvent) for e in await gw.store.read_log(job_id)
+    ):
+        # Finished without a token log (never enqueued, or the log expired first): answer from the record.
+        await gw.hub.unsubscribe(sub)
+        return StreamingResponse(
+            _from_record(job_id, record), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    sub.resync()  # the tokens so far from the log, then live
+    # Following a job does not own it: a client that stops reading leaves the job running.
+    stream = _sse(gw, sub, builder, include_usage=True, cancel_on_exit=False)
+    return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _from_record(job_id: str, record: dict[str, str]) -> AsyncIterator[str]:
+    view = _job_view(job_id, record)
+    result = view["result"]
+    if result is None:
+        message = (view["error"] or {}).get("message") or f"the job ended {view['status']} without a result"
+        yield _data(error_body(500, message, code="job_failed"))
+        return
+    chat = result["object"] == "chat.completion"
+    for choice in result["choices"]:
+        if chat:
+            delta = {"role": "assistant", "content": choice["message"]["content"]}
+            body = {"index": choice["index"], "delta": delta, "finish_reason": choice["finish_reason"]}
+        else:
+            body = {
+                "index": choice["index"],
+                "text": choice["text"],
+                "finish_reason": choice["finish_reason"],
+            }
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        yield _data({**result, "object": obj, "choices": [body], "usage": None})
+    yield _data({**result, "object": "chat.completion.chunk" if chat else "text_completion", "choices": []})
+    yield "data: [DONE]\n\n"
+
+
+async def _job_record(gw: Gateway, job_id: str) -> dict[str, str]:
+    record = await gw.store.get_record(job_id) if job_id.startswith("job-") else None
+    if record is None or record.get("job") != "1":
+        raise APIError(404, f"no job {job_id!r} (unknown, or expired)", code="not_found", param="job_id")
+    return record
+
+
+def _job_view(job_id: str, record: dict[str, str]) -> dict[str, Any]:
+    status = record.get("status", "queued")
+    created = _float(record.get("created"))
+    started, finished = _float(record.get("started")), _float(record.get("finished"))
+    timings: dict[str, float | None] = {
+        "queue_s": None if started is None or created is None else round(started - created, 6),
+        "ttft_s": _float(record.get("ttft_worker_s")),
+        "total_s": None if finished is None or created is None else round(finished - created, 6),
+    }
+    error = None
+    if record.get("error"):
+        error = {"message": record["error"], "code": record.get("code") or None}
+    result = response_from_record(record, job_id) if status in TERMINAL and "result" in record else None
+    return {
+        "id": job_id,
+        "object": "job",
+        "endpoint": record.get("endpoint"),
+        "model": record.get("model"),
+        "status": status,
+        "created_at": created,
+        "started_at": started,
+        "finished_at": finished,
+        "result": result,
+        "usage": result["usage"] if result else None,
+        "error": error,
+        "timings": timings,
+        "metadata": json.loads(record.get("metadata") or "{}"),
+    }
+
+
+def _float(value: str | None) -> float | None:
+    try:
+        return None if value is None or value == "" else float(value)
+    except ValueError:
+        return None

@@ -1,0 +1,176 @@
+"""``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, as the official client expects them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from services.common.wire import CANCELLED, COMPLETED, DeltaEvent, DoneEvent, Kind
+from services.gateway.errors import APIError, error_body
+from services.gateway.prompts import Prepared, prepare_chat, prepare_completion
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from services.gateway.responses import ResponseBuilder
+from services.gateway.state import Gateway, gateway
+from services.gateway.streams import StreamError, Subscription
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def check_model(gw: Gateway, model: str) -> None:
+    if model not in (gw.info.name, gw.settings.model):
+        raise APIError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_card(gateway(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> dict[str, Any]:
+    gw = gateway(request)
+    check_model(gw, model)
+    return _model_card(gw)
+
+
+def _model_card(gw: Gateway) -> dict[str, Any]:
+    return {
+        "id": gw.info.name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "inflight",
+        "max_model_len": gw.info.max_model_len,
+    }
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    gw = gateway(request)
+    check_model(gw, body.model)
+    return await _serve(gw, request, "completion", body, prepare_completion(body, gw.info), body.logprobs)
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    gw = gateway(request)
+    check_model(gw, body.model)
+    prepared = prepare_chat(body, gw.info)
+    return await _serve(gw, request, "chat", body, prepared, prepared.params["logprobs"])
+
+
+async def _serve(
+    gw: Gateway, request: Request, kind: Kind, body: _Sampling, prepared: Prepared, logprobs: int | None
+) -> Any:
+    msg, sub = await gw.enqueue(request, kind, prepared, job=False, subscribe=True)
+    assert sub is not None
+    builder = ResponseBuilder(kind, msg.id, msg.model, int(msg.created), body.n, gw.info.tokenizer, logprobs)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(gw, sub, builder, include_usage, cancel_on_exit=True),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    try:
+        done = await _until_disconnect(request, _collect(gw, sub, builder))
+    except _ClientGone:
+        gw.spawn(gw.dispatcher.cancel(msg.id))
+        return JSONResponse(error_body(499, "client closed the request"), status_code=499)
+    finally:
+        await gw.hub.unsubscribe(sub)
+    if done.status != COMPLETED:
+        raise _done_error(done)
+    return builder.response(done)
+
+
+async def _collect(gw: Gateway, sub: Subscription, builder: ResponseBuilder) -> DoneEvent:
+    try:
+        async for event in sub.events(gw.settings.request_timeout_s):
+            if isinstance(event, DeltaEvent):
+                builder.add(event)
+            elif isinstance(event, DoneEvent):
+                return event
+    except StreamError as exc:
+        gw.spawn(gw.dispatcher.cancel(sub.request_id))
+        raise APIError(503, f"the request did not complete: {exc}", code=exc.code) from None
+    raise APIError(500, "the token stream ended without a result", code="stream_ended")
+
+
+def _done_error(done: DoneEvent) -> APIError:
+    if done.status == CANCELLED:
+        return APIError(409, "the request was cancelled", code="cancelled")
+    if done.code == "invalid_request":
+        return APIError(400, done.error or "invalid request", code="invalid_value")
+    status = 503 if done.code in ("lost_by_broker", "store_unavailable") else 500
+    return APIError(status, done.error or "the request failed", code=done.code)
+
+
+async def _sse(
+    gw: Gateway, sub: Subscription, builder: ResponseBuilder, include_usage: bool, *, cancel_on_exit: bool
+) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per token event, then usage (if asked) and [DONE]; an error after
+    the stream started is its last event. A client that goes away cancels the request."""
+    finished = False
+    try:
+        async for event in sub.events(gw.settings.request_timeout_s):
+            if event is None:
+                yield ": keep-alive\n\n"  # also how a vanished client is noticed while queued
+            elif isinstance(event, DeltaEvent):
+                yield _data(builder.chunk(event))
+            elif isinstance(event, DoneEvent):
+                finished = True
+                if event.status == COMPLETED or event.status == CANCELLED:
+                    if include_usage:
+                        yield _data(builder.usage_chunk(event))
+                    yield "data: [DONE]\n\n"
+                else:
+                    yield _data(_done_error(event).body())
+                return
+    except StreamError as exc:
+        finished = True
+        yield _data(error_body(503, f"the stream was interrupted: {exc}", code=exc.code))
+    finally:
+        # Runs also when the client disconnects (the generator is cancelled): never await here.
+        gw.spawn(gw.hub.unsubscribe(sub))
+        if cancel_on_exit and not finished:
+            gw.spawn(gw.dispatcher.cancel(sub.request_id))
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first (then cancel it and raise _ClientGone)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    raise _ClientGone

@@ -1,0 +1,166 @@
+"""From an API body to what the engine runs: prompt token ids and sampling parameters.
+
+The gateway tokenizes (torch-free ``engine.tokenizer``) so it can refuse a prompt longer than the
+model's context before anything is enqueued, and so the Kafka key can be the prompt's first block.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer, load_tokenizer
+from services.common.settings import Settings
+from services.gateway.errors import APIError
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int | None  # None: unknown here, the worker checks
+    vocab_size: int | None
+    tokenizer: Tokenizer | None
+
+
+def load_model_info(settings: Settings) -> ModelInfo:
+    """The model's facts from its directory. Without one (the chart's default keeps the checkpoint off the
+    gateway), the gateway forwards text and the worker tokenizes and checks the length."""
+    config: dict[str, Any] = {}
+    tokenizer = None
+    if settings.model and Path(settings.model).is_dir():
+        path = Path(settings.model)
+        if (path / "config.json").is_file():
+            config = json.loads((path / "config.json").read_text())
+        tokenizer = load_tokenizer(path)
+    max_len = settings.max_model_len or settings.engine_args.get("max_model_len")
+    max_len = max_len or config.get("max_position_embeddings")
+    vocab = config.get("vocab_size")
+    return ModelInfo(
+        settings.model_name, int(max_len) if max_len else None, int(vocab) if vocab else None, tokenizer
+    )
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_token_ids: list[int]  # empty when the gateway has no tokenizer: then text or messages
+    params: dict[str, Any]  # SamplingParams fields, already validated
+    session: str | None
+    priority: int = 0
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, code="invalid_value", param=param)
+
+
+def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
+    if req.suffix:
+        raise _bad("suffix is not supported", "suffix")
+    if req.echo:
+        raise _bad("echo is not supported", "echo")
+    if req.best_of is not None and req.best_of != req.n:
+        raise _bad("best_of must equal n (no server-side ranking)", "best_of")
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise _bad("send one prompt per request (batched prompts are not supported)", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if info.tokenizer is None:
+            if not prompt:
+                raise _bad("the prompt is empty", "prompt")
+            return _finish(req, info, [], req.max_tokens, req.logprobs, text=prompt)
+        ids = info.tokenizer.encode(prompt, add_special_tokens=True)
+    else:
+        ids = [int(t) for t in prompt]
+    return _finish(req, info, ids, req.max_tokens, req.logprobs)
+
+
+def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
+    if req.tools:
+        raise _bad("tools are not supported", "tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise _bad("only the text response_format is supported", "response_format")
+    # Text parts joined into one string, None as "": what every chat template can render.
+    messages: list[dict[str, Any]] = [
+        {
+            "role": m.role,
+            "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []),
+        }
+        | ({"name": m.name} if m.name else {})
+        for m in req.messages
+    ]
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if info.tokenizer is None:
+        return _finish(req, info, [], max_tokens, logprobs, messages=messages)
+    try:
+        text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
+    except Exception as exc:  # template code is the checkpoint's: any failure is the input's fault
+        raise _bad(f"the chat template rejected these messages: {exc}", "messages") from None
+    # The rendered template already holds bos and the other special tokens.
+    ids = info.tokenizer.encode(text, add_special_tokens=False)
+    return _finish(req, info, ids, max_tokens, logprobs)
+
+
+def _finish(
+    req: _Sampling,
+    info: ModelInfo,
+    ids: list[int],
+    max_tokens: int | None,
+    logprobs: int | None,
+    *,
+    text: str | None = None,
+    messages: list[dict[str, Any]] | None = None,
+) -> Prepared:
+    if not ids and text is None and messages is None:
+        raise _bad("the prompt is empty", "prompt")
+    if req.logit_bias:
+        raise _bad("logit_bias is not supported", "logit_bias")
+    vocab = info.vocab_size
+    if vocab is not None and ids and max(ids) >= vocab:
+        raise _bad(f"prompt token ids must be below the vocabulary size {vocab}", "prompt")
+    if vocab is not None and req.stop_token_ids and max(req.stop_token_ids) >= vocab:
+        raise _bad(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
+    # Without a tokenizer the prompt's length is unknown here: only max_tokens is checked, the worker
+    # checks the rest.
+    room = None if info.max_model_len is None else info.max_model_len - len(ids)
+    if room is not None and (room < 1 or (max_tokens is not None and max_tokens > room)):
+        asked = f"{len(ids)} in the prompt" + (f" + {max_tokens} to generate" if max_tokens else "")
+        raise _bad(
+            f"This model's maximum context length is {info.max_model_len} tokens; this request asks for "
+            f"{asked}. Shorten the prompt or lower max_tokens.",
+            "max_tokens" if room >= 1 else "prompt",
+        )
+    fields: dict[str, Any] = {
+        "n": req.n,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "seed": req.seed,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "max_tokens": max_tokens if max_tokens is not None or not ids else room,
+        "min_tokens": req.min_tokens,
+        "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "ignore_eos": req.ignore_eos,
+        "logprobs": logprobs,
+        "include_stop_str_in_output": req.include_stop_str_in_output,
+        "skip_special_tokens": req.skip_special_tokens,
+    }
+    for name in ("top_k", "min_p", "repetition_penalty"):
+        value = getattr(req, name)
+        if value is not None:
+            fields[name] = value
+    try:
+        params = SamplingParams(**fields)
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
+    session = req.session_id or req.user
+    return Prepared(ids, dataclasses.asdict(params), session, req.priority, text, messages)

@@ -1,0 +1,93 @@
+"""Request bodies of the OpenAI-compatible API, with the engine's extra sampling fields as vLLM has them.
+
+Unknown fields are ignored (vLLM and OpenAI do the same), so clients written for either work unchanged.
+Bounds here are the structural ones; limits that depend on the model (context length, vocabulary) are
+checked in ``prompts.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_MAX_SEED = 2**62  # the engine derives seed + i for n completions; keep that inside 63 bits
+_MAX_INT = 2**31 - 1
+
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None, max_length=16)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, le=_MAX_SEED)
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling parameters
+    top_k: int | None = Field(None, ge=-1, le=_MAX_INT)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
+    min_tokens: int = Field(0, ge=0, le=_MAX_INT)
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=_MAX_INT)]] | None = Field(None, max_length=64)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = Field(0, ge=-(2**31), le=_MAX_INT)
+    # Prefix affinity: requests of one session go to one engine (its prefix cache). Falls back to user.
+    session_id: str | None = Field(None, max_length=256)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[Annotated[int, Field(ge=0, le=_MAX_INT)]] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1, le=_MAX_INT)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=16)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=_MAX_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_INT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+
+class JobRequest(BaseModel):
+    """An asynchronous job: the body of a completions or chat request, run without holding a connection."""
+
+    model_config = ConfigDict(extra="ignore")
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
+    body: dict[str, Any]
+    metadata: dict[str, str] | None = Field(None, max_length=16)

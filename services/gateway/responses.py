@@ -1,0 +1,183 @@
+"""Token events -> OpenAI response bodies: streaming chunks, whole responses, usage."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.tokenizer import Tokenizer
+from services.common.wire import DeltaEvent, DoneEvent, Kind
+
+
+class ResponseBuilder:
+    """Formats one request's events; also accumulates them for a non-streaming response."""
+
+    def __init__(
+        self,
+        kind: Kind,
+        request_id: str,
+        model: str,
+        created: int,
+        n: int,
+        tokenizer: Tokenizer | None,
+        logprobs: int | None = None,
+    ) -> None:
+        self.kind = kind
+        self.id = request_id
+        self.model = model
+        self.created = created
+        self.n = n
+        self.tokenizer = tokenizer
+        self.logprobs = logprobs
+        self.texts: dict[int, list[str]] = {i: [] for i in range(n)}
+        self.finish: dict[int, str | None] = dict.fromkeys(range(n))
+        self.stop_reasons: dict[int, Any] = dict.fromkeys(range(n))
+        self.lp: dict[int, list[list[list[float]]]] = {i: [] for i in range(n)}
+        self.tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+        self._role_sent: set[int] = set()
+
+    @property
+    def object(self) -> str:
+        return "text_completion" if self.kind == "completion" else "chat.completion"
+
+    def add(self, ev: DeltaEvent) -> None:
+        self.texts.setdefault(ev.index, []).append(ev.text)
+        self.tokens.setdefault(ev.index, []).extend(ev.token_ids)
+        if ev.logprobs:
+            self.lp.setdefault(ev.index, []).extend(ev.logprobs)
+        if ev.finish_reason is not None:
+            self.finish[ev.index] = ev.finish_reason
+            self.stop_reasons[ev.index] = ev.stop_reason
+
+    # ---- streaming -------------------------------------------------------------------------
+    def chunk(self, ev: DeltaEvent) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": ev.index}
+        if self.kind == "completion":
+            choice["text"] = ev.text
+            choice["logprobs"] = self._completion_logprobs(ev.token_ids, ev.logprobs or [])
+        else:
+            delta: dict[str, Any] = {"content": ev.text}
+            if ev.index not in self._role_sent:
+                self._role_sent.add(ev.index)
+                delta = {"role": "assistant", **delta}
+            choice["delta"] = delta
+            choice["logprobs"] = self._chat_logprobs(ev.token_ids, ev.logprobs or [])
+        choice["finish_reason"] = ev.finish_reason
+        if ev.finish_reason is not None:
+            choice["stop_reason"] = ev.stop_reason
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
+        return {**self._envelope([], chunk=True), "usage": usage(done.prompt_tokens, done.completion_tokens)}
+
+    # ---- whole response --------------------------------------------------------------------
+    def response(self, done: DoneEvent) -> dict[str, Any]:
+        choices = []
+        for i in range(self.n):
+            text = "".join(self.texts.get(i, []))
+            ids, lps = self.tokens.get(i, []), self.lp.get(i, [])
+            choices.append(self._choice(i, text, self.finish.get(i), self.stop_reasons.get(i), ids, lps))
+        body = self._envelope(choices, chunk=False)
+        body["usage"] = usage(done.prompt_tokens, done.completion_tokens)
+        return body
+
+    def _choice(
+        self, index: int, text: str, finish: str | None, stop_reason: Any, ids: list[int], lps: list[Any]
+    ) -> dict[str, Any]:
+        if self.kind == "completion":
+            lp: Any = self._completion_logprobs(ids, lps)
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": lp,
+                "finish_reason": finish,
+                "stop_reason": stop_reason,
+            }
+        message = {"role": "assistant", "content": text}
+        lp = self._chat_logprobs(ids, lps)
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": lp,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
+
+    def _envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
+        obj = self.object + (".chunk" if chunk and self.kind == "chat" else "")
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    # ---- logprobs --------------------------------------------------------------------------
+    def _token_str(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _completion_logprobs(self, ids: list[int], lps: list[list[list[float]]]) -> dict[str, Any] | None:
+        if self.logprobs is None or not ids:
+            return None
+        tokens = [self._token_str(t) for t in ids]
+        chosen = [_lookup(pairs, t) for t, pairs in zip(ids, lps, strict=False)]
+        top = [{self._token_str(int(p[0])): p[1] for p in pairs[: self.logprobs]} for pairs in lps]
+        offsets, pos = [], 0
+        for tok in tokens:
+            offsets.append(pos)
+            pos += len(tok)
+        return {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": top, "text_offset": offsets}
+
+    def _chat_logprobs(self, ids: list[int], lps: list[list[list[float]]]) -> dict[str, Any] | None:
+        if self.logprobs is None or not ids:
+            return None
+        content = []
+        for token_id, pairs in zip(ids, lps, strict=False):
+            tok = self._token_str(token_id)
+            content.append(
+                {
+                    "token": tok,
+                    "logprob": _lookup(pairs, token_id),
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {"token": s, "logprob": p[1], "bytes": list(s.encode())}
+                        for p in pairs[: self.logprobs]
+                        for s in [self._token_str(int(p[0]))]
+                    ],
+                }
+            )
+        return {"content": content}
+
+
+def _lookup(pairs: list[list[float]], token_id: int) -> float | None:
+    return next((p[1] for p in pairs if int(p[0]) == token_id), None)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def response_from_record(record: dict[str, str], request_id: str) -> dict[str, Any] | None:
+    """The OpenAI response of a finished job, from the result the worker stored."""
+    if "result" not in record:
+        return None
+    result = json.loads(record["result"])
+    used = json.loads(record.get("usage", "{}"))
+    kind: Kind = "chat" if record.get("kind") == "chat" else "completion"
+    builder = ResponseBuilder(
+        kind, request_id, record.get("model", ""), int(float(record.get("created", 0))), 0, None
+    )
+    choices = [
+        builder._choice(c["index"], c["text"], c.get("finish_reason"), c.get("stop_reason"), [], [])
+        for c in result.get("choices", [])
+    ]
+    body = builder._envelope(choices, chunk=False)
+    body["usage"] = usage(int(used.get("prompt_tokens", 0)), int(used.get("completion_tokens", 0)))
+    return body

@@ -1,0 +1,86 @@
+"""What the routes share: settings, the model's facts, the store, the stream hub, the dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from services.common.kafka import affinity_key, trace_headers
+from services.common.settings import Settings
+from services.common.store import Store
+from services.common.wire import Kind, RequestMessage
+from services.gateway.dispatch import Dispatcher
+from services.gateway.prompts import ModelInfo, Prepared
+from services.gateway.streams import Hub, Subscription
+
+# W3C trace context: version-traceid-parentid-flags, lowercase hex.
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
+
+
+@dataclass
+class Gateway:
+    settings: Settings
+    info: ModelInfo
+    store: Store
+    hub: Hub
+    dispatcher: Dispatcher
+    _background: set[asyncio.Task[Any]] = field(default_factory=set)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Fire and forget, but keep a reference (and survive the caller being cancelled)."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def enqueue(
+        self,
+        request: Request,
+        kind: Kind,
+        prepared: Prepared,
+        *,
+        job: bool,
+        subscribe: bool,
+        extra: dict[str, str | int | float] | None = None,
+    ) -> tuple[RequestMessage, Subscription | None]:
+        prefix = "job" if job else ("cmpl" if kind == "completion" else "chatcmpl")
+        msg = RequestMessage(
+            id=f"{prefix}-{uuid.uuid4().hex}",
+            kind=kind,
+            model=self.info.name,
+            prompt_token_ids=prepared.prompt_token_ids,
+            params=prepared.params,
+            created=time.time(),
+            priority=prepared.priority,
+            job=job,
+            prompt=prepared.text,
+            messages=prepared.messages,
+        )
+        record: dict[str, str | int | float] = {
+            "kind": kind,
+            "model": msg.model,
+            "created": f"{msg.created:.6f}",
+            "job": int(job),
+            "n": int(prepared.params["n"]),
+            "prompt_tokens": len(prepared.prompt_token_ids),
+            "logprobs": "" if prepared.params["logprobs"] is None else int(prepared.params["logprobs"]),
+            **(extra or {}),
+        }
+        text = prepared.text or "".join(str(m.get("content") or "") for m in prepared.messages or [])
+        block = self.settings.affinity_block_tokens
+        key = affinity_key(prepared.prompt_token_ids, block, prepared.session, text)
+        traceparent = request.headers.get("traceparent")
+        headers = trace_headers(traceparent if traceparent and _TRACEPARENT.match(traceparent) else None)
+        sub = await self.dispatcher.submit(msg, key, headers, record, subscribe=subscribe)
+        return msg, sub
+
+
+def gateway(request: Request) -> Gateway:
+    gw: Gateway = request.app.state.gateway
+    return gw

@@ -1,0 +1,55 @@
+"""The worker's own small HTTP server: probes, metrics, and a JSON view of its state."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.common.telemetry import metrics_payload
+from services.worker.service import Worker
+
+
+def create_app(worker: Worker) -> Starlette:
+    async def healthz(_: Request) -> Response:
+        dead = getattr(worker.engine, "dead_error", None)
+        if dead is not None:
+            return JSONResponse({"status": "engine loop died", "error": str(dead)}, status_code=500)
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(_: Request) -> Response:
+        ready = worker.started and not worker.draining and worker.publisher.healthy
+        return JSONResponse({"ready": ready, **worker.stats()}, status_code=200 if ready else 503)
+
+    async def metrics(_: Request) -> Response:
+        body, content_type = metrics_payload()
+        return Response(body, media_type=content_type)
+
+    async def stats(_: Request) -> Response:
+        return JSONResponse(worker.stats())
+
+    routes = [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/metrics", metrics),
+        Route("/stats", stats),
+    ]
+    return Starlette(routes=routes)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the worker drains on SIGTERM itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def make_server(worker: Worker, host: str, port: int) -> uvicorn.Server:
+    config = uvicorn.Config(create_app(worker), host=host, port=port, log_level="warning", lifespan="off")
+    return _Server(config)

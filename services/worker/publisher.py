@@ -1,0 +1,136 @@
+"""Token events to Redis: batched, ordered per request, fenced by the lease, riding out outages.
+
+Engine outputs arrive as fast as steps run; the publisher sends whatever has accumulated in one
+pipelined round trip (one PUBLISH script per request), so at low load a token goes out at once and
+under load events batch up instead of queueing per token. Events of a request are numbered only
+when sent, and a failed send keeps them numbered and queued, so a Redis outage delays a stream but
+never reorders, renumbers or drops it (until ``redis_outage_s`` passes; then the runs are failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from services.common.settings import Settings
+from services.common.store import REDIS_ERRORS, Store
+from services.worker.run import Final, PendingDelta, Run
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(RuntimeError):
+    """Redis stayed unreachable past the outage budget: the run's events could not be delivered."""
+
+
+class Publisher:
+    def __init__(self, store: Store, settings: Settings, on_fenced: Callable[[Run], None]) -> None:
+        self.store = store
+        self.settings = settings
+        self.worker = settings.worker_id
+        self._on_fenced = on_fenced
+        self._dirty: dict[str, Run] = {}
+        self._wake = asyncio.Event()
+        self._failing_since: float | None = None
+        self.num_round_trips = 0
+
+    def emit(self, run: Run, delta: PendingDelta, *, last: bool = False) -> None:
+        """Queue a delta. ``last``: the request's final delta; it waits for ``finish`` so that it and the
+        done event reach Redis in one round trip (the response's last hop is the slowest)."""
+        run.record(delta)
+        run.outbox.append(delta)
+        self._dirty[run.id] = run
+        if not last:
+            self._wake.set()
+
+    def finish(self, run: Run, final: Final) -> asyncio.Future[None]:
+        """Queue the terminal event and record; the future resolves once Redis has them."""
+        run.final = final
+        run.final_sent = asyncio.get_running_loop().create_future()
+        self._mark(run)
+        return run.final_sent
+
+    def _mark(self, run: Run) -> None:
+        self._dirty[run.id] = run
+        self._wake.set()
+
+    @property
+    def healthy(self) -> bool:
+        return self._failing_since is None
+
+    async def run_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._dirty = list(self._dirty.values()), {}
+            try:
+                await self._send(batch)
+                self._failing_since = None
+            except REDIS_ERRORS as exc:
+                now = time.monotonic()
+                self._failing_since = self._failing_since or now
+                if now - self._failing_since > self.settings.redis_outage_s:
+                    down_s = now - self._failing_since
+                    log.error("Redis unreachable for %.0fs, failing %d requests: %s", down_s, len(batch), exc)
+                    for run in batch:
+                        self._give_up(run, exc)
+                    continue
+                log.warning("Redis publish failed, retrying: %s", exc)
+                for run in batch:
+                    self._dirty.setdefault(run.id, run)
+                await asyncio.sleep(0.2)
+                self._wake.set()
+
+    async def _send(self, batch: list[Run]) -> None:
+        s = self.settings
+        calls: list[tuple[str, Any, Any]] = []
+        sent: list[tuple[Run, int, bool]] = []
+        for run in batch:
+            run.number_outbox(self.worker)
+            final = run.final is not None and not run.outbox and run.final_sent is not None
+            if final and not run.done_numbered:
+                run.unsent.append(run.done_event(self.worker))
+            if not run.unsent:
+                continue
+            ttl = s.job_ttl_s if run.msg.job else s.record_ttl_s
+            fields = run.final.fields if final and run.final is not None else None
+            calls.append(
+                self.store.publish_call(
+                    run.id, self.worker, s.lease_ttl_s, ttl, run.unsent, final=final, fields=fields
+                )
+            )
+            sent.append((run, len(run.unsent), final))
+        if not calls:
+            return
+        results = await self.store.eval_many(calls)
+        self.num_round_trips += 1
+        for (run, count, final), ok in zip(sent, results, strict=True):
+            del run.unsent[:count]
+            if not ok:
+                run.outbox.clear()
+                self._on_fenced(run)
+                self._resolve(run, PublishError(f"request {run.id} is now owned by another worker"))
+            elif final:
+                run.holds_lease = False
+                self._resolve(run, None)
+
+    def _give_up(self, run: Run, exc: BaseException) -> None:
+        run.outbox.clear()
+        run.unsent.clear()
+        self._on_fenced(run)
+        self._resolve(run, PublishError(f"Redis unreachable: {exc}"))
+
+    @staticmethod
+    def _resolve(run: Run, error: BaseException | None) -> None:
+        fut = run.final_sent
+        if fut is None:
+            # Not finishing yet: the failure reaches the run through on_fenced (it stops).
+            return
+        if not fut.done():
+            if error is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(error)

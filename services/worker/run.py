@@ -1,0 +1,127 @@
+"""One request as a worker sees it: what it has emitted, and how it must end."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from aiokafka.structs import TopicPartition
+
+from services.common.wire import DeltaEvent, DoneEvent, RequestMessage, encode_event
+
+
+@dataclass
+class PendingDelta:
+    """A delta not yet numbered: the publisher assigns seq when it sends, after merging neighbours."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[list[list[float]]] | None = None
+
+
+@dataclass
+class Final:
+    status: str
+    error: str | None = None
+    code: str | None = None
+    fields: dict[str, str | int | float] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Run:
+    msg: RequestMessage
+    # Every delivery of this request to this worker (a redelivery attaches here): (partition, offset,
+    # tracker generation). All are marked done when the request is terminal.
+    deliveries: list[tuple[TopicPartition, int, int]] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)  # the message's, or tokenized here
+    seq: int = 0  # last sequence number used
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    finish: dict[int, str | None] = field(default_factory=dict)
+    stop_reasons: dict[int, int | str | None] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    error_code: str = "engine_error"
+    resumed_from: int = 0  # output tokens that came from the log (a crash resume)
+    cancelled: bool = False  # the client asked: finish as cancelled
+    handed_back: bool = False  # drain: stop without finishing, another worker resumes
+    fenced: bool = False  # another worker owns it now: stop silently
+    holds_lease: bool = False
+    engine_ids: set[str] = field(default_factory=set)  # ids live in the engine now
+    started: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    task: asyncio.Task[str] | None = None
+    # Publisher state: deltas waiting to be numbered, numbered events waiting for Redis, the end.
+    outbox: list[PendingDelta] = field(default_factory=list)
+    unsent: list[str] = field(default_factory=list)
+    final: Final | None = None
+    done_numbered: bool = False
+    final_sent: asyncio.Future[None] | None = None
+
+    @property
+    def id(self) -> str:
+        return self.msg.id
+
+    @property
+    def stopping(self) -> bool:
+        return self.cancelled or self.handed_back or self.fenced
+
+    def record(self, delta: PendingDelta) -> None:
+        """Account a delta in the run's own view (the final result and usage come from here)."""
+        self.tokens.setdefault(delta.index, []).extend(delta.token_ids)
+        self.texts.setdefault(delta.index, []).append(delta.text)
+        if delta.finish_reason is not None:
+            self.finish[delta.index] = delta.finish_reason
+            self.stop_reasons[delta.index] = delta.stop_reason
+
+    def number_outbox(self, worker: str) -> None:
+        """Merge adjacent deltas of one index and number them into ``unsent``.
+
+        Merging keeps Redis and the client's SSE from paying per token when the publisher is behind
+        (a batch of steps arrives at once); it never crosses an index or a finish.
+        """
+        merged: list[PendingDelta] = []
+        for d in self.outbox:
+            last = merged[-1] if merged else None
+            if last is not None and last.index == d.index and last.finish_reason is None:
+                last.token_ids = last.token_ids + d.token_ids
+                last.text += d.text
+                last.finish_reason, last.stop_reason = d.finish_reason, d.stop_reason
+                if d.logprobs is not None:
+                    last.logprobs = (last.logprobs or []) + d.logprobs
+            else:
+                merged.append(PendingDelta(**vars(d)))
+        self.outbox = []
+        for d in merged:
+            self.seq += 1
+            event = DeltaEvent(
+                id=self.id,
+                seq=self.seq,
+                index=d.index,
+                token_ids=d.token_ids,
+                text=d.text,
+                finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason,
+                logprobs=d.logprobs,
+                worker=worker,
+            )
+            self.unsent.append(encode_event(event))
+
+    def done_event(self, worker: str) -> str:
+        assert self.final is not None
+        self.done_numbered = True
+        self.seq += 1
+        done = DoneEvent(
+            id=self.id,
+            seq=self.seq,
+            status=self.final.status,
+            prompt_tokens=len(self.prompt_token_ids),
+            completion_tokens=sum(len(t) for t in self.tokens.values()),
+            error=self.final.error,
+            code=self.final.code,
+            worker=worker,
+        )
+        return encode_event(done)

@@ -1,0 +1,245 @@
+"""Run one consumed request through the engine: claim, resume, generate, finish.
+
+    take (no longer pending) -> start (lease, seed, the log so far) -> generate each completion index
+    -> finish (last event + record, lease dropped), or hand back / stop when fenced.
+
+A request with n completions runs as n engine requests with seeds seed+i (the engine's own rule for
+n > 1), so each index can resume on its own after a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import random
+import time
+from typing import Any
+
+from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from services.common.settings import Settings
+from services.common.store import Store
+from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
+from services.worker.publisher import Publisher
+from services.worker.run import Final, PendingDelta, Run
+
+log = logging.getLogger(__name__)
+
+# Outcomes: the offset is done for all but HANDED_BACK (another worker must run it).
+DONE, SKIPPED, HANDED_BACK, FENCED = "done", "skipped", "handed_back", "fenced"
+
+
+class Runner:
+    def __init__(self, engine: Any, store: Store, publisher: Publisher, settings: Settings) -> None:
+        self.engine = engine
+        self.store = store
+        self.publisher = publisher
+        self.settings = settings
+        self._rng = random.Random()
+
+    async def execute(self, run: Run) -> str:
+        s = self.settings
+        ttl = s.job_ttl_s if run.msg.job else s.record_ttl_s
+        while True:
+            start = await self.store.start(run.id, s.worker_id, s.lease_ttl_s, self._rng.getrandbits(62), ttl)
+            if start.outcome == "terminal":
+                return SKIPPED  # redelivered after it finished: never run twice
+            if start.outcome == "ok":
+                break
+            # Another live worker holds it (a rebalance moved the partition while it runs): wait for it
+            # to finish or for its lease to lapse (it died), never generate alongside it.
+            if run.handed_back:
+                return HANDED_BACK
+            await asyncio.sleep(min(1.0, s.lease_ttl_s / 4))
+        run.holds_lease = True
+        if any(isinstance(e, DoneEvent) for e in start.events):
+            return SKIPPED
+        self._resume(run, start.events)
+        if start.cancelled or run.cancelled:
+            run.cancelled = True
+            return await self._finish(run)
+        try:
+            params = SamplingParams(**run.msg.params)
+            run.prompt_token_ids = self._prompt(run, params)
+        except Exception as exc:  # bad parameters, or a chat template that cannot render these messages
+            run.errors[0] = str(exc)
+            run.error_code = "invalid_request"
+            return await self._finish(run)
+        seed = params.seed if params.seed is not None else start.seed
+        assert seed is not None
+        todo = [i for i in range(params.n) if run.finish.get(i) is None]
+        await asyncio.gather(*(self._generate(run, params, seed, i) for i in todo))
+        if run.handed_back or run.fenced:
+            if run.handed_back and run.holds_lease:
+                await self.store.release(run.id, s.worker_id)
+            return HANDED_BACK if run.handed_back else FENCED
+        return await self._finish(run)
+
+    def _prompt(self, run: Run, params: SamplingParams) -> list[int]:
+        """The prompt's token ids: as sent, or tokenized here for a gateway without the tokenizer."""
+        msg = run.msg
+        if msg.prompt_token_ids:
+            return list(msg.prompt_token_ids)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: send the prompt as token ids")
+        if msg.messages is not None:
+            text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True)
+            ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(msg.prompt or "", add_special_tokens=True)
+        max_len = int(self.engine.config.max_model_len)
+        wanted = len(ids) + (params.max_tokens or 1)
+        if not ids or wanted > max_len:
+            raise ValueError(
+                f"This model's maximum context length is {max_len} tokens; this request asks for "
+                f"{len(ids)} in the prompt + {params.max_tokens or 1} to generate. Shorten the prompt or "
+                "lower max_tokens."
+            )
+        return ids
+
+    def _resume(self, run: Run, events: list[Any]) -> None:
+        """Fold what earlier workers published into this run: tokens, text, finished indexes, seq."""
+        for event in sorted(events, key=lambda e: e.seq):
+            if event.seq <= run.seq:
+                continue  # a duplicate (a retried publish)
+            assert isinstance(event, DeltaEvent)
+            run.seq = event.seq
+            run.record(
+                PendingDelta(event.index, event.token_ids, event.text, event.finish_reason, event.stop_reason)
+            )
+        run.resumed_from = sum(len(t) for t in run.tokens.values())
+        if run.resumed_from:
+            log.info("resuming %s after %d tokens (seq %d)", run.id, run.resumed_from, run.seq)
+
+    async def _generate(self, run: Run, params: SamplingParams, seed: int, index: int) -> None:
+        engine_id = f"{run.id}#{index}"
+        resumed = list(run.tokens.get(index, []))
+        one = dataclasses.replace(params, n=1, seed=seed + index)
+        detok = self._replay_detokenizer(run, params, resumed)
+        if params.max_tokens is not None and len(resumed) >= params.max_tokens:
+            self.publisher.emit(run, PendingDelta(index, [], detok.flush() if detok else "", "length"))
+            return
+        if run.stopping:
+            return
+        run.engine_ids.add(engine_id)
+        try:
+            stream = self.engine.generate(
+                run.prompt_token_ids,
+                one,
+                engine_id,
+                priority=run.msg.priority,
+                resume_token_ids=resumed or None,
+            )
+            async for out in stream:
+                c = out.outputs[0]
+                if run.first_token is None and c.token_ids:
+                    run.first_token = time.monotonic()
+                finish, stop_reason, text = c.finish_reason, c.stop_reason, c.text
+                if finish == "abort" and (run.handed_back or run.fenced):
+                    return  # no event: whoever resumes continues from the log as it is
+                if detok is not None:
+                    # A resumed stream: this worker's detokenizer has replayed the earlier tokens, so
+                    # text (and stop strings) continue exactly as one uninterrupted run would.
+                    delta = detok.update(c.token_ids)
+                    text = delta.text
+                    if delta.stop_str is not None and finish is None:
+                        finish, stop_reason = "stop", delta.stop_str
+                    elif finish is not None and delta.stop_str is None:
+                        text += detok.flush()
+                    if finish is not None and c.finish_reason is None:
+                        await self.engine.abort(engine_id)
+                logprobs = _logprobs(c.logprobs) if params.logprobs is not None else None
+                pending = PendingDelta(index, list(c.token_ids), text, finish, stop_reason, logprobs)
+                others_done = all(run.finish.get(i) is not None for i in range(params.n) if i != index)
+                self.publisher.emit(run, pending, last=finish is not None and others_done)
+                if finish is not None:
+                    if finish == "error":
+                        run.errors[index] = out.error or "the engine failed this request"
+                    return
+                if run.stopping:
+                    await self.engine.abort(engine_id)
+        except (ValueError, RuntimeError) as exc:
+            # ValueError: the engine refused the input; RuntimeError: its loop died.
+            log.warning("request %s index %d failed: %s", run.id, index, exc)
+            run.errors[index] = str(exc)
+            self.publisher.emit(run, PendingDelta(index, [], "", "error"))
+        finally:
+            run.engine_ids.discard(engine_id)
+
+    def _replay_detokenizer(
+        self, run: Run, params: SamplingParams, resumed: list[int]
+    ) -> IncrementalDetokenizer | None:
+        if not resumed or self.engine.tokenizer is None:
+            return None
+        detok = IncrementalDetokenizer(
+            self.engine.tokenizer,
+            run.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )
+        for token in resumed:
+            detok.update([token])
+        return detok
+
+    async def _finish(self, run: Run) -> str:
+        if run.cancelled:
+            final = Final(CANCELLED, "cancelled by the client", "cancelled")
+        elif run.errors:
+            final = Final(FAILED, "; ".join(run.errors.values()), run.error_code)
+        else:
+            final = Final(COMPLETED)
+        final.fields = self._record_fields(run, final)
+        try:
+            await self.publisher.finish(run, final)
+        except RuntimeError as exc:
+            log.warning("could not finish %s: %s", run.id, exc)
+            return FENCED
+        return DONE
+
+    def _record_fields(self, run: Run, final: Final) -> dict[str, str | int | float]:
+        n = max(len(run.tokens), int(run.msg.params.get("n", 1)))
+        choices = [
+            {
+                "index": i,
+                "text": "".join(run.texts.get(i, [])),
+                "finish_reason": run.finish.get(i),
+                "stop_reason": run.stop_reasons.get(i),
+                "num_tokens": len(run.tokens.get(i, [])),
+            }
+            for i in range(n)
+        ]
+        completion_tokens = sum(len(t) for t in run.tokens.values())
+        usage = {
+            "prompt_tokens": len(run.prompt_token_ids),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(run.prompt_token_ids) + completion_tokens,
+        }
+        fields: dict[str, str | int | float] = {
+            "status": final.status,
+            "finished": f"{time.time():.6f}",
+            "kind": run.msg.kind,
+            "model": run.msg.model,
+            "created": f"{run.msg.created:.6f}",
+            "job": int(run.msg.job),
+            "result": json.dumps({"choices": choices}),
+            "usage": json.dumps(usage),
+            "worker": self.settings.worker_id,
+            "resumed_tokens": run.resumed_from,
+        }
+        if run.first_token is not None:
+            fields["ttft_worker_s"] = round(run.first_token - run.started, 6)
+        if final.error:
+            fields["error"] = final.error
+            fields["code"] = final.code or ""
+        return fields
+
+
+def _logprobs(raw: list[dict[int, float]] | None) -> list[list[list[float]]] | None:
+    if raw is None:
+        return None
+    # JSON objects cannot have int keys: [token id, logprob] pairs, most likely first.
+    return [sorted(([tid, lp] for tid, lp in d.items()), key=lambda p: -p[1]) for d in raw]

@@ -1,0 +1,57 @@
+"""Real servers for the service tests: a tansu broker and a Redis (or Valkey) on loopback ports.
+
+The shared ``stack`` (one gateway, one worker) serves the tests that only send traffic; tests that
+kill, restart or fill things build their own stack (and their own servers where a restart or a
+shared key would disturb others).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.common.servers import ServerProcess, start_kafka, start_redis
+from tests.services.stack import REDIS_PASSWORD, Stack, new_stack
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    from engine.models.tiny import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with start_kafka(workdir=tmp_path_factory.mktemp("kafka")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with start_redis(password=REDIS_PASSWORD, workdir=tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def stack(
+    kafka: ServerProcess,
+    redis_server: ServerProcess,
+    model_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Stack]:
+    shared = new_stack(kafka, redis_server, model_path, tmp_path_factory.mktemp("stack"))
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def own_servers(tmp_path: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A broker and a Redis for one test (restarts, a full pending set)."""
+    with (
+        start_kafka(workdir=tmp_path / "kafka") as k,
+        start_redis(password=REDIS_PASSWORD, workdir=tmp_path / "redis") as r,
+    ):
+        yield k, r

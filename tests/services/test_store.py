@@ -1,0 +1,134 @@
+"""The Redis protocol (Lua scripts) against a real Redis: admission, leases, fencing, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.common import keys
+from services.common.servers import ServerProcess, start_redis
+from services.common.store import Store
+from services.common.wire import DeltaEvent, DoneEvent, decode_event, encode_event
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with start_redis(workdir=tmp_path_factory.mktemp("store-redis")) as server:
+        yield server
+
+
+@pytest.fixture
+async def store(own_redis: ServerProcess) -> AsyncIterator[Store]:
+    client = aioredis.Redis.from_url(own_redis.url, decode_responses=True)
+    await client.flushall()
+    yield Store(client)
+    await client.aclose()
+
+
+def _rid() -> str:
+    return f"cmpl-{uuid.uuid4().hex[:8]}"
+
+
+async def test_admission_is_bounded_and_self_heals(store: Store) -> None:
+    ids = [_rid() for _ in range(4)]
+    assert [await store.admit(i, 3, ttl_s=30) for i in ids] == [True, True, True, False]
+    await store.take(ids[0])  # an engine took one: room for one more
+    assert await store.admit(ids[3], 3, ttl_s=30)
+    # Reservations that nobody refreshes (their gateway died) expire and free the bound.
+    assert await store.admit(_rid(), 10, ttl_s=0.2)
+    assert await store.num_pending() == 4
+    await asyncio.sleep(0.3)
+    assert await store.num_pending() == 3
+    assert await store.refresh_pending([ids[1], ids[0]], ttl_s=30) == {ids[1]}
+
+
+async def test_start_claims_once_and_resumes_from_the_log(store: Store) -> None:
+    rid = _rid()
+    await store.create_record(rid, {"kind": "completion"}, ttl_s=60)
+    first = await store.start(rid, "w1", lease_s=5, seed=42, ttl_s=60)
+    assert (first.outcome, first.seed, first.events) == ("ok", 42, [])
+    # Another worker sees the live lease and must not run it.
+    busy = await store.start(rid, "w2", lease_s=5, seed=7, ttl_s=60)
+    assert (busy.outcome, busy.status) == ("busy", "w1")
+    delta = DeltaEvent(rid, 1, 0, [5, 6], "ab", worker="w1")
+    call = store.publish_call(rid, "w1", 5, 60, [encode_event(delta)])
+    assert await store.eval_many([call]) == [1]
+    # w1 dies: its lease lapses and w2 resumes with the seed fixed at first claim and the log so far.
+    await store.client.delete(keys.owner(rid))
+    resumed = await store.start(rid, "w2", lease_s=5, seed=7, ttl_s=60)
+    assert (resumed.outcome, resumed.seed, resumed.events) == ("ok", 42, [delta])
+    # A fenced-off worker cannot add events any more.
+    late = store.publish_call(rid, "w1", 5, 60, [encode_event(DeltaEvent(rid, 2, 0, [9], "c"))])
+    assert await store.eval_many([late]) == [0]
+    assert await store.read_log(rid) == [delta]
+
+
+async def test_finish_is_atomic_and_terminal(store: Store) -> None:
+    rid = _rid()
+    await store.create_record(rid, {"kind": "chat"}, ttl_s=60)
+    await store.start(rid, "w1", lease_s=5, seed=1, ttl_s=60)
+    done = DoneEvent(rid, 1, "completed", prompt_tokens=3, completion_tokens=0)
+    call = store.publish_call(
+        rid, "w1", 5, 60, [encode_event(done)], final=True, fields={"status": "completed"}
+    )
+    assert await store.eval_many([call]) == [1]
+    record = await store.get_record(rid)
+    assert record is not None and record["status"] == "completed"
+    assert await store.owner(rid) is None
+    # A redelivered copy is never run again.
+    again = await store.start(rid, "w2", lease_s=5, seed=1, ttl_s=60)
+    assert (again.outcome, again.status) == ("terminal", "completed")
+
+
+async def test_cancel_queued_running_and_finished(store: Store) -> None:
+    queued, running = _rid(), _rid()
+    for rid in (queued, running):
+        await store.create_record(rid, {"kind": "completion"}, ttl_s=60)
+        assert await store.admit(rid, 10, ttl_s=30)
+    pubsub = store.client.pubsub()
+    await pubsub.subscribe(keys.CANCEL_CHANNEL, keys.events(queued))
+    # Still in Kafka: cancelled at once, with its terminal event; the worker will skip it.
+    assert await store.cancel(queued, 60) == "cancelled"
+    assert [e.status for e in await store.read_log(queued) if isinstance(e, DoneEvent)] == ["cancelled"]
+    assert (await store.start(queued, "w", 5, 1, 60)).outcome == "terminal"
+    # Running: the workers are told on the cancel channel, and a worker claiming it later sees the flag.
+    await store.start(running, "w", 5, 1, 60)
+    assert await store.cancel(running, 60) == "cancelling"
+    assert await store.is_cancelled(running)
+    assert await store.num_pending() == 0
+    got = []
+    for _ in range(20):
+        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2)
+        if message:
+            got.append((message["channel"], message["data"]))
+        if len(got) == 2:
+            break
+    assert decode_event(got[0][1]).status == "cancelled"  # type: ignore[union-attr]
+    assert got[1] == (keys.CANCEL_CHANNEL, f'{{"v": 1, "type": "cancel", "id": "{running}"}}')
+    assert await store.cancel(queued, 60) == "cancelled"  # finished: unchanged
+    assert await store.cancel(_rid(), 60) == "unknown"
+    await pubsub.aclose()
+
+
+async def test_fail_queued_only_before_a_worker_starts(store: Store) -> None:
+    lost, started = _rid(), _rid()
+    for rid in (lost, started):
+        await store.create_record(rid, {"kind": "completion"}, ttl_s=60)
+    await store.start(started, "w", 5, 1, 60)
+    assert await store.fail_queued(lost, "gone", "lost_by_broker")
+    assert not await store.fail_queued(started, "gone", "lost_by_broker")
+    (done,) = await store.read_log(lost)
+    assert isinstance(done, DoneEvent) and (done.status, done.code) == ("failed", "lost_by_broker")
+
+
+async def test_scripts_survive_a_script_flush(store: Store) -> None:
+    # A restarted Redis has no scripts cached: the store reloads them transparently.
+    assert await store.admit(_rid(), 5, 30)
+    await store.client.script_flush()
+    assert await store.admit(_rid(), 5, 30)
