@@ -6,9 +6,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.request import Request
-from engine.sched.scheduler import SchedulerStats
+if TYPE_CHECKING:  # torch-free at run time: the gateway's span and metric code imports this module
+    from engine.request import Request
+    from engine.sched.scheduler import SchedulerStats
 
 
 @dataclass

@@ -33,7 +33,8 @@ def _get(stack: Stack, job_id: str) -> dict[str, Any]:
 
 def test_job_lifecycle_matches_a_synchronous_request(stack: Stack) -> None:
     job = _job(stack, max_tokens=10, seed=5, temperature=0.7)
-    assert job["status"] == "queued" and job["object"] == "job"
+    # The 202 shows the record as it is: a fast worker may already have claimed the job.
+    assert job["status"] in ("queued", "in_progress") and job["object"] == "job"
     done = wait_for(
         lambda: (j := _get(stack, job["id"]))["status"] == "completed" and j, 30, message="job done"
     )
