@@ -1,14 +1,15 @@
 """What observability costs the engine: the same workload with no listeners, with the Prometheus exporter
 and a no-op tracer (tracing switched off, as deployed without a collector), and with tracing on.
 
-    python -m bench.tracing_overhead [--model tiny|bench] [--rounds 7] [--out out/tracing_overhead.json]
+    python -m bench.tracing_overhead [--model tiny|bench] [--rounds 24] [--out FILE.json]
 
 Two measurements, both on one engine in one process:
 
-1. End to end: rounds of the whole workload, the three modes interleaved (bare, off, on, bare, ...) so a
-   slow moment of a shared machine hits every mode alike. Every round runs the same steps, so the
+1. End to end: rounds of the whole workload, the modes interleaved (bare, bare again, off, on, ...) so
+   a slow moment of a shared machine hits every mode alike. Every round runs the same steps, so the
    figure is, per mode, the sum over steps of the median over rounds of that step's time (wall, and
-   the engine thread's CPU time, which other tenants of a shared host disturb least), against bare.
+   the engine thread's CPU time), against bare. "bare again" is the A/A control: its difference from
+   bare is the host's noise floor, below which these figures say nothing.
 2. Listener time: the step and request records of one run replayed through each mode's listeners,
    timed alone. On a noisy host this isolates the cost end-to-end ratios can only bound; the share is
    that time over the bare run's CPU time.
@@ -19,6 +20,7 @@ Prefix caching is off and every request ignores EOS, so each round does exactly 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -40,7 +42,10 @@ from engine.sampling_params import SamplingParams
 from services.common.engine_spans import EngineSpanExporter
 from services.common.metrics import EngineFamilies, EngineMetricsExporter
 
-MODES = ("bare", "off", "on")
+# "bare again" is a second run of bare: the A/A control. Its difference from bare is what this host's
+# noise alone produces, the floor below which the end-to-end figures mean nothing.
+MODES = ("bare", "bare again", "off", "on")
+COMPARED = ("bare again", "off", "on")
 
 
 class _Discard(SpanExporter):
@@ -67,7 +72,7 @@ class Mode:
 
 
 def make_modes(provider: TracerProvider, step_sample_every: int) -> dict[str, Mode]:
-    modes = {"bare": Mode("bare", lambda e: None, lambda e: None, [], [])}
+    modes = {name: Mode(name, lambda e: None, lambda e: None, [], []) for name in ("bare", "bare again")}
     for name, tracer in (("off", trace.NoOpTracer()), ("on", provider.get_tracer("bench"))):
         # Own registries: the modes must not share label children.
         metrics = EngineMetricsExporter("bench", EngineFamilies(CollectorRegistry()))
@@ -167,8 +172,11 @@ def measure(
 
     walls: dict[str, list[list[float]]] = {m: [] for m in MODES}
     cpus: dict[str, list[list[float]]] = {m: [] for m in MODES}
+    shuffle = random.Random(1)
     for i in range(rounds):
-        order = MODES[i % 3 :] + MODES[: i % 3]  # rotate, so no mode always runs first
+        # A fresh order each round: no mode always follows the same one (and inherits its leftovers).
+        order = list(MODES)
+        shuffle.shuffle(order)
         for name in order:
             mode = modes[name]
             mode.attach(engine)
@@ -176,11 +184,15 @@ def measure(
             mode.detach(engine)
             walls[name].append(wall)
             cpus[name].append(cpu)
+            # Leftovers settle between rounds, untimed: spans still queued for export, garbage.
+            provider.force_flush()
+            gc.collect()
+    # Replayed while the provider still exports: the "on" listeners pay the whole span pipeline.
+    listener = {m: listener_seconds(modes[m], steps, requests, repeat=5) for m in ("off", "on")}
     provider.shutdown()
 
     wall_total = {m: robust_total(t) for m, t in walls.items()}
     cpu_total = {m: robust_total(t) for m, t in cpus.items()}
-    listener = {m: listener_seconds(modes[m], steps, requests, repeat=5) for m in ("off", "on")}
     num_steps = len(walls["bare"][0])
     return {
         "model": model,
@@ -193,8 +205,8 @@ def measure(
         "robust_wall_s": wall_total,
         "robust_cpu_s": cpu_total,
         "step_ms_bare": 1e3 * wall_total["bare"] / max(1, num_steps),
-        "overhead_pct_wall": {m: 100 * (wall_total[m] / wall_total["bare"] - 1) for m in ("off", "on")},
-        "overhead_pct_cpu": {m: 100 * (cpu_total[m] / cpu_total["bare"] - 1) for m in ("off", "on")},
+        "overhead_pct_wall": {m: 100 * (wall_total[m] / wall_total["bare"] - 1) for m in COMPARED},
+        "overhead_pct_cpu": {m: 100 * (cpu_total[m] / cpu_total["bare"] - 1) for m in COMPARED},
         "listener_us_per_step": {m: 1e6 * listener[m] / max(1, len(steps)) for m in listener},
         "overhead_pct_listeners": {m: 100 * listener[m] / cpu_total["bare"] for m in listener},
         "spans_exported": discard.num_spans,
@@ -204,11 +216,11 @@ def measure(
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--model", choices=("tiny", "bench"), default="tiny")
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--rounds", type=int, default=24)
+    p.add_argument("--requests", type=int, default=12)
     p.add_argument("--step-sample-every", type=int, default=16, help="step spans in mode 'on' (0: none)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("out/tracing_overhead.json"))
+    p.add_argument("--out", type=Path, default=Path("bench-results/tracing_overhead.json"))
     args = p.parse_args(argv)
     result = measure(args.model, args.rounds, args.requests, args.step_sample_every, args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -218,11 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     us = result["listener_us_per_step"]
     print(f"{result['model']}: {result['steps_per_round']} steps/round, {result['step_ms_bare']:.2f} ms/step")
-    for m, label in (("off", "tracing off"), ("on", "tracing on ")):
-        print(
-            f"{label}: engine-thread CPU {cpu[m]:+.2f}%, wall {wall[m]:+.2f}% (per-step medians of "
-            f"{args.rounds} rounds); listeners alone {share[m]:.3f}% ({us[m]:.1f} us/step)"
-        )
+    print(f"end to end against bare (per-step medians of {args.rounds} rounds): engine-thread CPU / wall")
+    for m in COMPARED:
+        line = f"  {m:<11} {cpu[m]:+6.2f}% / {wall[m]:+6.2f}%"
+        if m in us:
+            line += f"   listeners alone: {share[m]:.3f}% ({us[m]:.1f} us/step)"
+        else:
+            line += "   (A/A control: the host's noise floor)"
+        print(line)
     print(f"wrote {args.out}")
     return 0
 

@@ -8,7 +8,9 @@ they would bury the requests under scrapes.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -59,6 +61,20 @@ class TracingMiddleware:
                 await self.app(scope, receive, traced_send)
             finally:
                 _name_after_route(span, scope, method)
+
+
+def fastapi_native_tracing_off() -> dict[str, Any]:
+    """``FastAPI(**...)`` keyword arguments that turn off FastAPI's own spans where it has them.
+
+    Newer FastAPI releases trace natively (a server span plus spans per dependency and endpoint). The
+    gateway keeps this module's middleware as its one server span instead: the same span name,
+    attributes and untraced probes on every FastAPI version pyproject allows, and no second SERVER
+    span per request."""
+    from fastapi import FastAPI
+
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters:
+        return {"telemetry": {"tracing": False, "operation_spans": False}}
+    return {}
 
 
 def _name_after_route(span: trace.Span, scope: Scope, method: str) -> None:

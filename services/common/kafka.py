@@ -1,4 +1,5 @@
-"""Kafka clients configured from settings, topic creation, and the message key and headers."""
+"""Kafka clients configured from settings, topic creation, and the message key (trace context headers:
+services.common.tracing)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,6 @@ from aiokafka.helpers import create_ssl_context
 from services.common.settings import Settings
 
 log = logging.getLogger(__name__)
-
-TRACEPARENT = "traceparent"
 
 
 def client_kwargs(settings: Settings) -> dict[str, Any]:
@@ -104,7 +103,3 @@ def affinity_key(
     else:
         digest.update(b"t:" + text[: block_tokens * 4].encode())
     return digest.hexdigest().encode()
-
-
-def trace_headers(traceparent: str | None) -> list[tuple[str, bytes]]:
-    return [(TRACEPARENT, traceparent.encode())] if traceparent else []

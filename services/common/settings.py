@@ -77,6 +77,9 @@ class Settings:
     # small host the broker, Redis and the gateway need cores too, and oversubscribed OpenMP threads
     # spin: fewer threads can be faster.
     torch_threads: int | None = None
+    # Tracing: one engine-step span (batch composition) every this many steps; 0 = none. Steps are
+    # many and shared by every request's trace, so they are sampled on their own, not per request.
+    trace_step_sample_every: int = 0
     # ---- process ----------------------------------------------------------------------------
     bind_host: str = "0.0.0.0"
     log_level: str = "INFO"
@@ -106,6 +109,8 @@ class Settings:
                 raise SettingsError(f"INFLIGHT_{name.upper()} must be positive, got {value}")
         if self.drain_timeout_s < 0:
             raise SettingsError("INFLIGHT_DRAIN_TIMEOUT_S must be >= 0")
+        if self.trace_step_sample_every < 0:
+            raise SettingsError("INFLIGHT_TRACE_STEP_SAMPLE_EVERY must be >= 0 (0: no step spans)")
         if self.kafka_sasl_mechanism and not (self.kafka_sasl_username and self.kafka_sasl_password):
             raise SettingsError(
                 "INFLIGHT_KAFKA_SASL_MECHANISM needs INFLIGHT_KAFKA_SASL_USERNAME and _PASSWORD"
@@ -183,6 +188,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_LEASE_TTL_S": ("lease_ttl_s", "float"),
     "INFLIGHT_WORKER_PORT": ("worker_port", "int"),
     "INFLIGHT_TORCH_THREADS": ("torch_threads", "int"),
+    "INFLIGHT_TRACE_STEP_SAMPLE_EVERY": ("trace_step_sample_every", "int"),
     "INFLIGHT_BIND_HOST": ("bind_host", "str"),
     "INFLIGHT_LOG_LEVEL": ("log_level", "str"),
     "POD_NAME": ("pod_name", "str"),

@@ -12,7 +12,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.common.http_tracing import TracingMiddleware, fastapi_native_tracing_off
 from services.common.kafka import ensure_topic
+from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.telemetry import metrics_payload
@@ -53,6 +55,7 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         description="Continuous-batching LLM serving: OpenAI-compatible API and async jobs.",
         lifespan=lifespan,
+        **fastapi_native_tracing_off(),
     )
     errors.install(app)
 
@@ -91,6 +94,9 @@ def create_app(settings: Settings) -> FastAPI:
         return Response(body, media_type=content_type)
 
     app.add_middleware(_Limits, max_body_bytes=settings.max_body_bytes)
+    # Outermost (added last): the server span also covers requests the limits refuse.
+    app.add_middleware(TracingMiddleware)
+    service_families()  # registered now: a scrape shows the counters at 0 before anything happens
     return app
 
 

@@ -20,11 +20,14 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
+from opentelemetry.trace import SpanKind
 
 from services.common import keys
 from services.common.kafka import client_kwargs, ensure_topic, make_producer
+from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
+from services.common.tracing import get_tracer, inject_kafka
 from services.common.wire import FAILED, RequestMessage
 from services.gateway.errors import APIError, unavailable
 from services.gateway.streams import Hub, Subscription
@@ -97,13 +100,14 @@ class Dispatcher:
             admitted = await self.store.admit_and_record(msg.id, s.max_pending, s.pending_ttl_s, record, ttl)
             sub = await pending_sub if pending_sub is not None else None  # before producing: nothing missed
             if not admitted:
+                service_families().admission_rejections.labels("capacity").inc()
                 self._forget(msg.id, sub)
                 message = (
                     f"the service is at capacity ({s.max_pending} requests wait for an engine); retry shortly"
                 )
                 raise APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "1"})
             value = msg.encode()
-            partition, offset = await self._produce(value, key, headers)
+            headers, partition, offset = await self._traced_produce(msg.id, value, key, headers)
         except APIError:
             raise
         except BaseException as exc:
@@ -129,6 +133,29 @@ class Dispatcher:
         task = asyncio.ensure_future(cleanup())
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
+
+    async def _traced_produce(
+        self, request_id: str, value: bytes, key: bytes, headers: list[tuple[str, bytes]]
+    ) -> tuple[list[tuple[str, bytes]], int, int]:
+        """Produce inside a PRODUCER span whose context rides in the message headers (W3C traceparent,
+        tracestate): the worker's consume span continues this trace. Returns the headers as sent."""
+        topic = self.settings.kafka_topic
+        attributes = {
+            "messaging.system": "kafka",
+            "messaging.operation.type": "send",
+            "messaging.operation.name": "send",
+            "messaging.destination.name": topic,
+            "messaging.message.id": request_id,
+            "messaging.kafka.message.key": key.decode("latin-1"),
+        }
+        with get_tracer().start_as_current_span(
+            f"send {topic}", kind=SpanKind.PRODUCER, attributes=attributes
+        ) as span:
+            headers = inject_kafka(headers)
+            partition, offset = await self._produce(value, key, headers)
+            span.set_attribute("messaging.destination.partition.id", str(partition))
+            span.set_attribute("messaging.kafka.offset", offset)
+        return headers, partition, offset
 
     async def _produce(self, value: bytes, key: bytes, headers: list[tuple[str, bytes]]) -> tuple[int, int]:
         deadline = time.monotonic() + self.settings.kafka_produce_timeout_s

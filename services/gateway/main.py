@@ -5,13 +5,14 @@ from __future__ import annotations
 import uvicorn
 
 from services.common.settings import Settings
-from services.common.telemetry import configure_logging
+from services.common.telemetry import setup_telemetry
+from services.common.tracing import shutdown_tracing
 
 
 def main(settings: Settings, port: int | None = None) -> None:
     from services.gateway.app import create_app
 
-    configure_logging(settings.log_level)
+    tracing = setup_telemetry("inflight-gateway", settings.log_level)
     uvicorn.run(
         create_app(settings),
         host=settings.bind_host,
@@ -21,3 +22,4 @@ def main(settings: Settings, port: int | None = None) -> None:
         timeout_graceful_shutdown=int(settings.drain_timeout_s),
         access_log=False,
     )
+    shutdown_tracing(tracing)  # export the last requests' spans before the process exits

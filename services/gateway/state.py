@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 import uuid
 from collections.abc import Coroutine
@@ -12,16 +11,13 @@ from typing import Any
 
 from fastapi import Request
 
-from services.common.kafka import affinity_key, trace_headers
+from services.common.kafka import affinity_key
 from services.common.settings import Settings
 from services.common.store import Store
 from services.common.wire import Kind, RequestMessage
 from services.gateway.dispatch import Dispatcher
 from services.gateway.prompts import ModelInfo, Prepared
 from services.gateway.streams import Hub, Subscription
-
-# W3C trace context: version-traceid-parentid-flags, lowercase hex.
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")
 
 
 @dataclass
@@ -75,9 +71,8 @@ class Gateway:
         text = prepared.text or "".join(str(m.get("content") or "") for m in prepared.messages or [])
         block = self.settings.affinity_block_tokens
         key = affinity_key(prepared.prompt_token_ids, block, prepared.session, text)
-        traceparent = request.headers.get("traceparent")
-        headers = trace_headers(traceparent if traceparent and _TRACEPARENT.match(traceparent) else None)
-        sub = await self.dispatcher.submit(msg, key, headers, record, subscribe=subscribe)
+        # Trace context headers are added by the produce span (the client's traceparent is its ancestor).
+        sub = await self.dispatcher.submit(msg, key, [], record, subscribe=subscribe)
         return msg, sub
 
 

@@ -8,7 +8,8 @@ import signal
 import time
 
 from services.common.settings import Settings
-from services.common.telemetry import configure_logging
+from services.common.telemetry import setup_telemetry
+from services.common.tracing import shutdown_tracing
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ async def serve(settings: Settings) -> None:
     from engine.async_engine import AsyncLLMEngine  # torch: imported only by the worker
     from services.worker.http import make_server
     from services.worker.service import Worker
+    from services.worker.telemetry import instrument_engine
 
     if settings.torch_threads:
         import torch
@@ -34,7 +36,8 @@ async def serve(settings: Settings) -> None:
     began = time.monotonic()
     engine = AsyncLLMEngine.from_engine_args(model=model, **settings.engine_args)
     log.info("loaded %s in %.1fs", model, time.monotonic() - began)
-    worker = Worker(settings, engine)
+    spans = instrument_engine(engine.engine, settings)  # before the engine loop starts
+    worker = Worker(settings, engine, spans)
     server = make_server(worker, settings.bind_host, settings.worker_port)
     http = asyncio.create_task(server.serve())
     loop = asyncio.get_running_loop()
@@ -47,5 +50,8 @@ async def serve(settings: Settings) -> None:
 
 
 def main(settings: Settings) -> None:
-    configure_logging(settings.log_level)
-    asyncio.run(serve(settings))
+    tracing = setup_telemetry("inflight-worker", settings.log_level)
+    try:
+        asyncio.run(serve(settings))
+    finally:
+        shutdown_tracing(tracing)  # export the drained requests' spans before the process exits

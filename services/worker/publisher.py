@@ -18,6 +18,7 @@ from typing import Any
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
 from services.worker.run import Final, PendingDelta, Run
+from services.worker.telemetry import trace_publish
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +106,20 @@ class Publisher:
             sent.append((run, len(run.unsent), final))
         if not calls:
             return
+        began_ns = time.time_ns()
         results = await self.store.eval_many(calls)
+        ended_ns = time.time_ns()
         self.num_round_trips += 1
         for (run, count, final), ok in zip(sent, results, strict=True):
+            trace_publish(
+                run,
+                final=final,
+                num_events=count,
+                num_requests=len(sent),
+                ok=bool(ok),
+                start_ns=began_ns,
+                end_ns=ended_ns,
+            )
             del run.unsent[:count]
             if not ok:
                 run.outbox.clear()

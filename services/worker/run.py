@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 from aiokafka.structs import TopicPartition
+from opentelemetry import trace
+from opentelemetry.context import Context
 
 from services.common.wire import DeltaEvent, DoneEvent, RequestMessage, encode_event
 
@@ -60,6 +62,11 @@ class Run:
     final: Final | None = None
     done_numbered: bool = False
     final_sent: asyncio.Future[None] | None = None
+    # Tracing: the consume span (the request's life in this worker) and the context publish spans go
+    # under while the engine runs it (its engine span). INVALID_SPAN (a no-op) until consumed.
+    span: trace.Span = field(default=trace.INVALID_SPAN, repr=False)
+    publish_parent: Context | None = field(default=None, repr=False)
+    first_publish_traced: bool = False
 
     @property
     def id(self) -> str:

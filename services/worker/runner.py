@@ -17,13 +17,17 @@ import random
 import time
 from typing import Any
 
+from opentelemetry import trace
+
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from services.common.engine_spans import EngineSpanExporter
 from services.common.settings import Settings
 from services.common.store import Store
 from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
 from services.worker.publisher import Publisher
 from services.worker.run import Final, PendingDelta, Run
+from services.worker.telemetry import count_cancelled, engine_attributes
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +36,19 @@ DONE, SKIPPED, HANDED_BACK, FENCED = "done", "skipped", "handed_back", "fenced"
 
 
 class Runner:
-    def __init__(self, engine: Any, store: Store, publisher: Publisher, settings: Settings) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        store: Store,
+        publisher: Publisher,
+        settings: Settings,
+        spans: EngineSpanExporter | None = None,
+    ) -> None:
         self.engine = engine
         self.store = store
         self.publisher = publisher
         self.settings = settings
+        self.spans = spans  # None: the engine's requests are not traced (no exporter attached)
         self._rng = random.Random()
 
     async def execute(self, run: Run) -> str:
@@ -45,6 +57,8 @@ class Runner:
         while True:
             start = await self.store.start(run.id, s.worker_id, s.lease_ttl_s, self._rng.getrandbits(62), ttl)
             if start.outcome == "terminal":
+                if start.status == CANCELLED:  # cancelled while still in Kafka (or a redelivery of one)
+                    count_cancelled("queued")
                 return SKIPPED  # redelivered after it finished: never run twice
             if start.outcome == "ok":
                 break
@@ -58,6 +72,8 @@ class Runner:
             return SKIPPED
         self._resume(run, start.events)
         if start.cancelled or run.cancelled:
+            if not run.cancelled:  # cancelled before this worker claimed it; the listener counts the rest
+                count_cancelled("intake")
             run.cancelled = True
             return await self._finish(run)
         try:
@@ -125,6 +141,12 @@ class Runner:
         if run.stopping:
             return
         run.engine_ids.add(engine_id)
+        if self.spans is not None:
+            # Opened before the engine sees the request; the engine's finished record completes it.
+            attrs = engine_attributes(run.msg, one, index, len(resumed))
+            span = self.spans.start(engine_id, trace.set_span_in_context(run.span), attrs)
+            if run.publish_parent is None:
+                run.publish_parent = trace.set_span_in_context(span)
         try:
             stream = self.engine.generate(
                 run.prompt_token_ids,
@@ -162,7 +184,10 @@ class Runner:
                 if run.stopping:
                     await self.engine.abort(engine_id)
         except (ValueError, RuntimeError) as exc:
-            # ValueError: the engine refused the input; RuntimeError: its loop died.
+            # ValueError: the engine refused the input; RuntimeError: its loop died. Either way the
+            # engine will never report this request, so its span ends here.
+            if self.spans is not None:
+                self.spans.abandon(engine_id, str(exc))
             log.warning("request %s index %d failed: %s", run.id, index, exc)
             run.errors[index] = str(exc)
             self.publisher.emit(run, PendingDelta(index, [], "", "error"))

@@ -24,13 +24,17 @@ from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 from aiokafka.protocol.group import LeaveGroupRequest
 from aiokafka.structs import ConsumerRecord, TopicPartition
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 from prometheus_client import Counter, Gauge
 
 from services.common import keys
+from services.common.engine_spans import EngineSpanExporter
 from services.common.kafka import ensure_topic, make_consumer
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.wire import CancelMessage, RequestMessage, WireError
+from services.worker import telemetry
 from services.worker.offsets import OffsetTracker
 from services.worker.publisher import Publisher
 from services.worker.run import Run
@@ -63,12 +67,12 @@ class _Rebalance(ConsumerRebalanceListener):  # type: ignore[misc]
 
 
 class Worker:
-    def __init__(self, settings: Settings, engine: Any) -> None:
+    def __init__(self, settings: Settings, engine: Any, spans: EngineSpanExporter | None = None) -> None:
         self.settings = settings
         self.engine = engine
         self.store = Store(connect_redis(settings))
         self.publisher = Publisher(self.store, settings, on_fenced=self._fence)
-        self.runner = Runner(engine, self.store, self.publisher, settings)
+        self.runner = Runner(engine, self.store, self.publisher, settings, spans)
         self.tracker = OffsetTracker()
         self.consumer: AIOKafkaConsumer | None = None
         self.runs: dict[str, Run] = {}
@@ -88,7 +92,8 @@ class Worker:
         self.consumer.subscribe([self.settings.kafka_topic], listener=_Rebalance(self))
         await self.consumer.start()
         for coro in (self.publisher.run_forever(), self._fetch_loop(), self._commit_loop(),
-                     self._cancel_listener(), self._lease_keeper(), self._gauges()):  # fmt: skip
+                     self._cancel_listener(), self._lease_keeper(), self._gauges(),
+                     telemetry.report_lag_forever(self.consumer)):  # fmt: skip
             self._tasks.append(asyncio.create_task(coro))
         self.started = True
         log.info("worker %s consuming %s", self.settings.worker_id, self.settings.kafka_topic)
@@ -179,9 +184,13 @@ class Worker:
         run = self.runs.get(msg.id)
         if run is not None:
             run.deliveries.append((tp, record.offset, generation))  # a redelivery of one running here
+            run.span.add_event("redelivered", {"partition": tp.partition, "offset": record.offset})
             return
         run = Run(
-            msg, deliveries=[(tp, record.offset, generation)], prompt_token_ids=list(msg.prompt_token_ids)
+            msg,
+            deliveries=[(tp, record.offset, generation)],
+            prompt_token_ids=list(msg.prompt_token_ids),
+            span=telemetry.consume_span(record, msg.id),
         )
         self.runs[msg.id] = run
         run.task = asyncio.create_task(self._execute(run))
@@ -189,21 +198,30 @@ class Worker:
 
     async def _execute(self, run: Run) -> str:
         outcome = "error"
-        try:
-            outcome = await self.runner.execute(run)
-        except asyncio.CancelledError:
-            outcome = HANDED_BACK
-            raise
-        except Exception:
-            log.exception("request %s failed in the worker", run.id)
-        finally:
-            self.runs.pop(run.id, None)
-            if outcome != HANDED_BACK:
-                for tp, offset, generation in run.deliveries:
-                    self.tracker.done(tp, offset, generation)
-                self._commit_wake.set()
-            OUTCOMES.labels(outcome).inc()
-            self._load_changed()
+        # The consume span is current for the whole request: the engine span, publish spans and log
+        # lines (trace=...) of this task belong to it.
+        with trace.use_span(
+            run.span, end_on_exit=True, record_exception=False, set_status_on_exception=False
+        ):
+            try:
+                outcome = await self.runner.execute(run)
+            except asyncio.CancelledError:
+                outcome = HANDED_BACK
+                raise
+            except Exception as exc:
+                log.exception("request %s failed in the worker", run.id)
+                run.span.record_exception(exc)
+            finally:
+                self.runs.pop(run.id, None)
+                if outcome != HANDED_BACK:
+                    for tp, offset, generation in run.deliveries:
+                        self.tracker.done(tp, offset, generation)
+                    self._commit_wake.set()
+                OUTCOMES.labels(outcome).inc()
+                self._load_changed()
+                run.span.set_attribute("inflight.outcome", outcome)
+                if outcome == "error" or run.errors:
+                    run.span.set_status(Status(StatusCode.ERROR))
         return outcome
 
     async def _fail_unreadable(self, raw: bytes | None, exc: WireError) -> None:
@@ -268,6 +286,8 @@ class Worker:
             run = self.runs.get(request_id)
             if run is not None and not run.cancelled:
                 log.info("cancelling %s", request_id)
+                telemetry.count_cancelled("engine" if run.engine_ids else "intake")
+                run.span.add_event("cancel requested")
                 run.cancelled = True
                 for engine_id in list(run.engine_ids):
                     await self.engine.abort(engine_id)
