@@ -31,41 +31,10 @@ K8S = REPO / "k8s"
 # The chart's kubeVersion floor (Chart.yaml) and the newest schemas kubernetes-validate has.
 KUBE_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
 
-# The services' environment contract, used only while services/common/settings.py does not exist.
-CONTRACT_ENV_NAMES = frozenset(
-    {
-        "INFLIGHT_KAFKA_BOOTSTRAP",
-        "INFLIGHT_KAFKA_TOPIC",
-        "INFLIGHT_KAFKA_SECURITY_PROTOCOL",
-        "INFLIGHT_KAFKA_SASL_MECHANISM",
-        "INFLIGHT_KAFKA_SASL_USERNAME",
-        "INFLIGHT_KAFKA_SASL_PASSWORD",
-        "INFLIGHT_KAFKA_IDEMPOTENCE",
-        "INFLIGHT_KAFKA_CONSUMER_GROUP",
-        "INFLIGHT_REDIS_URL",
-        "INFLIGHT_REDIS_PASSWORD",
-        "INFLIGHT_MODEL",
-        "INFLIGHT_SERVED_MODEL_NAME",
-        "INFLIGHT_API_KEYS",
-        "INFLIGHT_MAX_PENDING",
-        "INFLIGHT_JOB_TTL_S",
-        "INFLIGHT_ENGINE_ARGS",
-        "INFLIGHT_DRAIN_TIMEOUT_S",
-        "INFLIGHT_MAX_WAITING",
-        "INFLIGHT_GATEWAY_PORT",
-        "INFLIGHT_WORKER_PORT",
-        "INFLIGHT_LOG_LEVEL",
-        "POD_NAME",
-        "POD_NAMESPACE",
-    }
-)
-
 
 @functools.cache
 def settings_env_names() -> tuple[frozenset[str], str]:
     """The env names the services read, and where that list came from (for assertion messages)."""
-    if not (REPO / "services" / "common" / "settings.py").exists():
-        return CONTRACT_ENV_NAMES, "the contract list in tests/deploy/support.py"
     from services.common.settings import ENV_NAMES
 
     return frozenset(ENV_NAMES), "services/common/settings.py ENV_NAMES"
