@@ -59,7 +59,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, eos)
         self.metrics = EngineMetrics()
         self._groups: dict[str, _Group] = {}
-        self._child_to_group: dict[str, str] = {}
         self._pending: list[RequestOutput] = []  # outputs produced between steps (aborts)
         self._rng = random.Random(config.seed)
         self._step = 0
@@ -138,8 +137,6 @@ class LLMEngine:
             for detok in detoks:
                 detok.update(resumed)
         self._groups[request_id] = _Group(request_id, text, ids, children, detoks)
-        for child in children:
-            self._child_to_group[child.request_id] = request_id
 
     def _validate(self, ids: list[int], resumed: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -272,8 +269,6 @@ class LLMEngine:
             )
             if finished:
                 del self._groups[group.request_id]
-                for child in group.children:
-                    self._child_to_group.pop(child.request_id, None)
         return outputs
 
 
