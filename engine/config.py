@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import torch
 
+from engine.platform import cpu_auto_dtype
+
 _DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -96,7 +98,9 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
-        cfg = Path(path) / "config.json"
+        from engine.models.gguf import local_checkpoint  # a .gguf file reads from its converted copy
+
+        cfg = local_checkpoint(path) / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"no model at {path!s}: {cfg.name} not found")
         return cls.from_dict(json.loads(cfg.read_text()))
@@ -118,7 +122,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     batching: Literal["continuous", "static"] = "continuous"
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     seed: int = 0
     device: str = "auto"
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json only
@@ -140,7 +144,7 @@ class EngineArgs:
             )
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"unknown attention_backend {self.attention_backend!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
@@ -189,9 +193,9 @@ class EngineConfig:
         else:
             device = torch.device(args.device)
         if args.dtype == "auto":
-            # CPUs without bf16 units run bf16 matmuls hundreds of times slower than fp32.
+            # CPUs without bf16 units run bf16 matmuls hundreds of times slower than fp32: ask the CPU.
             if device.type == "cpu":
-                dtype = torch.float32
+                dtype = cpu_auto_dtype()
             else:
                 dtype = _DTYPES.get(str(model.torch_dtype), torch.bfloat16)
                 if dtype == torch.float32:
@@ -232,7 +236,13 @@ class EngineConfig:
             )
         attn = args.attention_backend
         if attn == "auto":
-            attn = "triton" if device.type == "cuda" else "torch"
+            if device.type == "cuda":
+                attn = "triton"
+            else:
+                # The C++ kernels when this host could build them (one warning if not), else torch.
+                from engine.kernels import cpu as cpu_kernels
+
+                attn = "cpu" if cpu_kernels.load() else "torch"
         return cls(
             model_path=args.model,
             model=model,

@@ -72,6 +72,10 @@ def get_attention_backend(name: str) -> AttentionBackend:
         from engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
     if name == "triton":
         from engine.attention.triton_backend import TritonAttentionBackend
 

@@ -1,0 +1,55 @@
+"""The CPU engine's C++ kernels: paged attention and the KV store, read in place through block tables.
+
+``load()`` builds them on first use (a torch extension compiled with the host's g++, cached per source
+and torch version; ``make setup`` builds it ahead of time) and registers ``torch.ops.inflight_cpu``.
+A host that cannot build them (no compiler, no ninja) keeps the torch path, with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
+
+
+def build_dir() -> Path:
+    """Cache folder keyed by what the binary depends on: the source, the flags, torch's version."""
+    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode())
+    root = os.environ.get("INFLIGHT_CPU_EXT_DIR") or Path.home() / ".cache" / "inflight" / "cpu_ext"
+    return Path(root) / key.hexdigest()[:16]
+
+
+@functools.cache
+def load() -> bool:
+    """True when ``torch.ops.inflight_cpu`` is ready; False (after one warning) when it cannot be built."""
+    if os.environ.get("INFLIGHT_DISABLE_CPU_KERNELS"):
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        directory = build_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(
+            name="inflight_cpu",
+            sources=[str(_SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # a compiler error, a missing ninja or g++: the torch path still works
+        log.warning(
+            "CPU attention kernels unavailable (%s: %s); using the slower torch path", type(exc).__name__, exc
+        )
+        return False
+    return True

@@ -1,0 +1,84 @@
+"""What the host can do, decided from the host: CPU features, the CPU's best dtype, thread count.
+
+bfloat16 pays on a CPU only when it has bf16 matmul units: measured on 2-core hosts, one with
+AVX512_BF16 ran bf16 matmuls 2.5x faster than fp32 and one with AMX 3x faster, while one with AVX2
+only ran them at 0.3 GFLOP/s against 127 for fp32. So ``dtype="auto"`` on CPU asks the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Flags that mean the CPU multiplies bf16 natively (oneDNN then uses them for bf16 GEMMs).
+_BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")
+# Lets an operator (or a test suite comparing against float32 references) override the probe.
+AUTO_DTYPE_ENV = "INFLIGHT_CPU_AUTO_DTYPE"
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The feature flags of the first CPU in /proc/cpuinfo (empty where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+@functools.cache
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def cpu_has_bf16_matmul() -> bool:
+    return any(flag in cpu_flags() for flag in _BF16_MATMUL_FLAGS)
+
+
+@functools.cache
+def cpu_auto_dtype() -> torch.dtype:
+    """bfloat16 where the CPU has bf16 matmul units, float32 elsewhere; logged once."""
+    forced = os.environ.get(AUTO_DTYPE_ENV)
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"{AUTO_DTYPE_ENV} must be float32 or bfloat16, got {forced!r}")
+        dtype = torch.float32 if forced == "float32" else torch.bfloat16
+        log.info("dtype auto on CPU: %s (set by %s)", forced, AUTO_DTYPE_ENV)
+        return dtype
+    units = [flag for flag in _BF16_MATMUL_FLAGS if flag in cpu_flags()]
+    dtype = torch.bfloat16 if units else torch.float32
+    log.info(
+        "dtype auto on CPU: %s (%s; bf16 matmul units: %s)",
+        str(dtype).removeprefix("torch."),
+        cpu_model_name(),
+        ", ".join(units) or "none",
+    )
+    return dtype
+
+
+def physical_cores() -> int:
+    """Cores this process may run on (affinity), counting each physical core once where visible."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    cores: set[tuple[str, str]] = set()
+    for cpu in allowed:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text(), (topo / "core_id").read_text()))
+        except OSError:
+            return len(allowed)
+    return max(1, len(cores))
