@@ -16,6 +16,7 @@ COPY pyproject.toml README.md* ./
 COPY engine ./engine
 COPY services ./services
 COPY bench ./bench
+COPY inflight ./inflight
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---- gateway-build: a venv with the gateway's dependencies and the project, without torch ---------

@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 		$(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"; \
 	fi
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	# The C++ CPU attention kernels, compiled for this host's torch (about 15 s; a host without g++ keeps
+	# the torch path and says so).
+	$(BIN)/python -m engine.kernels.cpu
 	touch $(STAMP)
 
 run: setup
@@ -26,11 +29,11 @@ run: setup
 test: setup lint typecheck pytest
 
 lint: setup
-	$(BIN)/ruff check engine services bench tests
-	$(BIN)/ruff format --check engine services bench tests
+	$(BIN)/ruff check engine services bench inflight tests
+	$(BIN)/ruff format --check engine services bench inflight tests
 
 typecheck: setup
-	$(BIN)/mypy engine services bench
+	$(BIN)/mypy engine services bench inflight
 
 pytest: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -1,4 +1,4 @@
-"""``inflight bench ...``: the benchmark commands (``engine.cli`` dispatches here).
+"""``inflight bench ...``: the benchmark commands (the ``inflight`` command dispatches here).
 
 inflight bench engine   the seed's experiment: continuous vs static vs HF peers (make bench)
 inflight bench sweep    any targets over a range of request rates, Poisson / gamma / trace

@@ -83,7 +83,7 @@ class ServiceProcess:
 
 
 def launch(role: str, env: dict[str, str], log_dir: Path, port: int | None = None) -> ServiceProcess:
-    """Start ``python -m engine.cli <role>`` with ``env`` on top of this process's environment."""
+    """Start ``python -m inflight <role>`` with ``env`` on top of this process's environment."""
     port = port or free_port()
     port_var = "INFLIGHT_GATEWAY_PORT" if role == "gateway" else "INFLIGHT_WORKER_PORT"
     full_env = {**os.environ, **env, port_var: str(port)}
@@ -91,7 +91,7 @@ def launch(role: str, env: dict[str, str], log_dir: Path, port: int | None = Non
     log_path = log_dir / f"{role}-{port}.log"
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", role],
+            [sys.executable, "-m", "inflight", role],
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,

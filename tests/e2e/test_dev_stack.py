@@ -42,7 +42,7 @@ def test_dev_stack_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     out = tmp_path / "dev.out"
     with open(out, "wb") as sink:
         dev = subprocess.Popen(
-            [sys.executable, "-m", "engine.cli", "dev", "--port", str(port)],
+            [sys.executable, "-m", "inflight", "dev", "--port", str(port)],
             stdout=sink,
             stderr=subprocess.STDOUT,
             env={**os.environ, "INFLIGHT_SERVED_MODEL_NAME": "tiny"},

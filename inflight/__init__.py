@@ -1,0 +1,1 @@
+"""The ``inflight`` command line: it sits above ``engine``, ``services`` and ``bench``; none imports it."""

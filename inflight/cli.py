@@ -1,0 +1,52 @@
+"""The ``inflight`` command: one subcommand per module in ``inflight/commands``.
+
+Adding a subcommand is adding a module there that defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and
+``run(args) -> int``, and naming it in ``COMMANDS`` below. Modules import their heavy dependencies (torch,
+FastAPI, plotting) inside ``run``, so ``inflight --help`` stays fast and runs in the torch-free gateway
+image.
+A command whose module sets ``PASSTHROUGH = True`` owns its argument parsing (``--help`` included): it gets
+the remaining arguments untouched, as a list, instead of a parsed namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from types import ModuleType
+
+# Subcommand name -> module, in the order ``--help`` lists them.
+COMMANDS: dict[str, str] = {
+    "gateway": "inflight.commands.gateway",
+    "worker": "inflight.commands.worker",
+    "dev": "inflight.commands.dev",
+    "bench": "inflight.commands.bench",
+}
+
+
+def _module(name: str) -> ModuleType:
+    return importlib.import_module(COMMANDS[name])
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inflight", description="Continuous-batching LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        module = _module(name)
+        passthrough = getattr(module, "PASSTHROUGH", False)
+        command = sub.add_parser(name, help=module.HELP, add_help=not passthrough)
+        if not passthrough:
+            module.add_arguments(command)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0] in COMMANDS and getattr(_module(argv[0]), "PASSTHROUGH", False):
+        return int(_module(argv[0]).run(argv[1:]) or 0)
+    args = _parser().parse_args(argv)
+    return int(_module(args.command).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

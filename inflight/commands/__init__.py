@@ -1,0 +1,1 @@
+"""Subcommands of ``inflight``; see ``inflight.cli`` for the contract each module follows."""
