@@ -10,7 +10,6 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs, EngineConfig
@@ -275,7 +274,9 @@ class LLMEngine:
 def _load_tokenizer(path: str) -> Tokenizer | None:
     # Imported only when there is one: a GPU host benchmarking a random-weight checkpoint needs no
     # tokenizers package.
-    if not (Path(path) / "tokenizer.json").is_file():
+    from engine.models.gguf import local_checkpoint
+
+    if not (local_checkpoint(path) / "tokenizer.json").is_file():
         return None
     from engine.tokenizer import load_tokenizer
 

