@@ -111,7 +111,7 @@ class Request:
         self.num_computed_tokens = 0
         # Prompt tokens whose K/V came from the prefix cache at the last admission.
         self.num_cached_tokens = 0
-        self.block_hashes: list[int] = []  # chained hashes of this request's full blocks
+        self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
         self.logprobs: list[dict[int, float]] = []
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -9,31 +9,40 @@ A block is in exactly one of two places:
 
 from __future__ import annotations
 
+import hashlib
+import os
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-# The chain starts from a fixed parent so a block's hash says "these tokens, after that exact prefix".
-ROOT_HASH = 0x1F1E5C0DE
+# A block's hash says "these tokens, after that exact prefix": sha256 over the parent's digest and the
+# block's token ids. Python's builtin hash() of ints is predictable and collides by construction
+# (hash(0) == hash(2**61 - 1)), so one tenant could craft a prompt whose blocks are looked up as another
+# tenant's cached prefix (the problem behind vLLM advisory GHSA-rm76-4mrf-v9r8). The chain starts from a
+# per-process random root, so the digests are unpredictable to clients too; only the process that made
+# them ever consults them.
+BlockHash = bytes
+ROOT_HASH: BlockHash = os.urandom(32)
 
 
-def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
-    """Chained block hash: equal hashes mean equal token prefixes (up to hash collisions).
+def hash_block(parent_hash: BlockHash, token_ids: Sequence[int]) -> BlockHash:
+    """Chained block hash: equal hashes mean equal token prefixes (sha256: no collision is known).
 
-    Python's hash of a tuple of ints does not depend on PYTHONHASHSEED, so hashes agree across
-    processes; only a single process ever consults them anyway.
+    The token ids go in as one int64 array (packed in C, no per-token Python), after the parent digest
+    (fixed length), so the byte string cannot be read two ways.
     """
-    return hash((parent_hash, tuple(token_ids)))
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
 
 
 @dataclass(eq=False)
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set once the block is full and registered in the prefix index
+    block_hash: BlockHash | None = None  # set once the block is full and registered in the prefix index
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash.hex()[:12] if self.block_hash else None})"
 
 
 class BlockPool:
@@ -46,7 +55,7 @@ class BlockPool:
         # block_id -> block, in eviction order: the head is evicted first. OrderedDict gives O(1)
         # removal from the middle, which a prefix hit on a free block needs.
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, KVCacheBlock] = {}  # block hash -> block
+        self.cached: dict[BlockHash, KVCacheBlock] = {}  # block hash -> block
         self.num_cache_queries = 0  # tokens looked up in the prefix index
         self.num_cache_hits = 0  # tokens found there
 
@@ -58,7 +67,7 @@ class BlockPool:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def lookup(self, block_hash: int) -> KVCacheBlock | None:
+    def lookup(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def allocate(self, num: int) -> list[KVCacheBlock]:
@@ -93,7 +102,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def register(self, block: KVCacheBlock, block_hash: int) -> None:
+    def register(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Index a full block by its chained hash. A hash already indexed keeps its first block."""
         if not self.enable_caching or block.block_hash is not None:
             return
