@@ -42,7 +42,8 @@ class KVCacheBlock:
     block_hash: BlockHash | None = None  # set once the block is full and registered in the prefix index
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={self.block_hash.hex()[:12] if self.block_hash else None})"
+        digest = self.block_hash.hex()[:12] if self.block_hash else None
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hash={digest})"
 
 
 class BlockPool:
