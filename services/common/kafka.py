@@ -35,10 +35,21 @@ def client_kwargs(settings: Settings) -> dict[str, Any]:
     return kwargs
 
 
+def max_message_bytes(settings: Settings) -> int:
+    """The largest request message that producer, topic and consumer all accept.
+
+    A request message re-encodes the body as ASCII JSON (non-ASCII text can grow to 3x, token ids
+    replace text): twice the body limit plus room for the envelope covers every ordinary body. The
+    gateway answers 413 at once for a message still larger, instead of a produce that times out.
+    """
+    return 2 * settings.max_body_bytes + 256 * 1024
+
+
 def make_producer(settings: Settings) -> AIOKafkaProducer:
     return AIOKafkaProducer(
         **client_kwargs(settings),
         acks="all",
+        max_request_size=max_message_bytes(settings),
         enable_idempotence=settings.kafka_idempotence,
         linger_ms=0,  # a request is latency-bound; batching happens naturally under load
         request_timeout_ms=max(1000, int(settings.kafka_produce_timeout_s * 1000)),
@@ -59,6 +70,9 @@ def make_consumer(settings: Settings) -> AIOKafkaConsumer:
         heartbeat_interval_ms=max(100, session // 5),
         max_poll_interval_ms=max(session * 3, 60_000),
         metadata_max_age_ms=30_000,
+        # One message may be as large as the producer allows: a fetch must be able to hold it.
+        max_partition_fetch_bytes=max_message_bytes(settings),
+        fetch_max_bytes=max(52_428_800, max_message_bytes(settings)),
     )
 
 
@@ -76,7 +90,13 @@ async def ensure_topic(settings: Settings) -> None:
         (described,) = await admin.describe_topics([settings.kafka_topic])
         if described.get("error_code") == 0 and described.get("partitions"):
             return
-        topic = NewTopic(settings.kafka_topic, settings.kafka_partitions, settings.kafka_replication_factor)
+        topic = NewTopic(
+            settings.kafka_topic,
+            settings.kafka_partitions,
+            settings.kafka_replication_factor,
+            # The broker's default (about 1 MiB) would refuse the larger bodies the gateway accepts.
+            topic_configs={"max.message.bytes": str(max_message_bytes(settings))},
+        )
         try:
             await admin.create_topics([topic])
             log.info("created topic %s with %d partitions", settings.kafka_topic, settings.kafka_partitions)

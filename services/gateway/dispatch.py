@@ -23,7 +23,7 @@ from aiokafka.structs import TopicPartition
 from opentelemetry.trace import SpanKind
 
 from services.common import keys
-from services.common.kafka import client_kwargs, ensure_topic, make_producer
+from services.common.kafka import client_kwargs, ensure_topic, make_producer, max_message_bytes
 from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
@@ -93,6 +93,13 @@ class Dispatcher:
     ) -> Subscription | None:
         s = self.settings
         ttl = s.job_ttl_s if msg.job else s.record_ttl_s
+        value = msg.encode()
+        if len(value) > max_message_bytes(s):
+            # Refused now: the producer would otherwise retry a message it can never send until its timeout.
+            message = (
+                f"this request encodes to {len(value)} bytes, over the {max_message_bytes(s)} the queue takes"
+            )
+            raise APIError(413, message, code="request_too_large")
         # Subscribing and admitting are independent round trips: run them at once.
         pending_sub = asyncio.ensure_future(self.hub.subscribe(msg.id)) if subscribe else None
         sub: Subscription | None = None
@@ -106,7 +113,6 @@ class Dispatcher:
                     f"the service is at capacity ({s.max_pending} requests wait for an engine); retry shortly"
                 )
                 raise APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "1"})
-            value = msg.encode()
             headers, partition, offset = await self._traced_produce(msg.id, value, key, headers)
         except APIError:
             raise

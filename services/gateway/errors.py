@@ -58,12 +58,18 @@ def error_body(
 ) -> dict[str, Any]:
     return {
         "error": {
-            "message": message,
+            "message": _text(message),
             "type": _TYPES.get(status, "server_error"),
-            "param": param,
+            "param": None if param is None else _text(param),
             "code": code,
         }
     }
+
+
+def _text(value: str) -> str:
+    # A message may quote the input (a model name, a dict key): one holding a lone surrogate would make
+    # the error response itself unencodable. Escape what UTF-8 cannot carry.
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(exc: APIError) -> JSONResponse:
@@ -95,6 +101,14 @@ def install(app: FastAPI) -> None:
     async def _kafka(_: Request, exc: KafkaError) -> JSONResponse:
         log.warning("broker unavailable: %r", exc)
         return error_response(unavailable("the message broker is unavailable", "broker_unavailable"))
+
+    @app.exception_handler(Exception)
+    async def _unhandled(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette's last resort answers plain text "Internal Server Error"; clients parse JSON.
+        log.error("unhandled error", exc_info=exc)
+        return error_response(
+            APIError(500, "the server failed to handle this request", code="internal_error")
+        )
 
     for redis_error in REDIS_ERRORS:
 

@@ -9,12 +9,45 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _MAX_SEED = 2**62  # the engine derives seed + i for n completions; keep that inside 63 bits
 _MAX_INT = 2**31 - 1
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, le=_MAX_INT)]
+
+
+def reject_unencodable(data: Any) -> Any:
+    """Refuse any string (key or value, at any depth) that is not valid Unicode text.
+
+    JSON may spell a lone UTF-16 surrogate (``"\\ud800"``); Python decodes it into a str that no
+    UTF-8 encoder accepts, so it would fail later, deep in tokenizing, hashing or producing, as a 500.
+    Iterative, so a deeply nested body cannot exhaust the stack; ``str.encode`` runs in C.
+    """
+    todo = [data]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone UTF-16 surrogate (not valid Unicode text)") from None
+        elif isinstance(value, dict):
+            todo.extend(value.keys())
+            todo.extend(value.values())
+        elif isinstance(value, list):
+            todo.extend(value)
+    return data
+
+
+class _Checked(BaseModel):
+    """A request body: every string in it must be encodable text (checked before field validation)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        return reject_unencodable(data)
 
 
 class StreamOptions(BaseModel):
@@ -22,7 +55,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Checked):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
@@ -52,7 +85,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[Annotated[int, Field(ge=0, le=_MAX_INT)]] | list[str] | list[list[int]]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     max_tokens: int | None = Field(16, ge=1, le=_MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
@@ -84,7 +117,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
 
 
-class JobRequest(BaseModel):
+class JobRequest(_Checked):
     """An asynchronous job: the body of a completions or chat request, run without holding a connection."""
 
     model_config = ConfigDict(extra="ignore")
