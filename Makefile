@@ -25,8 +25,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m engine.kernels.cpu
 	touch $(STAMP)
 
+# SmolLM2-135M-Instruct by default; another checkpoint: make run RUN_ARGS="--model DIR_OR_GGUF".
 run: setup
-	$(BIN)/inflight dev
+	$(BIN)/inflight dev $(RUN_ARGS)
 
 test: setup lint typecheck pytest
 

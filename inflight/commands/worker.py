@@ -11,7 +11,9 @@ HELP = "an engine worker: Kafka consumer -> engine -> Redis"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="probe/metrics port (default INFLIGHT_WORKER_PORT, 8001)")
-    parser.add_argument("--model", help="model directory (default INFLIGHT_MODEL, else the tiny model)")
+    parser.add_argument(
+        "--model", help="model directory or .gguf file (default INFLIGHT_MODEL, else the tiny model)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -121,8 +121,12 @@ class Settings:
     # ---- derived ----------------------------------------------------------------------------
     @property
     def model_name(self) -> str:
-        """The id clients put in ``model``: the served name, else the model path as given."""
-        return self.served_model_name or self.model or "inflight"
+        """The id clients send as ``model``: the served name, else the checkpoint's short name (no path)."""
+        if self.served_model_name or not self.model:
+            return self.served_model_name or "inflight"
+        from engine.models.gguf import short_name  # torch-free
+
+        return short_name(self.model)
 
     @property
     def worker_id(self) -> str:

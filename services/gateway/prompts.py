@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.models.gguf import is_gguf, local_checkpoint
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, load_tokenizer
 from services.common.settings import Settings
@@ -32,8 +33,8 @@ def load_model_info(settings: Settings) -> ModelInfo:
     gateway), the gateway forwards text and the worker tokenizes and checks the length."""
     config: dict[str, Any] = {}
     tokenizer = None
-    if settings.model and Path(settings.model).is_dir():
-        path = Path(settings.model)
+    if settings.model and (Path(settings.model).is_dir() or is_gguf(settings.model)):
+        path = local_checkpoint(settings.model)  # a GGUF file: its converted copy
         if (path / "config.json").is_file():
             config = json.loads((path / "config.json").read_text())
         tokenizer = load_tokenizer(path)

