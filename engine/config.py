@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -183,7 +183,6 @@ class EngineConfig:
     enable_cuda_graph: bool
     num_blocks: int | None = None  # None: sized from kv_cache_memory or free memory by the runner
     kv_cache_memory: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:

@@ -108,10 +108,6 @@ class Store:
         return sha
 
     # ---- admission (gateway) ---------------------------------------------------------------
-    async def admit(self, request_id: str, max_pending: int, ttl_s: float) -> bool:
-        args = [request_id, max_pending, int(ttl_s * 1000)]
-        return bool(await self._eval(scripts.ADMIT, [keys.PENDING], args))
-
     async def admit_and_record(
         self,
         request_id: str,
@@ -188,10 +184,6 @@ class Store:
         return failed
 
     # ---- the worker's side -----------------------------------------------------------------
-    async def take(self, request_id: str) -> None:
-        """An engine has taken the request: it no longer counts against admission."""
-        await self.client.zrem(keys.PENDING, request_id)
-
     async def start(self, request_id: str, worker: str, lease_s: float, seed: int, ttl_s: int) -> StartResult:
         """Take the request (it leaves the pending set) and claim it, in one round trip."""
         args = [worker, int(lease_s * 1000), seed, ttl_s, f"{time.time():.6f}"]

@@ -49,7 +49,7 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
         "endpoint": body.endpoint,
         "metadata": json.dumps(body.metadata or {}),
     }
-    msg, _ = await gw.enqueue(request, kind, prepared, job=True, subscribe=False, extra=extra)
+    msg, _ = await gw.enqueue(kind, prepared, job=True, subscribe=False, extra=extra)
     record = await gw.store.get_record(msg.id) or {}
     return JSONResponse(
         _job_view(msg.id, record), status_code=202, headers={"Location": f"/v1/jobs/{msg.id}"}

@@ -37,7 +37,6 @@ class Gateway:
 
     async def enqueue(
         self,
-        request: Request,
         kind: Kind,
         prepared: Prepared,
         *,

@@ -68,9 +68,6 @@ class OffsetTracker:
             if tp in self._inflight:
                 self._committed[tp] = max(position, self._committed.get(tp, -1))
 
-    def num_inflight(self) -> int:
-        return sum(1 for offsets in self._inflight.values() for done in offsets.values() if not done)
-
     def forget(self, partitions: Iterable[TopicPartition]) -> None:
         for tp in partitions:
             self._inflight.pop(tp, None)

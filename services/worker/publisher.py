@@ -41,18 +41,18 @@ class Publisher:
     def emit(self, run: Run, delta: PendingDelta, *, last: bool = False) -> None:
         """Queue a delta. ``last``: the request's final delta; it waits for ``finish`` so that it and the
         done event reach Redis in one round trip (the response's last hop is the slowest)."""
-        run.record(delta)
-        run.outbox.append(delta)
+        run.output.record(delta)
+        run.outbox.pending.append(delta)
         self._dirty[run.id] = run
         if not last:
             self._wake.set()
 
     def finish(self, run: Run, final: Final) -> asyncio.Future[None]:
         """Queue the terminal event and record; the future resolves once Redis has them."""
-        run.final = final
-        run.final_sent = asyncio.get_running_loop().create_future()
+        run.outbox.final = final
+        sent = run.outbox.final_sent = asyncio.get_running_loop().create_future()
         self._mark(run)
-        return run.final_sent
+        return sent
 
     def _mark(self, run: Run) -> None:
         self._dirty[run.id] = run
@@ -91,19 +91,20 @@ class Publisher:
         sent: list[tuple[Run, int, bool]] = []
         for run in batch:
             run.number_outbox(self.worker)
-            final = run.final is not None and not run.outbox and run.final_sent is not None
-            if final and not run.done_numbered:
-                run.unsent.append(run.done_event(self.worker))
-            if not run.unsent:
+            box = run.outbox
+            final = box.final is not None and not box.pending and box.final_sent is not None
+            if final and not box.done_numbered:
+                box.unsent.append(run.done_event(self.worker))
+            if not box.unsent:
                 continue
             ttl = s.job_ttl_s if run.msg.job else s.record_ttl_s
-            fields = run.final.fields if final and run.final is not None else None
+            fields = box.final.fields if final and box.final is not None else None
             calls.append(
                 self.store.publish_call(
-                    run.id, self.worker, s.lease_ttl_s, ttl, run.unsent, final=final, fields=fields
+                    run.id, self.worker, s.lease_ttl_s, ttl, box.unsent, final=final, fields=fields
                 )
             )
-            sent.append((run, len(run.unsent), final))
+            sent.append((run, len(box.unsent), final))
         if not calls:
             return
         began_ns = time.time_ns()
@@ -120,9 +121,9 @@ class Publisher:
                 start_ns=began_ns,
                 end_ns=ended_ns,
             )
-            del run.unsent[:count]
+            del run.outbox.unsent[:count]
             if not ok:
-                run.outbox.clear()
+                run.outbox.pending.clear()
                 self._on_fenced(run)
                 self._resolve(run, PublishError(f"request {run.id} is now owned by another worker"))
             elif final:
@@ -130,14 +131,14 @@ class Publisher:
                 self._resolve(run, None)
 
     def _give_up(self, run: Run, exc: BaseException) -> None:
-        run.outbox.clear()
-        run.unsent.clear()
+        run.outbox.pending.clear()
+        run.outbox.unsent.clear()
         self._on_fenced(run)
         self._resolve(run, PublishError(f"Redis unreachable: {exc}"))
 
     @staticmethod
     def _resolve(run: Run, error: BaseException | None) -> None:
-        fut = run.final_sent
+        fut = run.outbox.final_sent
         if fut is None:
             # Not finishing yet: the failure reaches the run through on_fenced (it stops).
             return

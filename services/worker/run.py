@@ -1,16 +1,39 @@
-"""One request as a worker sees it: what it has emitted, and how it must end."""
+"""One request as a worker sees it: what it has emitted, and how it must end.
+
+A ``Run`` holds the request's identity and its stop flags; what it has produced so far lives in
+``Output`` (the one accumulator the final record is built from), what still has to reach Redis in
+``Outbox`` (the publisher's state), and its tracing state in ``RunTrace``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from aiokafka.structs import TopicPartition
 from opentelemetry import trace
 from opentelemetry.context import Context
 
 from services.common.wire import DeltaEvent, DoneEvent, RequestMessage, encode_event
+
+
+class Outcome(StrEnum):
+    """How the worker let go of a request (the ``outcome`` label of ``inflight_worker_outcomes_total``)."""
+
+    DONE = "done"  # finished here: its terminal event and record are in Redis
+    SKIPPED = "skipped"  # already terminal when consumed (a redelivery, or cancelled while in Kafka)
+    HANDED_BACK = "handed_back"  # drain: stopped unfinished; another worker resumes it from the log
+    FENCED = "fenced"  # another worker owns it now (lease lost, or Redis gone past the outage budget)
+    ERROR = "error"  # the worker itself failed running it
+    REJECTED = "rejected"  # the Kafka message could not be read
+
+    @property
+    def releases_offset(self) -> bool:
+        """Whether the request's offsets may be committed: all but a handed-back request, which
+        another worker must still read from the log."""
+        return self is not Outcome.HANDED_BACK
 
 
 @dataclass
@@ -33,6 +56,50 @@ class Final:
     fields: dict[str, str | int | float] = field(default_factory=dict)
 
 
+@dataclass
+class Output:
+    """Everything the request has emitted, per completion index (resumed tokens included)."""
+
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    finish: dict[int, str | None] = field(default_factory=dict)
+    stop_reasons: dict[int, int | str | None] = field(default_factory=dict)
+
+    def record(self, delta: PendingDelta) -> None:
+        self.tokens.setdefault(delta.index, []).extend(delta.token_ids)
+        self.texts.setdefault(delta.index, []).append(delta.text)
+        if delta.finish_reason is not None:
+            self.finish[delta.index] = delta.finish_reason
+            self.stop_reasons[delta.index] = delta.stop_reason
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+
+@dataclass
+class Outbox:
+    """The publisher's state for one request: deltas waiting to be numbered, numbered events waiting
+    for Redis, and the end (its terminal event is numbered once, after every delta)."""
+
+    seq: int = 0  # last sequence number used
+    pending: list[PendingDelta] = field(default_factory=list)
+    unsent: list[str] = field(default_factory=list)
+    final: Final | None = None
+    done_numbered: bool = False
+    final_sent: asyncio.Future[None] | None = None
+
+
+@dataclass
+class RunTrace:
+    """The consume span (the request's life in this worker) and the context publish spans go under while
+    the engine runs it (its engine span). INVALID_SPAN (a no-op) until consumed."""
+
+    span: trace.Span = field(default=trace.INVALID_SPAN, repr=False)
+    publish_parent: Context | None = field(default=None, repr=False)
+    first_publish_traced: bool = False
+
+
 @dataclass(eq=False)
 class Run:
     msg: RequestMessage
@@ -40,12 +107,10 @@ class Run:
     # tracker generation). All are marked done when the request is terminal.
     deliveries: list[tuple[TopicPartition, int, int]] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)  # the message's, or tokenized here
-    seq: int = 0  # last sequence number used
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    texts: dict[int, list[str]] = field(default_factory=dict)
-    finish: dict[int, str | None] = field(default_factory=dict)
-    stop_reasons: dict[int, int | str | None] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
+    output: Output = field(default_factory=Output)
+    outbox: Outbox = field(default_factory=Outbox)
+    tracing: RunTrace = field(default_factory=RunTrace)
+    errors: dict[int, str] = field(default_factory=dict)  # completion index -> why it failed
     error_code: str = "engine_error"
     resumed_from: int = 0  # output tokens that came from the log (a crash resume)
     cancelled: bool = False  # the client asked: finish as cancelled
@@ -55,43 +120,29 @@ class Run:
     engine_ids: set[str] = field(default_factory=set)  # ids live in the engine now
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
-    task: asyncio.Task[str] | None = None
-    # Publisher state: deltas waiting to be numbered, numbered events waiting for Redis, the end.
-    outbox: list[PendingDelta] = field(default_factory=list)
-    unsent: list[str] = field(default_factory=list)
-    final: Final | None = None
-    done_numbered: bool = False
-    final_sent: asyncio.Future[None] | None = None
-    # Tracing: the consume span (the request's life in this worker) and the context publish spans go
-    # under while the engine runs it (its engine span). INVALID_SPAN (a no-op) until consumed.
-    span: trace.Span = field(default=trace.INVALID_SPAN, repr=False)
-    publish_parent: Context | None = field(default=None, repr=False)
-    first_publish_traced: bool = False
+    task: asyncio.Task[Outcome] | None = None
 
     @property
     def id(self) -> str:
         return self.msg.id
 
     @property
+    def span(self) -> trace.Span:
+        return self.tracing.span
+
+    @property
     def stopping(self) -> bool:
         return self.cancelled or self.handed_back or self.fenced
 
-    def record(self, delta: PendingDelta) -> None:
-        """Account a delta in the run's own view (the final result and usage come from here)."""
-        self.tokens.setdefault(delta.index, []).extend(delta.token_ids)
-        self.texts.setdefault(delta.index, []).append(delta.text)
-        if delta.finish_reason is not None:
-            self.finish[delta.index] = delta.finish_reason
-            self.stop_reasons[delta.index] = delta.stop_reason
-
     def number_outbox(self, worker: str) -> None:
-        """Merge adjacent deltas of one index and number them into ``unsent``.
+        """Merge adjacent pending deltas of one index and number them into ``outbox.unsent``.
 
         Merging keeps Redis and the client's SSE from paying per token when the publisher is behind
         (a batch of steps arrives at once); it never crosses an index or a finish.
         """
+        box = self.outbox
         merged: list[PendingDelta] = []
-        for d in self.outbox:
+        for d in box.pending:
             last = merged[-1] if merged else None
             if last is not None and last.index == d.index and last.finish_reason is None:
                 last.token_ids = last.token_ids + d.token_ids
@@ -101,12 +152,12 @@ class Run:
                     last.logprobs = (last.logprobs or []) + d.logprobs
             else:
                 merged.append(PendingDelta(**vars(d)))
-        self.outbox = []
+        box.pending = []
         for d in merged:
-            self.seq += 1
+            box.seq += 1
             event = DeltaEvent(
                 id=self.id,
-                seq=self.seq,
+                seq=box.seq,
                 index=d.index,
                 token_ids=d.token_ids,
                 text=d.text,
@@ -115,20 +166,21 @@ class Run:
                 logprobs=d.logprobs,
                 worker=worker,
             )
-            self.unsent.append(encode_event(event))
+            box.unsent.append(encode_event(event))
 
     def done_event(self, worker: str) -> str:
-        assert self.final is not None
-        self.done_numbered = True
-        self.seq += 1
+        box = self.outbox
+        assert box.final is not None
+        box.done_numbered = True
+        box.seq += 1
         done = DoneEvent(
             id=self.id,
-            seq=self.seq,
-            status=self.final.status,
+            seq=box.seq,
+            status=box.final.status,
             prompt_tokens=len(self.prompt_token_ids),
-            completion_tokens=sum(len(t) for t in self.tokens.values()),
-            error=self.final.error,
-            code=self.final.code,
+            completion_tokens=self.output.num_tokens,
+            error=box.final.error,
+            code=box.final.code,
             worker=worker,
         )
         return encode_event(done)

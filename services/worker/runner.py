@@ -25,20 +25,18 @@ from services.common.engine_spans import EngineSpanExporter
 from services.common.settings import Settings
 from services.common.store import Store
 from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
+from services.worker.engine_client import EngineClient
 from services.worker.publisher import Publisher
-from services.worker.run import Final, PendingDelta, Run
+from services.worker.run import Final, Outcome, PendingDelta, Run
 from services.worker.telemetry import count_cancelled, engine_attributes
 
 log = logging.getLogger(__name__)
-
-# Outcomes: the offset is done for all but HANDED_BACK (another worker must run it).
-DONE, SKIPPED, HANDED_BACK, FENCED = "done", "skipped", "handed_back", "fenced"
 
 
 class Runner:
     def __init__(
         self,
-        engine: Any,
+        engine: EngineClient,
         store: Store,
         publisher: Publisher,
         settings: Settings,
@@ -51,7 +49,7 @@ class Runner:
         self.spans = spans  # None: the engine's requests are not traced (no exporter attached)
         self._rng = random.Random()
 
-    async def execute(self, run: Run) -> str:
+    async def execute(self, run: Run) -> Outcome:
         s = self.settings
         ttl = s.job_ttl_s if run.msg.job else s.record_ttl_s
         while True:
@@ -59,17 +57,17 @@ class Runner:
             if start.outcome == "terminal":
                 if start.status == CANCELLED:  # cancelled while still in Kafka (or a redelivery of one)
                     count_cancelled("queued")
-                return SKIPPED  # redelivered after it finished: never run twice
+                return Outcome.SKIPPED  # redelivered after it finished: never run twice
             if start.outcome == "ok":
                 break
             # Another live worker holds it (a rebalance moved the partition while it runs): wait for it
             # to finish or for its lease to lapse (it died), never generate alongside it.
             if run.handed_back:
-                return HANDED_BACK
+                return Outcome.HANDED_BACK
             await asyncio.sleep(min(1.0, s.lease_ttl_s / 4))
         run.holds_lease = True
         if any(isinstance(e, DoneEvent) for e in start.events):
-            return SKIPPED
+            return Outcome.SKIPPED
         self._resume(run, start.events)
         if start.cancelled or run.cancelled:
             if not run.cancelled:  # cancelled before this worker claimed it; the listener counts the rest
@@ -85,12 +83,12 @@ class Runner:
             return await self._finish(run)
         seed = params.seed if params.seed is not None else start.seed
         assert seed is not None
-        todo = [i for i in range(params.n) if run.finish.get(i) is None]
+        todo = [i for i in range(params.n) if run.output.finish.get(i) is None]
         await asyncio.gather(*(self._generate(run, params, seed, i) for i in todo))
         if run.handed_back or run.fenced:
             if run.handed_back and run.holds_lease:
                 await self.store.release(run.id, s.worker_id)
-            return HANDED_BACK if run.handed_back else FENCED
+            return Outcome.HANDED_BACK if run.handed_back else Outcome.FENCED
         return await self._finish(run)
 
     def _prompt(self, run: Run, params: SamplingParams) -> list[int]:
@@ -119,20 +117,20 @@ class Runner:
     def _resume(self, run: Run, events: list[Any]) -> None:
         """Fold what earlier workers published into this run: tokens, text, finished indexes, seq."""
         for event in sorted(events, key=lambda e: e.seq):
-            if event.seq <= run.seq:
+            if event.seq <= run.outbox.seq:
                 continue  # a duplicate (a retried publish)
             assert isinstance(event, DeltaEvent)
-            run.seq = event.seq
-            run.record(
+            run.outbox.seq = event.seq
+            run.output.record(
                 PendingDelta(event.index, event.token_ids, event.text, event.finish_reason, event.stop_reason)
             )
-        run.resumed_from = sum(len(t) for t in run.tokens.values())
+        run.resumed_from = run.output.num_tokens
         if run.resumed_from:
-            log.info("resuming %s after %d tokens (seq %d)", run.id, run.resumed_from, run.seq)
+            log.info("resuming %s after %d tokens (seq %d)", run.id, run.resumed_from, run.outbox.seq)
 
     async def _generate(self, run: Run, params: SamplingParams, seed: int, index: int) -> None:
         engine_id = f"{run.id}#{index}"
-        resumed = list(run.tokens.get(index, []))
+        resumed = list(run.output.tokens.get(index, []))
         one = dataclasses.replace(params, n=1, seed=seed + index)
         detok = self._replay_detokenizer(run, params, resumed)
         if params.max_tokens is not None and len(resumed) >= params.max_tokens:
@@ -145,8 +143,8 @@ class Runner:
             # Opened before the engine sees the request; the engine's finished record completes it.
             attrs = engine_attributes(run.msg, one, index, len(resumed))
             span = self.spans.start(engine_id, trace.set_span_in_context(run.span), attrs)
-            if run.publish_parent is None:
-                run.publish_parent = trace.set_span_in_context(span)
+            if run.tracing.publish_parent is None:
+                run.tracing.publish_parent = trace.set_span_in_context(span)
         try:
             stream = self.engine.generate(
                 run.prompt_token_ids,
@@ -175,7 +173,7 @@ class Runner:
                         await self.engine.abort(engine_id)
                 logprobs = _logprobs(c.logprobs) if params.logprobs is not None else None
                 pending = PendingDelta(index, list(c.token_ids), text, finish, stop_reason, logprobs)
-                others_done = all(run.finish.get(i) is not None for i in range(params.n) if i != index)
+                others_done = all(run.output.finish.get(i) is not None for i in range(params.n) if i != index)
                 self.publisher.emit(run, pending, last=finish is not None and others_done)
                 if finish is not None:
                     if finish == "error":
@@ -210,7 +208,7 @@ class Runner:
             detok.update([token])
         return detok
 
-    async def _finish(self, run: Run) -> str:
+    async def _finish(self, run: Run) -> Outcome:
         if run.cancelled:
             final = Final(CANCELLED, "cancelled by the client", "cancelled")
         elif run.errors:
@@ -222,22 +220,23 @@ class Runner:
             await self.publisher.finish(run, final)
         except RuntimeError as exc:
             log.warning("could not finish %s: %s", run.id, exc)
-            return FENCED
-        return DONE
+            return Outcome.FENCED
+        return Outcome.DONE
 
     def _record_fields(self, run: Run, final: Final) -> dict[str, str | int | float]:
-        n = max(len(run.tokens), int(run.msg.params.get("n", 1)))
+        out = run.output
+        n = max(len(out.tokens), int(run.msg.params.get("n", 1)))
         choices = [
             {
                 "index": i,
-                "text": "".join(run.texts.get(i, [])),
-                "finish_reason": run.finish.get(i),
-                "stop_reason": run.stop_reasons.get(i),
-                "num_tokens": len(run.tokens.get(i, [])),
+                "text": "".join(out.texts.get(i, [])),
+                "finish_reason": out.finish.get(i),
+                "stop_reason": out.stop_reasons.get(i),
+                "num_tokens": len(out.tokens.get(i, [])),
             }
             for i in range(n)
         ]
-        completion_tokens = sum(len(t) for t in run.tokens.values())
+        completion_tokens = out.num_tokens
         usage = {
             "prompt_tokens": len(run.prompt_token_ids),
             "completion_tokens": completion_tokens,

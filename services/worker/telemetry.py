@@ -93,9 +93,9 @@ def trace_publish(
         return
     if final:
         parent = trace.set_span_in_context(run.span)
-    elif not run.first_publish_traced and run.publish_parent is not None:
-        parent = run.publish_parent
-        run.first_publish_traced = True
+    elif not run.tracing.first_publish_traced and run.tracing.publish_parent is not None:
+        parent = run.tracing.publish_parent
+        run.tracing.first_publish_traced = True
     else:
         return
     attributes: Attributes = {
@@ -103,7 +103,7 @@ def trace_publish(
         "messaging.operation.type": "send",
         "messaging.destination.name": keys.events(run.id),
         "messaging.batch.message_count": num_events,
-        "inflight.seq": run.seq,
+        "inflight.seq": run.outbox.seq,
         "inflight.final": final,
         "inflight.round_trip.requests": num_requests,  # requests sharing this pipelined round trip
     }

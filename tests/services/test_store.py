@@ -35,13 +35,18 @@ def _rid() -> str:
     return f"cmpl-{uuid.uuid4().hex[:8]}"
 
 
+async def _admit(store: Store, request_id: str, max_pending: int, ttl_s: float) -> bool:
+    """The gateway's admission: the pending reservation and the queued record in one round trip."""
+    return await store.admit_and_record(request_id, max_pending, ttl_s, {"kind": "completion"}, 60)
+
+
 async def test_admission_is_bounded_and_self_heals(store: Store) -> None:
     ids = [_rid() for _ in range(4)]
-    assert [await store.admit(i, 3, ttl_s=30) for i in ids] == [True, True, True, False]
-    await store.take(ids[0])  # an engine took one: room for one more
-    assert await store.admit(ids[3], 3, ttl_s=30)
+    assert [await _admit(store, i, 3, ttl_s=30) for i in ids] == [True, True, True, False]
+    await store.start(ids[0], "w1", lease_s=5, seed=1, ttl_s=60)  # a worker took one: room for one more
+    assert await _admit(store, ids[3], 3, ttl_s=30)
     # Reservations that nobody refreshes (their gateway died) expire and free the bound.
-    assert await store.admit(_rid(), 10, ttl_s=0.2)
+    assert await _admit(store, _rid(), 10, ttl_s=0.2)
     assert await store.num_pending() == 4
     await asyncio.sleep(0.3)
     assert await store.num_pending() == 3
@@ -90,7 +95,7 @@ async def test_cancel_queued_running_and_finished(store: Store) -> None:
     queued, running = _rid(), _rid()
     for rid in (queued, running):
         await store.create_record(rid, {"kind": "completion"}, ttl_s=60)
-        assert await store.admit(rid, 10, ttl_s=30)
+        assert await _admit(store, rid, 10, ttl_s=30)
     pubsub = store.client.pubsub()
     await pubsub.subscribe(keys.CANCEL_CHANNEL, keys.events(queued))
     # Still in Kafka: cancelled at once, with its terminal event; the worker will skip it.
@@ -129,6 +134,6 @@ async def test_fail_queued_only_before_a_worker_starts(store: Store) -> None:
 
 async def test_scripts_survive_a_script_flush(store: Store) -> None:
     # A restarted Redis has no scripts cached: the store reloads them transparently.
-    assert await store.admit(_rid(), 5, 30)
+    assert await _admit(store, _rid(), 5, 30)
     await store.client.script_flush()
-    assert await store.admit(_rid(), 5, 30)
+    assert await _admit(store, _rid(), 5, 30)

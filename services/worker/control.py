@@ -1,0 +1,85 @@
+"""Control of running requests from outside the stream: the cancel channel, leases, fencing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from services.common import keys
+from services.common.settings import Settings
+from services.common.store import REDIS_ERRORS, Store
+from services.common.wire import CancelMessage, WireError
+from services.worker.engine_client import EngineClient
+from services.worker.run import Run
+from services.worker.telemetry import count_cancelled
+
+log = logging.getLogger(__name__)
+
+Spawn = Callable[[Coroutine[Any, Any, Any]], None]  # runs a coroutine in the background
+
+
+class Control:
+    def __init__(
+        self, settings: Settings, store: Store, engine: EngineClient, runs: dict[str, Run], spawn: Spawn
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.engine = engine
+        self.runs = runs  # the worker's: request id -> run, for requests held here
+        self._spawn = spawn
+
+    async def cancel_listener(self) -> None:
+        pubsub = self.store.client.pubsub()
+        await pubsub.subscribe(keys.CANCEL_CHANNEL)
+        while True:
+            try:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+            except REDIS_ERRORS as exc:
+                log.warning("cancel channel: %s; reconnecting", exc)
+                await asyncio.sleep(0.5)
+                continue  # redis-py reconnects and resubscribes on the next read
+            if message is None:
+                continue
+            try:
+                request_id = CancelMessage.decode(message["data"]).id
+            except WireError as exc:
+                log.error("ignoring cancel message: %s", exc)
+                continue
+            run = self.runs.get(request_id)
+            if run is not None and not run.cancelled:
+                log.info("cancelling %s", request_id)
+                count_cancelled("engine" if run.engine_ids else "intake")
+                run.span.add_event("cancel requested")
+                run.cancelled = True
+                await self.abort(run)
+
+    async def lease_keeper(self) -> None:
+        interval = self.settings.lease_ttl_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            held = [r.id for r in self.runs.values() if r.holds_lease]
+            try:
+                lost = await self.store.refresh_leases(
+                    held, self.settings.worker_id, self.settings.lease_ttl_s
+                )
+            except REDIS_ERRORS as exc:
+                log.warning("lease refresh failed: %s", exc)
+                continue
+            for request_id in lost:
+                run = self.runs.get(request_id)
+                if run is not None:
+                    log.warning("lost the lease of %s to another worker; stopping it here", request_id)
+                    self.fence(run)
+
+    def fence(self, run: Run) -> None:
+        """Another worker owns ``run`` now (or its events cannot be delivered): stop it here, silently."""
+        run.fenced = True
+        run.holds_lease = False
+        self._spawn(self.abort(run))
+
+    async def abort(self, run: Run) -> None:
+        """Abort every completion of ``run`` that is in the engine; each stream ends with "abort"."""
+        for engine_id in list(run.engine_ids):
+            await self.engine.abort(engine_id)

@@ -1,0 +1,109 @@
+"""Fetching from Kafka, bounded by the engine's room: a message becomes a ``Run`` (or joins its run).
+
+Backpressure: the worker fetches only while the engine's waiting queue has room, counting requests
+consumed but not yet in the engine, so the bound holds at all times; otherwise its partitions are
+paused and Kafka is the buffer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaError
+from aiokafka.structs import ConsumerRecord, TopicPartition
+from prometheus_client import Counter
+
+from services.common.settings import Settings
+from services.common.store import Store
+from services.common.wire import RequestMessage, WireError
+from services.worker import telemetry
+from services.worker.control import Spawn
+from services.worker.engine_client import EngineClient
+from services.worker.offsets import OffsetTracker
+from services.worker.run import Outcome, Run
+
+log = logging.getLogger(__name__)
+
+OUTCOMES = Counter(
+    "inflight_worker_outcomes_total", "Requests this worker let go of, by outcome", ["outcome"]
+)
+
+
+class Intake:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        engine: EngineClient,
+        tracker: OffsetTracker,
+        runs: dict[str, Run],
+        start_run: Callable[[Run], None],
+        spawn: Spawn,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.engine = engine
+        self.tracker = tracker
+        self.runs = runs
+        self._start_run = start_run
+        self._spawn = spawn
+        self.stopped = False  # drain: fetch nothing more
+
+    def room(self) -> int:
+        # Requests consumed but not yet in the engine count as waiting: the bound holds at all times.
+        intake = sum(1 for r in self.runs.values() if not r.engine_ids)
+        return self.settings.max_waiting - self.engine.num_waiting - intake
+
+    async def fetch_forever(self, consumer: AIOKafkaConsumer) -> None:
+        while True:
+            room = 0 if self.stopped else self.room()
+            assigned = consumer.assignment()
+            if room <= 0:
+                consumer.pause(*assigned)
+            elif consumer.paused():
+                consumer.resume(*consumer.paused())
+            try:
+                # Paused partitions return nothing; the call still keeps the consumer polling.
+                batch = await consumer.getmany(timeout_ms=50 if room <= 0 else 100, max_records=max(room, 1))
+            except KafkaError as exc:
+                log.warning("fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            for tp, records in batch.items():
+                for record in records:
+                    self.on_record(tp, record)
+
+    def on_record(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> None:
+        generation = self.tracker.add(tp, record.offset)
+        try:
+            msg = RequestMessage.decode(record.value or b"")
+        except WireError as exc:
+            log.error("rejecting message at %s:%d offset %d: %s", tp.topic, tp.partition, record.offset, exc)
+            OUTCOMES.labels(Outcome.REJECTED).inc()
+            self.tracker.done(tp, record.offset, generation)
+            self._spawn(self._fail_unreadable(record.value, exc))
+            return
+        run = self.runs.get(msg.id)
+        if run is not None:
+            run.deliveries.append((tp, record.offset, generation))  # a redelivery of one running here
+            run.span.add_event("redelivered", {"partition": tp.partition, "offset": record.offset})
+            return
+        run = Run(
+            msg, deliveries=[(tp, record.offset, generation)], prompt_token_ids=list(msg.prompt_token_ids)
+        )
+        run.tracing.span = telemetry.consume_span(record, msg.id)
+        self._start_run(run)
+
+    async def _fail_unreadable(self, raw: bytes | None, exc: WireError) -> None:
+        # A request id we can read lets its client learn why, instead of waiting for a timeout.
+        with contextlib.suppress(Exception):
+            request_id = json.loads(raw or b"{}").get("id")
+            if isinstance(request_id, str):
+                await self.store.fail_queued(
+                    request_id, f"the worker cannot read this request: {exc}", "wire"
+                )

@@ -1,0 +1,187 @@
+"""The worker's Publisher and Runner in this process, against a real Redis and the real tiny engine.
+
+The stack tests drive them through Kafka and HTTP; these pin what each part does on its own: what
+reaches the Redis log, in which order and numbering, and how a run ends (done, skipped, fenced, failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from engine.async_engine import AsyncLLMEngine
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from services.common import keys
+from services.common.servers import ServerProcess
+from services.common.settings import Settings
+from services.common.store import Store, connect_redis
+from services.common.wire import COMPLETED, DeltaEvent, DoneEvent, RequestMessage, encode_event
+from services.worker.publisher import Publisher, PublishError
+from services.worker.run import Final, Outcome, PendingDelta, Run
+from services.worker.runner import Runner
+from tests.services.stack import REDIS_PASSWORD
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@dataclasses.dataclass
+class Parts:
+    settings: Settings
+    store: Store
+    publisher: Publisher
+    fenced: list[Run]
+
+
+@pytest.fixture
+async def parts(redis_server: ServerProcess) -> AsyncIterator[Parts]:
+    settings = Settings(redis_url=redis_server.url, redis_password=REDIS_PASSWORD, lease_ttl_s=5)
+    store = Store(connect_redis(settings))
+    fenced: list[Run] = []
+    publisher = Publisher(store, settings, on_fenced=fenced.append)
+    task = asyncio.create_task(publisher.run_forever())
+    yield Parts(settings, store, publisher, fenced)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await store.client.aclose()
+
+
+@pytest.fixture(scope="module")
+def loaded(model_path: Path) -> LLMEngine:
+    return LLMEngine.from_engine_args(str(model_path), max_model_len=256)  # loaded once per module
+
+
+@pytest.fixture
+async def engine(loaded: LLMEngine) -> AsyncIterator[AsyncLLMEngine]:
+    eng = AsyncLLMEngine(loaded)  # its loop thread lives on this test's event loop
+    await eng.start()
+    yield eng
+    await eng.shutdown()
+
+
+def _message(params: SamplingParams, **fields: object) -> RequestMessage:
+    base: dict[str, object] = {
+        "id": f"cmpl-{uuid.uuid4().hex[:10]}",
+        "kind": "completion",
+        "model": "tiny",
+        "prompt_token_ids": [5, 6, 7, 8, 9],
+        "params": dataclasses.asdict(params),
+        "created": 1.0,
+    }
+    return RequestMessage(**{**base, **fields})  # type: ignore[arg-type]
+
+
+async def _admitted(p: Parts, msg: RequestMessage) -> Run:
+    await p.store.admit_and_record(msg.id, 100, 30, {"kind": msg.kind}, 60)
+    return Run(msg, prompt_token_ids=list(msg.prompt_token_ids))
+
+
+async def test_publisher_merges_numbers_and_finishes_in_order(parts: Parts) -> None:
+    p, worker = parts, parts.settings.worker_id
+    run = await _admitted(p, _message(SamplingParams()))
+    start = await p.store.start(run.id, worker, lease_s=5, seed=1, ttl_s=60)
+    assert start.outcome == "ok"
+    run.holds_lease = True
+    # Three deltas queued before the publisher gets to run: one event, one round trip.
+    trips = p.publisher.num_round_trips
+    for token, text in ((11, "a"), (12, "b"), (13, "c")):
+        p.publisher.emit(run, PendingDelta(0, [token], text))
+    p.publisher.emit(run, PendingDelta(0, [14], "d", "length"), last=True)
+    await p.publisher.finish(run, Final(COMPLETED, fields={"status": COMPLETED}))
+    log = await p.store.read_log(run.id)
+    assert [type(e) for e in log] == [DeltaEvent, DoneEvent]
+    delta, done = log
+    assert isinstance(delta, DeltaEvent) and isinstance(done, DoneEvent)
+    assert (delta.seq, delta.token_ids, delta.text, delta.finish_reason) == (
+        1,
+        [11, 12, 13, 14],
+        "abcd",
+        "length",
+    )
+    assert (done.seq, done.status, done.prompt_tokens, done.completion_tokens) == (2, COMPLETED, 5, 4)
+    assert p.publisher.num_round_trips - trips == 1  # the last delta waited for the done event
+    record = await p.store.get_record(run.id)
+    assert record is not None and record["status"] == COMPLETED
+    assert await p.store.owner(run.id) is None and not run.holds_lease
+    assert run.output.tokens == {0: [11, 12, 13, 14]} and p.fenced == []
+
+
+async def test_publisher_fences_a_run_whose_lease_moved(parts: Parts) -> None:
+    p = parts
+    run = await _admitted(p, _message(SamplingParams()))
+    await p.store.start(run.id, p.settings.worker_id, lease_s=5, seed=1, ttl_s=60)
+    await p.store.client.delete(keys.owner(run.id))  # this worker's lease lapsed...
+    assert (await p.store.start(run.id, "other-worker", lease_s=5, seed=1, ttl_s=60)).outcome == "ok"
+    p.publisher.emit(run, PendingDelta(0, [11], "a"))
+    for _ in range(100):
+        if p.fenced:
+            break
+        await asyncio.sleep(0.01)
+    assert p.fenced == [run]  # ...so its events are refused and the worker is told to stop it
+    with pytest.raises(PublishError):
+        await p.publisher.finish(run, Final(COMPLETED))
+    assert await p.store.read_log(run.id) == []
+
+
+async def test_runner_generates_every_index_as_the_engine_would(parts: Parts, engine: AsyncLLMEngine) -> None:
+    p = parts
+    params = SamplingParams(n=2, seed=7, temperature=1.0, max_tokens=6, ignore_eos=True)
+    run = await _admitted(p, _message(params))
+    outcome = await Runner(engine, p.store, p.publisher, p.settings).execute(run)
+    assert outcome is Outcome.DONE
+    # The same completions straight from the engine: index i is one request with seed + i.
+    for index in range(2):
+        one = dataclasses.replace(params, n=1, seed=7 + index)
+        direct = [t async for o in engine.generate([5, 6, 7, 8, 9], one, f"direct-{run.id}-{index}")
+                  for t in o.outputs[0].token_ids]  # fmt: skip
+        assert run.output.tokens[index] == direct
+    log = await p.store.read_log(run.id)
+    assert [e.seq for e in log] == list(range(1, len(log) + 1))
+    done = log[-1]
+    assert isinstance(done, DoneEvent) and (done.status, done.completion_tokens) == (COMPLETED, 12)
+    record = await p.store.get_record(run.id)
+    assert record is not None
+    choices = json.loads(record["result"])["choices"]
+    assert [(c["index"], c["num_tokens"], c["finish_reason"]) for c in choices] == [
+        (0, 6, "length"),
+        (1, 6, "length"),
+    ]
+    # A redelivery of the finished request is never run again.
+    again = Run(run.msg, prompt_token_ids=list(run.msg.prompt_token_ids))
+    assert await Runner(engine, p.store, p.publisher, p.settings).execute(again) is Outcome.SKIPPED
+
+
+async def test_runner_resumes_a_dead_workers_stream(parts: Parts, engine: AsyncLLMEngine) -> None:
+    p = parts
+    params = SamplingParams(seed=3, temperature=1.0, max_tokens=8, ignore_eos=True)
+    whole = [t async for o in engine.generate([5, 6, 7, 8, 9], params, f"whole-{uuid.uuid4().hex}")
+             for t in o.outputs[0].token_ids]  # fmt: skip
+    run = await _admitted(p, _message(params))
+    # A worker that died after publishing three tokens: its events are in the log, its lease is gone.
+    await p.store.start(run.id, "dead-worker", lease_s=5, seed=99, ttl_s=60)
+    early = DeltaEvent(run.id, 1, 0, whole[:3], "", worker="dead-worker")
+    await p.store.eval_many([p.store.publish_call(run.id, "dead-worker", 5, 60, [encode_event(early)])])
+    await p.store.client.delete(keys.owner(run.id))
+    assert await Runner(engine, p.store, p.publisher, p.settings).execute(run) is Outcome.DONE
+    assert run.resumed_from == 3
+    assert run.output.tokens[0] == whole  # the continuation is the uninterrupted run's
+    log = await p.store.read_log(run.id)
+    assert [e.seq for e in log] == list(range(1, len(log) + 1))
+    assert all(e.worker == p.settings.worker_id for e in log[1:])
+
+
+async def test_runner_fails_a_prompt_longer_than_the_model(parts: Parts, engine: AsyncLLMEngine) -> None:
+    p = parts
+    run = await _admitted(
+        p, _message(SamplingParams(max_tokens=4), prompt_token_ids=[], prompt="word " * 400)
+    )
+    assert await Runner(engine, p.store, p.publisher, p.settings).execute(run) is Outcome.DONE
+    (done,) = await p.store.read_log(run.id)
+    assert isinstance(done, DoneEvent) and (done.status, done.code) == ("failed", "invalid_request")
+    assert "maximum context length is 256" in (done.error or "")
