@@ -55,10 +55,65 @@ __attribute__((always_inline)) inline vfloat load16(const at::BFloat16* p) {
   std::memcpy(&v, &w, sizeof(v));
   return v;
 }
-__attribute__((always_inline)) inline float hsum(vfloat v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+
+// Shuffle masks of reduce16: lane i of the result takes lane mask[i] of the concatenation (a, b).
+typedef int32_t vi32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+constexpr vi32 kLo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+constexpr vi32 kHi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+constexpr vi32 kLo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+constexpr vi32 kHi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+constexpr vi32 kLo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+constexpr vi32 kHi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+constexpr vi32 kLo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+constexpr vi32 kHi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+__attribute__((always_inline)) inline vfloat fold(vfloat a, vfloat b, vi32 lo, vi32 hi) {
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+
+// Lane j of the result is the sum of the lanes of x[j]: sixteen dot products finished with 45 vector
+// ops instead of sixteen serial horizontal sums. Each level adds partial sums of the same vector only,
+// so a NaN in one key's products stays in that key's lane. Level by level (a..p = x[0..15]):
+//   1: (a,b) -> [a 8 partials | b 8 partials]        8 folds
+//   2: (ab,cd) -> [a 4 | b 4 | c 4 | d 4]             4 folds
+//   3: (abcd,efgh) -> [a 2 | b 2 | ... | h 2]         2 folds
+//   4: (a..h,i..p) -> [a b c ... p]                   1 fold
+__attribute__((always_inline)) inline vfloat reduce16(const vfloat* x) {
+  vfloat l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) l1[i] = fold(x[2 * i], x[2 * i + 1], kLo1, kHi1);
+  for (int i = 0; i < 4; ++i) l2[i] = fold(l1[2 * i], l1[2 * i + 1], kLo2, kHi2);
+  for (int i = 0; i < 2; ++i) l3[i] = fold(l2[2 * i], l2[2 * i + 1], kLo3, kHi3);
+  return fold(l3[0], l3[1], kLo4, kHi4);
+}
+
+// exp for x <= 0 (scores minus their maximum), to about 2 ulp: 2^n * p(r) with x = n ln2 + r,
+// |r| <= ln2 / 2, p a degree-6 Taylor polynomial; below -87 the result flushes to 0.
+__attribute__((always_inline)) inline vfloat vexp(vfloat x) {
+  const vfloat lo = x < -87.f ? vfloat{} + 1.f : vfloat{};
+  x = x < -87.f ? vfloat{} - 87.f : x;
+  const vfloat n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0.f ? -0.5f : 0.5f), vi32), vfloat);
+  const vfloat r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const vfloat result = p * scale;
+  return lo != 0.f ? vfloat{} : result;
+}
+
+// Pages are scattered, so the hardware prefetcher loses the stream at every block boundary: fetch a
+// key's row ahead of use, whole (D * sizeof(T) bytes, one to eight cache lines).
+template <typename T, int C>
+__attribute__((always_inline)) inline void prefetch_row(const T* p) {
+  constexpr int kBytes = C * kLanes * static_cast<int>(sizeof(T));
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int b = 0; b < kBytes; b += 64) __builtin_prefetch(c + b, 0, 3);
 }
 
 template <typename T>
@@ -82,27 +137,44 @@ struct Geometry {
   float scale;
 };
 
+struct Scratch {
+  std::vector<float> floats;
+  std::vector<int64_t> offsets;  // cache offset of each key position's row for this item's kv head
+};
+
 // One item: rows = (query tokens of the tile) x (heads of the group). Row r = token i * G + g, its
-// query sits at position seq_len - query_len + i and sees keys 0..that position.
-template <typename T>
+// query sits at position seq_len - query_len + i and sees keys 0..that position. C = D / 16, a
+// compile-time constant so that a row's query and accumulator live in registers.
+template <typename T, int C>
 INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* query, const T* cache,
                                  const int32_t* qsl, const int32_t* seq_lens, const int32_t* tables, T* out,
-                                 std::vector<float>& scratch) {
+                                 Scratch& scratch) {
+  constexpr int64_t D = C * kLanes;
   const int64_t q0 = qsl[it.seq];
   const int64_t query_len = qsl[it.seq + 1] - q0;
-  const int64_t seq_len = seq_lens[it.seq];
-  const int64_t first_pos = seq_len - query_len;  // position of the request's first query token
+  const int64_t first_pos = seq_lens[it.seq] - query_len;  // position of the request's first query token
   const int64_t num_tok = it.q_end - it.q_begin;
   const int64_t rows = num_tok * g.group;
   const int64_t ctx = first_pos + it.q_end;  // keys the last row of the tile can see
-  const int64_t D = g.head_size;
+  const int64_t ctx_pad = (ctx + kLanes - 1) / kLanes * kLanes;
   const int32_t* table = tables + it.seq * g.bt_stride;
 
-  // scratch: queries [rows, D] (scaled, float), scores [rows, ctx], accumulators [rows, D]
-  scratch.resize(static_cast<size_t>(rows * (2 * D + ctx)));
-  float* qf = scratch.data();
+  // Where each key position lives, once per item; positions past ctx repeat the last one, so the
+  // padded lanes of a partial group of 16 read valid memory (their scores are discarded).
+  scratch.offsets.resize(static_cast<size_t>(ctx_pad));
+  int64_t* offsets = scratch.offsets.data();
+  // block_size is a power of two (the engine enforces it): shifts, not divisions, per key.
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(g.block_size));
+  const int64_t mask = g.block_size - 1;
+  for (int64_t t = 0; t < ctx_pad; ++t) {
+    const int64_t p = std::min(t, ctx - 1);
+    offsets[t] = static_cast<int64_t>(table[p >> shift]) * g.kv_stride_block + (p & mask) * g.kv_stride_tok +
+                 it.kv_head * D;
+  }
+  // scratch: scaled queries [rows, D], probabilities [rows, ctx_pad]
+  scratch.floats.resize(static_cast<size_t>(rows * (D + ctx_pad)));
+  float* qf = scratch.floats.data();
   float* scores = qf + rows * D;
-  float* acc = scores + rows * ctx;
   for (int64_t i = 0; i < num_tok; ++i) {
     for (int64_t h = 0; h < g.group; ++h) {
       const T* src = query + (q0 + it.q_begin + i) * g.q_stride_t + (it.kv_head * g.group + h) * g.q_stride_h;
@@ -110,67 +182,124 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * g.scale;
     }
   }
-  std::memset(acc, 0, sizeof(float) * rows * D);
 
-  // Pass 1: scores of every row against every visible key.
-  const T* k_head = cache + it.kv_head * D;
-  for (int64_t t0 = 0; t0 < ctx; t0 += g.block_size) {
-    const T* k_block = k_head + static_cast<int64_t>(table[t0 / g.block_size]) * g.kv_stride_block;
-    const int64_t n = std::min(g.block_size, ctx - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* k = k_block + j * g.kv_stride_tok;
-      vfloat kv[16];  // head sizes up to 256
-      for (int64_t c = 0; c < g.chunks; ++c) kv[c] = load16(k + c * kLanes);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* q = qf + r * D;
-        vfloat s = load16(q) * kv[0];
-        for (int64_t c = 1; c < g.chunks; ++c) s += load16(q + c * kLanes) * kv[c];
-        scores[r * ctx + t0 + j] = hsum(s);
+  const T* k_cache = cache;
+  const T* v_cache = cache + g.v_offset;
+  // Pass 1, scores: sixteen keys at a time, widened to float once into an L1-resident buffer that
+  // every row of the item then reads (rather than each row streaming the whole context from L2).
+  alignas(64) float kbuf[kLanes * D];
+  for (int64_t t0 = 0; t0 < ctx_pad; t0 += kLanes) {
+    if (t0 + kLanes < ctx_pad) {
+      for (int j = 0; j < kLanes; ++j) prefetch_row<T, C>(k_cache + offsets[t0 + kLanes + j]);
+    }
+    for (int j = 0; j < kLanes; ++j) {
+      const T* k = k_cache + offsets[t0 + j];
+      for (int c = 0; c < C; ++c) {
+        const vfloat x = load16(k + c * kLanes);
+        std::memcpy(kbuf + j * D + c * kLanes, &x, sizeof(x));
       }
     }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t limit = first_pos + it.q_begin + r / g.group + 1;  // keys this row sees
+      if (t0 >= limit) continue;  // an earlier query token of a prefill tile
+      const float* qr = qf + r * D;
+      vfloat dots[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        vfloat acc = load16(qr) * load16(kbuf + j * D);
+        for (int c = 1; c < C; ++c) acc += load16(qr + c * kLanes) * load16(kbuf + j * D + c * kLanes);
+        dots[j] = acc;
+      }
+      vfloat sv = reduce16(dots);
+      if (t0 + kLanes > limit) {  // the row's last group: keys past its limit do not exist for it
+        for (int j = 0; j < kLanes; ++j) {
+          if (t0 + j >= limit) sv[j] = -std::numeric_limits<float>::infinity();
+        }
+      }
+      std::memcpy(scores + r * ctx_pad + t0, &sv, sizeof(sv));
+    }
   }
-
-  // Softmax per row over its own causal limit; probabilities overwrite the scores.
-  std::vector<float> inv_sum(static_cast<size_t>(rows));
+  // Softmax numerators in place (zero past each row's limit, up to ctx_pad), and 1 / their sum.
+  float inv_sum[kTileQ * 16];
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t limit = first_pos + it.q_begin + r / g.group + 1;
-    float* s = scores + r * ctx;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < limit; ++t) m = std::max(m, s[t]);
-    float sum = 0.f;
-    for (int64_t t = 0; t < limit; ++t) {
-      s[t] = std::exp(s[t] - m);
-      sum += s[t];
+    const int64_t groups = (limit + kLanes - 1) / kLanes;
+    float* sr = scores + r * ctx_pad;
+    vfloat vmax = vfloat{} - std::numeric_limits<float>::infinity();
+    for (int64_t t0 = 0; t0 < groups * kLanes; t0 += kLanes) {
+      const vfloat x = load16(sr + t0);
+      vmax = vmax > x ? vmax : x;
     }
-    for (int64_t t = limit; t < ctx; ++t) s[t] = 0.f;  // future keys of earlier rows in the tile
+    float m = vmax[0];
+    for (int j = 1; j < kLanes; ++j) m = std::max(m, vmax[j]);
+    vfloat vsum{};
+    for (int64_t t0 = 0; t0 < groups * kLanes; t0 += kLanes) {
+      const vfloat e = vexp(load16(sr + t0) - m);
+      std::memcpy(sr + t0, &e, sizeof(e));
+      vsum += e;
+    }
+    std::memset(sr + groups * kLanes, 0, sizeof(float) * (ctx_pad - groups * kLanes));
+    float sum = 0.f;
+    for (int j = 0; j < kLanes; ++j) sum += vsum[j];
     inv_sum[r] = 1.f / sum;
   }
-
-  // Pass 2: weighted sum of V.
-  const T* v_head = cache + g.v_offset + it.kv_head * D;
-  for (int64_t t0 = 0; t0 < ctx; t0 += g.block_size) {
-    const T* v_block = v_head + static_cast<int64_t>(table[t0 / g.block_size]) * g.kv_stride_block;
-    const int64_t n = std::min(g.block_size, ctx - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const T* v = v_block + j * g.kv_stride_tok;
-      vfloat vv[16];
-      for (int64_t c = 0; c < g.chunks; ++c) vv[c] = load16(v + c * kLanes);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float p = scores[r * ctx + t0 + j];
-        float* a = acc + r * D;
-        for (int64_t c = 0; c < g.chunks; ++c) {
-          vfloat x = load16(a + c * kLanes) + p * vv[c];
-          std::memcpy(a + c * kLanes, &x, sizeof(x));
+  // Pass 2, weighted sum of V: up to kRowsPerPass rows at once share each V load, with their
+  // accumulators (kRowsPerPass x C vectors) in registers; a zero probability adds nothing.
+  constexpr int64_t kRowsPerPass = C <= 4 ? 4 : (C <= 8 ? 2 : 1);
+  constexpr int64_t kAhead = 8;  // keys of V prefetched ahead of the accumulation
+  for (int64_t t = 0; t < std::min(kAhead, ctx); ++t) prefetch_row<T, C>(v_cache + offsets[t]);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
+    const int64_t nr = std::min(kRowsPerPass, rows - r0);
+    const int64_t limit = first_pos + it.q_begin + (r0 + nr - 1) / g.group + 1;  // of the last row
+    vfloat acc[kRowsPerPass][C];
+    for (int64_t i = 0; i < kRowsPerPass; ++i) {
+      for (int c = 0; c < C; ++c) acc[i][c] = vfloat{};
+    }
+    const float* p = scores + r0 * ctx_pad;
+    if (nr == kRowsPerPass) {
+      for (int64_t t = 0; t < limit; ++t) {
+        prefetch_row<T, C>(v_cache + offsets[t + kAhead < ctx_pad ? t + kAhead : ctx_pad - 1]);
+        const T* v = v_cache + offsets[t];
+        for (int c = 0; c < C; ++c) {
+          const vfloat x = load16(v + c * kLanes);
+          for (int64_t i = 0; i < kRowsPerPass; ++i) acc[i][c] += p[i * ctx_pad + t] * x;
+        }
+      }
+    } else {
+      for (int64_t t = 0; t < limit; ++t) {
+        const T* v = v_cache + offsets[t];
+        for (int c = 0; c < C; ++c) {
+          const vfloat x = load16(v + c * kLanes);
+          for (int64_t i = 0; i < nr; ++i) acc[i][c] += p[i * ctx_pad + t] * x;
         }
       }
     }
-  }
-  for (int64_t i = 0; i < num_tok; ++i) {
-    for (int64_t h = 0; h < g.group; ++h) {
-      const int64_t r = i * g.group + h;
-      T* dst = out + (q0 + it.q_begin + i) * g.o_stride_t + (it.kv_head * g.group + h) * g.o_stride_h;
-      store_row(dst, acc + r * D, D, inv_sum[r]);
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t r = r0 + i;
+      float o[D];
+      for (int c = 0; c < C; ++c) std::memcpy(o + c * kLanes, &acc[i][c], sizeof(vfloat));
+      const int64_t tok = r / g.group, h = r % g.group;
+      T* dst = out + (q0 + it.q_begin + tok) * g.o_stride_t + (it.kv_head * g.group + h) * g.o_stride_h;
+      store_row(dst, o, D, inv_sum[r]);
     }
+  }
+}
+
+// Head sizes the kernel is compiled for (D = 16 * C).
+template <typename T>
+using ItemFn = void (*)(const Item&, const Geometry&, const T*, const T*, const int32_t*, const int32_t*,
+                        const int32_t*, T*, Scratch&);
+
+template <typename T>
+ItemFn<T> item_fn(int64_t chunks) {
+  switch (chunks) {
+    case 1: return &attend_item<T, 1>;
+    case 2: return &attend_item<T, 2>;
+    case 4: return &attend_item<T, 4>;
+    case 5: return &attend_item<T, 5>;
+    case 6: return &attend_item<T, 6>;
+    case 8: return &attend_item<T, 8>;
+    case 16: return &attend_item<T, 16>;
+    default: return nullptr;
   }
 }
 
@@ -210,11 +339,14 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   g.num_kv_heads = kv_cache.size(3);
   TORCH_CHECK(g.num_heads % g.num_kv_heads == 0, "query heads must be a multiple of kv heads");
   g.group = g.num_heads / g.num_kv_heads;
+  TORCH_CHECK(g.group <= 16, "at most 16 query heads per kv head");
   g.head_size = kv_cache.size(4);
   TORCH_CHECK(query.size(2) == g.head_size, "query head size differs from the cache's");
-  TORCH_CHECK(g.head_size % kLanes == 0 && g.head_size <= 256, "head size must be a multiple of 16, <= 256");
+  TORCH_CHECK(g.head_size % kLanes == 0 && item_fn<float>(g.head_size / kLanes) != nullptr,
+              "head size must be 16, 32, 64, 80, 96, 128 or 256");
   g.chunks = g.head_size / kLanes;
   g.block_size = kv_cache.size(2);
+  TORCH_CHECK((g.block_size & (g.block_size - 1)) == 0, "block_size must be a power of two");
   g.q_stride_t = query.stride(0);
   g.q_stride_h = query.stride(1);
   g.o_stride_t = out.stride(0);
@@ -252,10 +384,11 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
+    const ItemFn<scalar_t> fn = item_fn<scalar_t>(g.chunks);
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-      std::vector<float> scratch;
+      Scratch scratch;
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-        attend_item<scalar_t>(items[i], g, q, cache, qsl, lens, tables, o, scratch);
+        fn(items[i], g, q, cache, qsl, lens, tables, o, scratch);
       }
     });
   });
