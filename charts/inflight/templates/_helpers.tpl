@@ -146,3 +146,31 @@ checksum/secret: {{ include (print .Template.BasePath "/secret.yaml") . | sha256
 default
 {{- end -}}
 {{- end -}}
+
+{{/* Gateway grace period: preStop, then uvicorn's graceful shutdown of open streams, then a margin. */}}
+{{- define "inflight.gateway.terminationGracePeriodSeconds" -}}
+{{- $g := .Values.gateway -}}
+{{- $needed := add $g.drainTimeoutSeconds $g.preStopSleepSeconds -}}
+{{- if kindIs "invalid" $g.terminationGracePeriodSeconds -}}
+{{- add $needed 10 -}}
+{{- else if le (int $g.terminationGracePeriodSeconds) (int $needed) -}}
+{{- fail (printf "gateway.terminationGracePeriodSeconds (%d) must be greater than gateway.drainTimeoutSeconds + gateway.preStopSleepSeconds (%d): the kubelet would cut streams still draining" (int $g.terminationGracePeriodSeconds) (int $needed)) -}}
+{{- else -}}
+{{- $g.terminationGracePeriodSeconds -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Refuse an open gateway without keys. Open: reachable through an Ingress, a LoadBalancer or NodePort
+Service, or with no NetworkPolicy naming who may connect. Keys: apiKeys, or existingSecret (which is
+expected to hold INFLIGHT_API_KEYS; the chart cannot read it).
+*/}}
+{{- define "inflight.checkAuth" -}}
+{{- $g := .Values.gateway -}}
+{{- $np := .Values.networkPolicy -}}
+{{- $open := or $g.ingress.enabled (has $g.service.type (list "LoadBalancer" "NodePort")) (not $np.enabled) (empty $np.gatewayFrom) -}}
+{{- $keys := or .Values.apiKeys .Values.existingSecret -}}
+{{- if and $open (not $keys) (not .Values.auth.allowAnonymous) -}}
+{{- fail "the gateway would be open to all sources (Ingress, LoadBalancer/NodePort Service, or no networkPolicy.gatewayFrom) without API keys: set apiKeys (or existingSecret), restrict networkPolicy.gatewayFrom, or set auth.allowAnonymous=true on purpose" -}}
+{{- end -}}
+{{- end -}}
