@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.telemetry import metrics_payload
-from services.gateway import errors, jobs_routes, openai_routes
+from services.gateway import errors, jobs_routes, live_routes, openai_routes
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import APIError
 from services.gateway.prompts import load_model_info
@@ -66,10 +67,14 @@ def create_app(settings: Settings) -> FastAPI:
         token = auth[7:] if auth.lower().startswith("bearer ") else ""
         if not any(hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys):
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        # Jobs belong to the key that created them: records store a digest of it, never the key.
+        request.state.key_owner = hashlib.sha256(token.encode()).hexdigest()[:32]
 
     guarded = [Depends(require_key)]
     app.include_router(openai_routes.router, dependencies=guarded)
     app.include_router(jobs_routes.router, dependencies=guarded)
+    app.include_router(live_routes.router, dependencies=guarded)
+    app.include_router(live_routes.page_router)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:

@@ -48,6 +48,7 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
     extra: dict[str, str | int | float] = {
         "endpoint": body.endpoint,
         "metadata": json.dumps(body.metadata or {}),
+        "owner": _owner(request),
     }
     msg, _ = await gw.enqueue(kind, prepared, job=True, subscribe=False, extra=extra)
     record = await gw.store.get_record(msg.id) or {}
@@ -59,15 +60,15 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
 @router.get("/v1/jobs/{job_id}")
 async def get_job(job_id: str, request: Request) -> dict[str, Any]:
     gw = gateway(request)
-    return _job_view(job_id, await _job_record(gw, job_id))
+    return _job_view(job_id, await _job_record(gw, job_id, request))
 
 
 @router.delete("/v1/jobs/{job_id}")
 async def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
     gw = gateway(request)
-    await _job_record(gw, job_id)
+    await _job_record(gw, job_id, request)
     status = await gw.dispatcher.cancel(job_id)
-    record = await _job_record(gw, job_id)
+    record = await _job_record(gw, job_id, request)
     view = _job_view(job_id, record)
     if status == "cancelling":
         view["status"] = "cancelling"  # a worker is aborting it; GET shows "cancelled" once it has
@@ -77,7 +78,7 @@ async def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
 @router.get("/v1/jobs/{job_id}/events", response_model=None)
 async def job_events(job_id: str, request: Request) -> StreamingResponse:
     gw = gateway(request)
-    record = await _job_record(gw, job_id)
+    record = await _job_record(gw, job_id, request)
     kind: Kind = "chat" if record.get("kind") == "chat" else "completion"
     logprobs = int(record["logprobs"]) if record.get("logprobs") else None
     builder = ResponseBuilder(
@@ -123,9 +124,15 @@ async def _from_record(job_id: str, record: dict[str, str]) -> AsyncIterator[str
     yield "data: [DONE]\n\n"
 
 
-async def _job_record(gw: Gateway, job_id: str) -> dict[str, str]:
+def _owner(request: Request) -> str:
+    """Who may see a job: a digest of the API key that created it ("" with keys off: everyone)."""
+    return str(getattr(request.state, "key_owner", ""))
+
+
+async def _job_record(gw: Gateway, job_id: str, request: Request) -> dict[str, str]:
     record = await gw.store.get_record(job_id) if job_id.startswith("job-") else None
-    if record is None or record.get("job") != "1":
+    # Another key's job answers exactly as a missing one: its existence is not disclosed either.
+    if record is None or record.get("job") != "1" or record.get("owner", "") != _owner(request):
         raise APIError(404, f"no job {job_id!r} (unknown, or expired)", code="not_found", param="job_id")
     return record
 

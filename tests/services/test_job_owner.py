@@ -1,0 +1,39 @@
+"""With API keys on, a job is visible and cancellable only with the key that created it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from services.dev import ServiceProcess, launch
+from tests.services.stack import MODEL_NAME, Stack
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def guarded(stack: Stack) -> Iterator[ServiceProcess]:
+    gateway = launch("gateway", {**stack.env, "INFLIGHT_API_KEYS": "alice-key,bob-key"}, stack.log_dir)
+    gateway.wait_ready()
+    yield gateway
+    gateway.stop()
+
+
+def test_jobs_belong_to_their_key(guarded: ServiceProcess) -> None:
+    alice, bob = ({"Authorization": f"Bearer {k}"} for k in ("alice-key", "bob-key"))
+    body = {"endpoint": "/v1/completions", "body": {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 400}}
+    with httpx.Client(base_url=guarded.url, timeout=30) as http:
+        created = http.post("/v1/jobs", json=body, headers=alice)
+        assert created.status_code == 202, created.text
+        job = created.json()["id"]
+        for method, path in (("GET", ""), ("GET", "/events"), ("DELETE", "")):
+            resp = http.request(method, f"/v1/jobs/{job}{path}", headers=bob)
+            assert resp.status_code == 404, (method, path, resp.text)
+            assert resp.json()["error"]["code"] == "not_found"
+        # Bob's DELETE changed nothing: the job is not cancelled.
+        assert http.get(f"/v1/jobs/{job}", headers=alice).json()["status"] != "cancelled"
+        assert http.delete(f"/v1/jobs/{job}", headers=alice).status_code == 200
+        final = http.get(f"/v1/jobs/{job}", headers=alice).json()
+        assert final["status"] in ("cancelling", "cancelled"), final["error"]
