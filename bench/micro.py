@@ -120,6 +120,8 @@ def decode_probe(
     block_size: int = 16,
     max_num_batched_tokens: int = 512,
     seed: int = 0,
+    dtype: str = "float32",
+    attention_backend: str = "auto",
 ) -> DecodeProbeResult:
     """Fill an engine with ``batch`` requests, finish their prefills, then alternate one matmul pass
     with one decode step, ``rounds`` times. Short prompts keep the set-up prefill cheap; the context
@@ -138,7 +140,8 @@ def decode_probe(
         num_blocks=batch * (-(-(prompt_len + new_tokens + 1) // block_size)) + 1,
         max_model_len=prompt_len + new_tokens + 8,
         enable_prefix_caching=False,
-        dtype="float32",
+        dtype=dtype,
+        attention_backend=attention_backend,
         seed=seed,
     )
     mc = engine.config.model

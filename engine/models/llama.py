@@ -17,13 +17,25 @@ from engine.config import ModelConfig
 from engine.models.rotary import apply_rotary, cos_sin_cache
 
 
+_CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 @dataclass
 class ModelOps:
-    """Pointwise ops, swappable for fused Triton kernels on CUDA."""
+    """Pointwise ops, swappable for fused Triton kernels on CUDA or fused C++ kernels on CPU
+    (engine/kernels/cpu; float32 and bfloat16, torch ops otherwise)."""
 
     use_triton: bool = False
+    use_cpu_kernels: bool = False
+
+    def _cpu(self, x: torch.Tensor) -> bool:
+        return self.use_cpu_kernels and x.dtype in _CPU_KERNEL_DTYPES
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self._cpu(x):
+            out = torch.empty_like(x)
+            torch.ops.inflight_cpu.rms_norm(out, x, None, weight, eps)
+            return out
         if self.use_triton:
             from engine.kernels import rms_norm
 
@@ -36,6 +48,10 @@ class ModelOps:
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cpu(x):
+            # In place: residual becomes x + residual, x its norm (both are this step's temporaries).
+            torch.ops.inflight_cpu.rms_norm(x, x, residual, weight, eps)
+            return x, residual
         if self.use_triton:
             from engine.kernels import fused_add_rms_norm
 
@@ -46,6 +62,10 @@ class ModelOps:
     def rotary(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cpu(q):
+            # In place, on the strided views of the fused qkv projection: no copies.
+            torch.ops.inflight_cpu.rotary(q, k, positions, cache)
+            return q, k
         if self.use_triton:
             from engine.kernels import rotary_embedding
 
@@ -53,6 +73,10 @@ class ModelOps:
         return apply_rotary(positions, q, k, cache)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._cpu(x):
+            out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+            torch.ops.inflight_cpu.silu_and_mul(out, x)
+            return out
         if self.use_triton:
             from engine.kernels import silu_and_mul
 
@@ -141,8 +165,11 @@ class LlamaForCausalLM:
         num_tokens = x.shape[0]
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim).contiguous()
-        q, k = self.ops.rotary(positions, q.contiguous(), k.contiguous(), self.rope_cache)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if not self.ops.use_cpu_kernels:
+            # The torch and Triton paths want dense inputs; the C++ kernels read the strided views.
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k = self.ops.rotary(positions, q, k, self.rope_cache)
         # Store first: a request's own new tokens must be visible to its causal attention.
         self.backend.store_kv(k, v, kv_cache, metadata)
         attn = self.backend.forward(q, kv_cache, metadata, self.scale)  # [T, Hq, D]

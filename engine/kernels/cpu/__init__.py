@@ -1,4 +1,5 @@
-"""The CPU engine's C++ kernels: paged attention and the KV store, read in place through block tables.
+"""The CPU engine's C++ kernels: paged attention and the KV store (read in place through block tables),
+and the layer's fused pointwise ops (RMSNorm with the residual add, rotary, SiLU-and-mul).
 
 ``load()`` builds them on first use (a torch extension compiled with the host's g++, cached per source
 and torch version; ``make setup`` builds it ahead of time) and registers ``torch.ops.inflight_cpu``.
@@ -17,13 +18,17 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("paged_attention.cpp")
+_HERE = Path(__file__).parent
+_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "pointwise.cpp"]
+_HEADERS = [_HERE / "vec.h"]
 _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
 
 
 def build_dir() -> Path:
     """Cache folder keyed by what the binary depends on: the source, the flags, torch's version."""
-    key = hashlib.sha256(_SOURCE.read_bytes() + " ".join(_FLAGS).encode() + torch.__version__.encode())
+    key = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
+    for path in _SOURCES + _HEADERS:
+        key.update(path.read_bytes())
     root = os.environ.get("INFLIGHT_CPU_EXT_DIR") or Path.home() / ".cache" / "inflight" / "cpu_ext"
     return Path(root) / key.hexdigest()[:16]
 
@@ -40,7 +45,7 @@ def load() -> bool:
         directory.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
             name="inflight_cpu",
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(directory),

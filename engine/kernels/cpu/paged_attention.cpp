@@ -26,38 +26,15 @@
 #include <limits>
 #include <vector>
 
+#include "vec.h"
+
 namespace {
 
-constexpr int kLanes = 16;
+using namespace inflight_cpu;
+
 constexpr int64_t kTileQ = 8;  // query tokens per work item in a prefill chunk
 
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint16_t vu16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t vu32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-#if defined(__x86_64__) && !defined(INFLIGHT_NO_CLONES)
-#define INFLIGHT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define INFLIGHT_CLONES
-#endif
-
-// bf16 is the upper half of a float32: widen by a 16-bit shift.
-__attribute__((always_inline)) inline vfloat load16(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-__attribute__((always_inline)) inline vfloat load16(const at::BFloat16* p) {
-  vu16 h;
-  std::memcpy(&h, p, sizeof(h));
-  vu32 w = __builtin_convertvector(h, vu32) << 16;
-  vfloat v;
-  std::memcpy(&v, &w, sizeof(v));
-  return v;
-}
-
 // Shuffle masks of reduce16: lane i of the result takes lane mask[i] of the concatenation (a, b).
-typedef int32_t vi32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
 constexpr vi32 kLo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
 constexpr vi32 kHi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
 constexpr vi32 kLo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -84,27 +61,6 @@ __attribute__((always_inline)) inline vfloat reduce16(const vfloat* x) {
   for (int i = 0; i < 4; ++i) l2[i] = fold(l1[2 * i], l1[2 * i + 1], kLo2, kHi2);
   for (int i = 0; i < 2; ++i) l3[i] = fold(l2[2 * i], l2[2 * i + 1], kLo3, kHi3);
   return fold(l3[0], l3[1], kLo4, kHi4);
-}
-
-// exp for x <= 0 (scores minus their maximum), to about 2 ulp: 2^n * p(r) with x = n ln2 + r,
-// |r| <= ln2 / 2, p a degree-6 Taylor polynomial; below -87 the result flushes to 0.
-__attribute__((always_inline)) inline vfloat vexp(vfloat x) {
-  const vfloat lo = x < -87.f ? vfloat{} + 1.f : vfloat{};
-  x = x < -87.f ? vfloat{} - 87.f : x;
-  const vfloat n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0.f ? -0.5f : 0.5f), vi32), vfloat);
-  const vfloat r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  vfloat p = vfloat{} + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
-  vfloat scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  const vfloat result = p * scale;
-  return lo != 0.f ? vfloat{} : result;
 }
 
 // Pages are scattered, so the hardware prefetcher loses the stream at every block boundary: fetch a

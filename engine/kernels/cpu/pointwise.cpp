@@ -1,0 +1,217 @@
+// The Llama layer's pointwise ops, fused, for the CPU engine: RMSNorm (with the residual add),
+// rotary embedding in place, SiLU-and-mul. A decode step at 64 sequences runs each of these over a
+// few tens of thousands of elements, where torch's cost is per op (dispatch, temporaries, a float32
+// copy), not per element: one pass each instead of five to fifteen ops.
+//
+// Rounding follows HF (and engine/kernels/reference.py) op by op: RMSNorm normalises in float32,
+// rounds to the model dtype, then multiplies by the weight and rounds; the residual sum is rounded
+// before the norm; rotary computes in float32 and rounds once; SiLU rounds before the multiply.
+// Multiply-adds are not contracted into FMAs (fp-contract=off for this file), so float32 results
+// equal torch's op-by-op results except for the order of the norm's sum of squares.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+
+// Separate multiplies and adds, as torch's op-by-op results round them (set before vec.h, whose
+// helpers are inlined here).
+#pragma GCC optimize("fp-contract=off")
+
+#include "vec.h"
+
+namespace {
+
+using namespace inflight_cpu;
+
+constexpr int64_t kRowGrain = 8;  // rows per parallel chunk: small steps stay on one thread
+
+template <typename F>
+void dispatch(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kBFloat16) {
+    f(at::BFloat16{});
+  } else {
+    f(float{});
+  }
+}
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
+              " must be float32 or bfloat16");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, n] with contiguous rows");
+}
+
+// out[r] = weight * round(x[r] / rms(x[r])); with a residual: residual[r] = round(x[r] + residual[r])
+// first, and the norm is of the new residual.
+template <typename T>
+INFLIGHT_CLONES void norm_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, T* residual,
+                               int64_t res_stride, const T* weight, int64_t n, float eps, int64_t r0, int64_t r1) {
+  const int64_t nv = n / kLanes * kLanes;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* xr = x + r * x_stride;
+    T* o = out + r * out_stride;
+    const T* src = xr;
+    if (residual != nullptr) {
+      T* res = residual + r * res_stride;
+      for (int64_t i = 0; i < nv; i += kLanes) store16(res + i, load16(xr + i) + load16(res + i));
+      for (int64_t i = nv; i < n; ++i) res[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(res[i]));
+      src = res;
+    }
+    vfloat acc{};
+    for (int64_t i = 0; i < nv; i += kLanes) {
+      const vfloat v = load16(src + i);
+      acc += v * v;
+    }
+    float sq = 0.f;
+    for (int j = 0; j < kLanes; ++j) sq += acc[j];
+    for (int64_t i = nv; i < n; ++i) sq += static_cast<float>(src[i]) * static_cast<float>(src[i]);
+    const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < nv; i += kLanes) {
+      // Round the normalised value to T (a no-op for float), then scale by the weight and round.
+      alignas(64) T tmp[kLanes];
+      store16(tmp, load16(src + i) * inv);
+      store16(o + i, load16(tmp) * load16(weight + i));
+    }
+    for (int64_t i = nv; i < n; ++i) {
+      const T normed = static_cast<T>(static_cast<float>(src[i]) * inv);
+      o[i] = static_cast<T>(static_cast<float>(normed) * static_cast<float>(weight[i]));
+    }
+  }
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+              double eps) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "x, out and weight must share a dtype");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1), "weight must be [n], contiguous");
+  TORCH_CHECK(out.sizes() == x.sizes(), "out must have x's shape");
+  if (residual.has_value()) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x");
+  }
+  const int64_t rows = x.size(0), n = x.size(1);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    T* res = residual.has_value() ? residual->data_ptr<T>() : nullptr;
+    const int64_t res_stride = residual.has_value() ? residual->stride(0) : 0;
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+      norm_rows<T>(out.data_ptr<T>(), out.stride(0), x.data_ptr<T>(), x.stride(0), res, res_stride,
+                   weight.data_ptr<T>(), n, static_cast<float>(eps), r0, r1);
+    });
+  });
+}
+
+// NeoX / HF rotate_half: dimension i < D/2 pairs with i + D/2. cos in cache[pos, :D/2], sin in
+// cache[pos, D/2:]. heads: [T, H, D] with any token and head strides.
+template <typename T>
+INFLIGHT_CLONES void rotate_rows(T* x, int64_t stride_t, int64_t stride_h, int64_t num_heads, int64_t head_size,
+                                 const int64_t* positions, const float* cache, int64_t t0, int64_t t1) {
+  const int64_t half = head_size / 2;
+  const int64_t hv = half / kLanes * kLanes;
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* cos = cache + positions[t] * head_size;
+    const float* sin = cos + half;
+    for (int64_t h = 0; h < num_heads; ++h) {
+      T* a = x + t * stride_t + h * stride_h;
+      T* b = a + half;
+      for (int64_t i = 0; i < hv; i += kLanes) {
+        const vfloat x1 = load16(a + i), x2 = load16(b + i), c = load16(cos + i), s = load16(sin + i);
+        store16(a + i, x1 * c - x2 * s);
+        store16(b + i, x2 * c + x1 * s);
+      }
+      for (int64_t i = hv; i < half; ++i) {
+        const float x1 = static_cast<float>(a[i]), x2 = static_cast<float>(b[i]);
+        a[i] = static_cast<T>(x1 * cos[i] - x2 * sin[i]);
+        b[i] = static_cast<T>(x2 * cos[i] + x1 * sin[i]);
+      }
+    }
+  }
+}
+
+void rotary(at::Tensor query, at::Tensor key, const at::Tensor& positions, const at::Tensor& cache) {
+  for (const at::Tensor* t : {&query, &key}) {
+    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1, "query and key must be [T, H, D] with contiguous heads");
+    TORCH_CHECK(t->scalar_type() == at::kFloat || t->scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  }
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be int64");
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.size(1) == query.size(2),
+              "cache must be [max_pos, D] float32");
+  TORCH_CHECK(query.size(2) % 2 == 0, "head size must be even");
+  const int64_t tokens = positions.size(0);
+  TORCH_CHECK(query.size(0) == tokens && key.size(0) == tokens, "one position per token");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cache.size(0), "position ", pos[t], " is outside the rotary cache");
+  }
+  dispatch(query.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, tokens, kRowGrain, [&](int64_t t0, int64_t t1) {
+      rotate_rows<T>(query.data_ptr<T>(), query.stride(0), query.stride(1), query.size(1), query.size(2), pos,
+                     cache.data_ptr<float>(), t0, t1);
+      rotate_rows<T>(key.data_ptr<T>(), key.stride(0), key.stride(1), key.size(1), key.size(2), pos,
+                     cache.data_ptr<float>(), t0, t1);
+    });
+  });
+}
+
+// out[r] = round(silu(gate)) * up, gate = x[r, :I], up = x[r, I:]; silu(g) = g / (1 + exp(-g)).
+template <typename T>
+INFLIGHT_CLONES void silu_rows(T* out, int64_t out_stride, const T* x, int64_t x_stride, int64_t inter, int64_t r0,
+                               int64_t r1) {
+  const int64_t nv = inter / kLanes * kLanes;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* gate = x + r * x_stride;
+    const T* up = gate + inter;
+    T* o = out + r * out_stride;
+    for (int64_t i = 0; i < nv; i += kLanes) {
+      const vfloat g = load16(gate + i);
+      const vfloat neg = -g;
+      // exp(-g) overflows float past 88.7: clamp, the quotient is -0 either way.
+      const vfloat e = vexp(neg > 88.f ? vfloat{} + 88.f : neg);
+      alignas(64) T tmp[kLanes];
+      store16(tmp, g / (1.f + e));
+      store16(o + i, load16(tmp) * load16(up + i));
+    }
+    for (int64_t i = nv; i < inter; ++i) {
+      const float g = static_cast<float>(gate[i]);
+      const T s = static_cast<T>(g / (1.f + std::exp(-g)));
+      o[i] = static_cast<T>(static_cast<float>(s) * static_cast<float>(up[i]));
+    }
+  }
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_rows(x, "x");
+  check_rows(out, "out");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "x and out must share a dtype");
+  TORCH_CHECK(x.size(1) % 2 == 0 && out.size(1) == x.size(1) / 2 && out.size(0) == x.size(0),
+              "x must be [T, 2I] and out [T, I]");
+  const int64_t rows = x.size(0), inter = out.size(1);
+  dispatch(x.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, rows, kRowGrain, [&](int64_t r0, int64_t r1) {
+      silu_rows<T>(out.data_ptr<T>(), out.stride(0), x.data_ptr<T>(), x.stride(0), inter, r0, r1);
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
+  m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor positions, Tensor cache) -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(inflight_cpu, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
+}

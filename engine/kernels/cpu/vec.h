@@ -1,0 +1,74 @@
+// Vector helpers shared by the CPU kernels: 16 floats per vector (GCC vector extensions), bf16
+// widening and rounding, exp. Compiled into each kernel's target clones (AVX-512, AVX2, baseline).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__) && !defined(INFLIGHT_NO_CLONES)
+#define INFLIGHT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define INFLIGHT_CLONES
+#endif
+
+namespace inflight_cpu {
+
+constexpr int kLanes = 16;
+
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint16_t vu16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t vu32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+// bf16 is the upper half of a float32: widen by a 16-bit shift.
+__attribute__((always_inline)) inline vfloat load16(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+__attribute__((always_inline)) inline vfloat load16(const at::BFloat16* p) {
+  vu16 h;
+  std::memcpy(&h, p, sizeof(h));
+  vu32 w = __builtin_convertvector(h, vu32) << 16;
+  vfloat v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+typedef int32_t vi32 __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// float -> bf16 rounding to nearest even, as torch rounds (NaN stays NaN).
+__attribute__((always_inline)) inline void store16(float* p, vfloat v) { std::memcpy(p, &v, sizeof(v)); }
+__attribute__((always_inline)) inline void store16(at::BFloat16* p, vfloat v) {
+  vu32 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vu32 rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
+  const vu32 nan = (bits >> 16) | 0x40u;  // quiet NaN, as torch's conversion produces
+  const vu32 out = v != v ? nan : rounded;
+  const vu16 h = __builtin_convertvector(out, vu16);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+// exp, to about 2 ulp, for x <= 88 (larger x would overflow; callers stay below): 2^n * p(r) with x = n ln2 + r,
+// |r| <= ln2 / 2, p a degree-6 Taylor polynomial; below -87 the result flushes to 0.
+__attribute__((always_inline)) inline vfloat vexp(vfloat x) {
+  const vfloat lo = x < -87.f ? vfloat{} + 1.f : vfloat{};
+  x = x < -87.f ? vfloat{} - 87.f : x;
+  const vfloat n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504f + (x < 0.f ? -0.5f : 0.5f), vi32), vfloat);
+  const vfloat r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  vfloat p = vfloat{} + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const vi32 bits = (__builtin_convertvector(n, vi32) + 127) << 23;
+  vfloat scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  const vfloat result = p * scale;
+  return lo != 0.f ? vfloat{} : result;
+}
+
+}  // namespace inflight_cpu
