@@ -16,7 +16,6 @@ from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.models.rotary import apply_rotary, cos_sin_cache
 
-
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
