@@ -174,15 +174,15 @@ class LLMEngine:
         if out.is_empty:
             self.runner.update_rows(out)  # still drop the rows of requests finished since last step
             return outputs
-        batch = [
-            (r.request_id, out.num_scheduled_tokens[r.request_id], r.num_computed_tokens)
-            for r in out.scheduled
-        ]
+        batch = list(out.batch())
         try:
-            result = self.runner.execute(out, self.kv)
+            result = self.runner.execute(out)
         except Exception as exc:  # the step failed: fail its requests, keep the engine serving
             logger.exception("model step failed")
-            return outputs + self._fail(out.scheduled, f"{type(exc).__name__}: {exc}")
+            failed = [
+                self.scheduler.requests[i] for i in out.num_scheduled_tokens if i in self.scheduler.requests
+            ]
+            return outputs + self._fail(failed, f"{type(exc).__name__}: {exc}")
         executed_at = time.monotonic()
         got_token = self.scheduler.update_from_output(out, result.sampled)
         touched: dict[str, _Group] = {}

@@ -1,7 +1,7 @@
 """Per-request block tables over the block pool: allocate for a step, find cached prefixes, free.
 
-The scheduler asks "room for n more tokens of this request?" and gets yes (the blocks are taken)
-or no (nothing changed, so it can preempt someone and ask again).
+The scheduler asks "room for n more tokens of this request?" and gets the blocks added to the request's
+table (possibly none) or None (nothing changed, so it can preempt someone and ask again).
 """
 
 from __future__ import annotations
@@ -81,12 +81,13 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
-    ) -> bool:
+    ) -> list[KVCacheBlock] | None:
         """Make room for ``num_new_tokens`` tokens after the request's computed ones.
 
         ``new_computed_blocks`` are prefix hits found by ``get_computed_blocks`` at admission; they
-        are prepended to the (empty) block table. Returns False, changing nothing, if the pool is
-        short.
+        are prepended to the (empty) block table. Returns the blocks appended to the request's table
+        (the hits, then fresh ones; empty when the blocks it holds have room), or None, changing
+        nothing, if the pool is short.
         """
         hits = new_computed_blocks or []
         held = self.req_blocks.setdefault(request.request_id, [])
@@ -98,13 +99,12 @@ class KVCacheManager:
         if num_new_blocks + num_free_hits > self.pool.num_free_blocks:
             if not held:
                 del self.req_blocks[request.request_id]
-            return False
+            return None
         self.pool.touch(hits)
-        held.extend(hits)
-        if num_new_blocks:
-            held.extend(self.pool.allocate(num_new_blocks))
+        added = hits + self.pool.allocate(num_new_blocks) if num_new_blocks else list(hits)
+        held.extend(added)
         self._register_full_blocks(request, held, (num_computed + num_new_tokens) // self.block_size)
-        return True
+        return added
 
     def _register_full_blocks(self, request: Request, held: list[KVCacheBlock], num_full: int) -> None:
         """Index blocks that this step fills. Their K/V is written before any later step reads it,

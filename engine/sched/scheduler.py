@@ -4,6 +4,9 @@ Every step spends one token budget. Running requests go first (a decode costs on
 unfinished prefill takes what the budget has left: chunked prefill); then waiting requests are
 admitted while sequences, budget and blocks last. When blocks run out a running request is
 preempted (its blocks freed, recomputed later) and the allocation retried.
+
+The step's decision leaves as plain data (``SchedulerOutput``): a request the runner does not hold yet
+goes out in full, one it holds as the blocks allocated since and its computed-token count.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import time
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.kv_cache.block_pool import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
-from engine.sched.output import SchedulerOutput
+from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.policy import make_waiting_queue, priority_key
 
 
@@ -47,6 +51,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (not finished) requests by id
         self._finished_since_last_step: set[str] = set()
+        # This step's batch, in order, and the blocks each request got this step.
+        self._scheduled: list[Request] = []
+        self._new_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Requests the runner holds a copy of (sent as new, not since finished or preempted).
+        self._in_runner: set[str] = set()
         self.num_preemptions = 0
         self._step_preemptions = 0
         self.num_allocation_failures = 0
@@ -92,6 +101,7 @@ class Scheduler:
         )
         self.kv.free(request)
         self._finished_since_last_step.add(request.request_id)
+        self._in_runner.discard(request.request_id)
 
     @property
     def num_waiting(self) -> int:
@@ -109,12 +119,38 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
         self._finished_since_last_step = set()
         self._step_preemptions = 0
+        self._scheduled, self._new_blocks = [], {}
         budget = self.config.max_num_batched_tokens
         admit = not self.static or not self.running  # a static batch admits only when it is empty
         budget = self._schedule_running(out, budget)
         if admit and not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
+        self._describe_for_runner(out)
         return out
+
+    def _describe_for_runner(self, out: SchedulerOutput) -> None:
+        """The batch as plain data: in full for requests the runner does not hold, else the diff."""
+        for request in self._scheduled:
+            req_id = request.request_id
+            if req_id in self._in_runner:
+                new_block_ids = [b.block_id for b in self._new_blocks.get(req_id, ())]
+                out.scheduled_cached_reqs.append(
+                    CachedRequestData(req_id, new_block_ids, request.num_computed_tokens)
+                )
+                continue
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=req_id,
+                    prompt_token_ids=list(request.prompt_token_ids),
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    seed=request.seed,
+                    eos_token_id=request.eos_token_id,
+                    block_ids=self.kv.block_ids(req_id),
+                    num_computed_tokens=request.num_computed_tokens,
+                )
+            )
+            self._in_runner.add(req_id)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
@@ -125,7 +161,7 @@ class Scheduler:
                 i += 1
                 continue
             preempted_self = False
-            while not self.kv.allocate_slots(request, num_new):
+            while (blocks := self.kv.allocate_slots(request, num_new)) is None:
                 self.num_allocation_failures += 1
                 victim = self._pick_victim(self.running)
                 victim_index = self.running.index(victim)
@@ -137,6 +173,8 @@ class Scheduler:
                     i -= 1
             if preempted_self:
                 continue  # the next running request slid into slot i
+            assert blocks is not None  # the loop ends on a successful allocation or preempted_self
+            self._new_blocks[request.request_id] = blocks
             self._add_to_batch(out, request, num_new)
             budget -= num_new
             i += 1
@@ -166,7 +204,7 @@ class Scheduler:
                 if reserved + worst > free_at_start:
                     break
                 reserved += worst
-            if not self.kv.allocate_slots(request, num_new, hits):
+            if self.kv.allocate_slots(request, num_new, hits) is None:
                 self.num_allocation_failures += 1
                 if self._preempt_for(request, out):
                     budget = self._budget_left(out)
@@ -198,9 +236,8 @@ class Scheduler:
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
-    @staticmethod
-    def _add_to_batch(out: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        out.scheduled.append(request)
+    def _add_to_batch(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        self._scheduled.append(request)
         out.num_scheduled_tokens[request.request_id] = num_tokens
         out.total_num_scheduled_tokens += num_tokens
 
@@ -224,6 +261,7 @@ class Scheduler:
         """Push a running request back to waiting, freeing its blocks. Returns budget given back."""
         self.running.remove(victim)
         self.kv.free(victim)
+        self._in_runner.discard(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.timeline.num_preemptions += 1
         victim.record("preempted", time.monotonic(), computed_tokens=victim.num_computed_tokens)
@@ -234,7 +272,7 @@ class Scheduler:
         out.preempted_req_ids.append(victim.request_id)
         given_back = out.num_scheduled_tokens.pop(victim.request_id, 0)
         if given_back:
-            out.scheduled.remove(victim)
+            self._scheduled.remove(victim)
             out.total_num_scheduled_tokens -= given_back
             if victim.request_id in out.new_req_ids:
                 out.new_req_ids.remove(victim.request_id)
@@ -249,10 +287,10 @@ class Scheduler:
         """
         now = time.monotonic()
         got_token = []
-        for request in out.scheduled:
-            if request.status != RequestStatus.RUNNING:
+        for req_id, num_scheduled in out.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran
-            num_scheduled = out.num_scheduled_tokens[request.request_id]
             prefilling = request.num_computed_tokens < request.num_prompt_tokens + request.num_resumed_tokens
             request.num_computed_tokens += num_scheduled
             if prefilling:

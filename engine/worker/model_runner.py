@@ -1,6 +1,8 @@
 """Packs a scheduled step into flat tensors, runs the model, samples.
 
-The runner makes no policy: it executes exactly what the SchedulerOutput says.
+The runner makes no policy: it executes exactly what the SchedulerOutput says. It reads nothing else
+of the engine (no ``Request``, no KV cache manager): the output carries new requests once and then
+per-step diffs, and the runner keeps its own rows (``InputBatch``).
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ import torch
 
 from engine.attention.backend import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig
-from engine.kv_cache.manager import KVCacheManager, cdiv
+from engine.kv_cache.manager import cdiv
 from engine.models.llama import LlamaForCausalLM, ModelOps
 from engine.models.loader import load_weights
-from engine.request import Request
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sched.output import SchedulerOutput
 from engine.worker.cuda_graph import GraphedDecode
-from engine.worker.input_batch import InputBatch
+from engine.worker.input_batch import CachedRequestState, InputBatch
 
 # Without an explicit size, the CPU cache holds every sequence at full length, capped at this.
 _DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -33,7 +34,7 @@ class PreparedInputs:
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int64: the flat index of each sampling request's last token
-    sampling_requests: list[Request]  # the N requests that sample a token this step
+    sampling_requests: list[CachedRequestState]  # the N requests that sample a token this step
 
 
 @dataclass
@@ -102,15 +103,17 @@ class ModelRunner:
 
     # ---- one step --------------------------------------------------------------------------
     def update_rows(self, out: SchedulerOutput) -> None:
-        for request_id in out.finished_req_ids:
-            self.input_batch.remove(request_id)
-        for request_id in out.preempted_req_ids:
-            self.input_batch.remove(request_id)
-        for request in out.scheduled:
-            if request.request_id not in self.input_batch:
-                self.input_batch.add(request)
+        # Removals first: a request preempted (or finished and re-added) may come back as new this step.
+        for req_id in out.finished_req_ids:
+            self.input_batch.remove(req_id)
+        for req_id in out.preempted_req_ids:
+            self.input_batch.remove(req_id)
+        for new in out.scheduled_new_reqs:
+            self.input_batch.add(new)
+        for cached in out.scheduled_cached_reqs:
+            self.input_batch.update(cached)
 
-    def prepare(self, out: SchedulerOutput, kv: KVCacheManager) -> PreparedInputs:
+    def prepare(self, out: SchedulerOutput) -> PreparedInputs:
         """Flat inputs for the step. Loops run per request (S), never per token (T).
 
         Example, block_size 4: A computed 5 scheduled 1, B computed 0 scheduled 3
@@ -122,10 +125,11 @@ class ModelRunner:
         rows = np.empty(num_seqs, dtype=np.int64)
         num_sched = np.empty(num_seqs, dtype=np.int64)
         computed = np.empty(num_seqs, dtype=np.int64)
-        for i, request in enumerate(out.scheduled):
-            rows[i] = batch.sync(request, kv.block_ids(request.request_id))
-            num_sched[i] = out.num_scheduled_tokens[request.request_id]
-            computed[i] = request.num_computed_tokens
+        states = [batch.requests[req_id] for req_id in out.num_scheduled_tokens]
+        for i, state in enumerate(states):
+            rows[i] = state.row
+            num_sched[i] = out.num_scheduled_tokens[state.req_id]
+            computed[i] = state.num_computed_tokens
         query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(num_sched, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
@@ -141,7 +145,7 @@ class ModelRunner:
         # A request samples when this step computes its last known token.
         samples = seq_lens == batch.num_tokens[rows]
         logits_indices = query_start_loc[1:][samples] - 1
-        sampling_requests = [r for r, s in zip(out.scheduled, samples, strict=True) if s]
+        sampling_requests = [r for r, s in zip(states, samples, strict=True) if s]
 
         dev = self.device
 
@@ -174,10 +178,10 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         start = time.perf_counter()
         self.update_rows(out)
-        inputs = self.prepare(out, kv)
+        inputs = self.prepare(out)
         # Host time: on a GPU the copies above are asynchronous and the model has not started.
         prepare_time = time.perf_counter() - start
         meta = inputs.metadata
@@ -199,9 +203,12 @@ class ModelRunner:
             for r in inputs.sampling_requests
         ]
         result = self.sampler(logits, rows)
-        sampled = {r.request_id: t for r, t in zip(inputs.sampling_requests, result.token_ids, strict=True)}
+        sampled = {}
+        for state, token in zip(inputs.sampling_requests, result.token_ids, strict=True):
+            sampled[state.req_id] = token
+            self.input_batch.append_token(state, token)  # after sampling: the rows above read the list
         logprobs = {
-            r.request_id: lp
+            r.req_id: lp
             for r, lp in zip(inputs.sampling_requests, result.logprobs, strict=True)
             if lp is not None
         }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from engine.config import EngineConfig, ModelConfig
@@ -86,10 +88,38 @@ def step(sched: Scheduler, token_for: dict[str, int] | None = None, default: int
     """One step with a fake model: every request that completes its tokens samples `default`
     (or the token given for it)."""
     out = sched.schedule()
+    check_runner_view(sched, out)
     sampled = {}
-    for r in out.scheduled:
+    for r in scheduled(sched, out):
         if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens:
             sampled[r.request_id] = (token_for or {}).get(r.request_id, default)
     sched.update_from_output(out, sampled)
     sched.kv.check_integrity()
     return out
+
+
+def scheduled(sched: Scheduler, out: SchedulerOutput) -> list[Request]:
+    """The live requests of a step, in batch order (the output itself carries only ids and data)."""
+    return [sched.requests[i] for i in out.num_scheduled_tokens]
+
+
+# Block tables rebuilt from the outputs alone, per scheduler: what a runner would hold.
+_runner_views: weakref.WeakKeyDictionary[Scheduler, dict[str, list[int]]] = weakref.WeakKeyDictionary()
+
+
+def check_runner_view(sched: Scheduler, out: SchedulerOutput) -> None:
+    """Applying the output's diffs to the previous steps' gives exactly the manager's block tables."""
+    view = _runner_views.setdefault(sched, {})
+    for req_id in [*out.finished_req_ids, *out.preempted_req_ids]:
+        view.pop(req_id, None)
+    for new in out.scheduled_new_reqs:
+        assert new.req_id not in view, f"{new.req_id} sent as new while the runner holds it"
+        view[new.req_id] = list(new.block_ids)
+    for cached in out.scheduled_cached_reqs:
+        view[cached.req_id] += cached.new_block_ids
+    sent = [r.req_id for r in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_cached_reqs]
+    assert sorted(sent) == sorted(out.num_scheduled_tokens)  # each scheduled request described once
+    for req_id, num_scheduled in out.num_scheduled_tokens.items():
+        assert view[req_id] == sched.kv.block_ids(req_id)
+        needed = sched.requests[req_id].num_computed_tokens + num_scheduled
+        assert len(view[req_id]) * sched.kv.block_size >= needed

@@ -32,7 +32,7 @@ def test_builtin_hash_collisions_do_not_collide() -> None:
 def test_prefix_hits_still_found() -> None:
     manager = KVCacheManager(num_blocks=16, block_size=4)
     first = Request("a", list(range(10)), SamplingParams(max_tokens=1), None)
-    assert manager.allocate_slots(first, 10)
+    assert manager.allocate_slots(first, 10) is not None
     second = Request("b", [*range(8), 99, 98], SamplingParams(max_tokens=1), None)
     hits, num_hit_tokens = manager.get_computed_blocks(second)
     assert num_hit_tokens == 8 and len(hits) == 2

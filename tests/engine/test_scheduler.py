@@ -6,11 +6,11 @@ import pytest
 
 from engine.request import RequestStatus
 from engine.sched.scheduler import EngineQueueFull
-from tests.engine.sched_utils import EOS, make_request, make_scheduler, step
+from tests.engine.sched_utils import EOS, make_request, make_scheduler, scheduled, step
 
 
 def batch_ids(out) -> list[str]:
-    return [r.request_id for r in out.scheduled]
+    return list(out.num_scheduled_tokens)
 
 
 def test_seed_six_iteration_timeline() -> None:
@@ -170,7 +170,7 @@ def test_max_num_seqs_and_budget_bound_each_step() -> None:
         assert out.num_seqs <= 3 and out.total_num_scheduled_tokens <= 20
         sampled = {
             r.request_id: 50
-            for r in out.scheduled
+            for r in scheduled(sched, out)
             if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens
         }
         sched.update_from_output(out, sampled)

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.request import RequestStatus
-from tests.engine.sched_utils import EOS, make_request, make_scheduler
+from tests.engine.sched_utils import EOS, check_runner_view, make_request, make_scheduler, scheduled
 
 ops = st.lists(
     st.one_of(
@@ -58,7 +58,8 @@ def test_random_traffic_drains_clean(ops, num_blocks, policy, batching, caching,
         out = sched.schedule()
         assert out.num_seqs <= 4 and out.total_num_scheduled_tokens <= budget
         sampled = {}
-        for r in out.scheduled:
+        check_runner_view(sched, out)
+        for r in scheduled(sched, out):
             if r.num_computed_tokens + out.num_scheduled_tokens[r.request_id] == r.num_tokens:
                 token = EOS if eos_every and (r.num_output_tokens + 1) % (eos_every + 3) == 0 else 50
                 sampled[r.request_id] = token
