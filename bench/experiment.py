@@ -4,8 +4,9 @@ Same model (the ~50M-parameter bench checkpoint, float32), same threads, same wo
 target; greedy, EOS ignored, per-request max_tokens; prefix caching off; each target warmed up.
 
   1. Decode probe: a decode step at 64 running requests vs the matmul rate, measured alternately.
-  2. Saturation: every request at t = 0 through continuous, static, hf-batch and hf-generate.
-     Static's completed requests/s there is its saturation rate S.
+  2. Saturation: every request at t = 0 through continuous, static, hf-batch and hf-generate
+     (--targets; add vllm for vLLM's CPU backend, whose greedy outputs are then compared with
+     continuous's token by token). Static's completed requests/s there is its saturation rate S.
   3. Rate search, Poisson: continuous and static start at 1.0 x S (the "near static's saturation"
      comparison) and each halves or doubles its rate until its P99 TTFT limit is bracketed;
      continuous also runs at 2 x S (overload). The targets take turns, so a slow spell of a
@@ -24,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from bench import plots
+from bench.compare import describe_identical, peer_comparisons
 from bench.figures import issue2_figures, print_figures
 from bench.micro import decode_probe, linear_params
 from bench.results import RunResult, write_json
 from bench.session import Session, bench_model_path, set_threads
 from bench.stats import backlog_throughput, max_sustained_rate, parse_slo
-from bench.targets import TargetConfig
+from bench.targets import TARGETS, TargetConfig
 from bench.timeline import chrome_trace, request_timelines
 from bench.workload import LengthMix, describe, synthetic
 
@@ -58,12 +60,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-hf", action="store_true", help="leave out the HF transformers peers")
+    p.add_argument(
+        "--targets",
+        default="continuous,static,hf-batch,hf-generate",
+        help=f"saturation targets, comma list of {', '.join(TARGETS)} (continuous and static always run: "
+        "the rate search needs them; vllm needs `make bench-peers`)",
+    )
+    p.add_argument(
+        "--vllm-compile", action="store_true", help="let vLLM torch.compile its model (default: eager)"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="dtype of continuous, static and vllm (auto: this CPU's pick); the HF peers stay float32",
+    )
     p.add_argument("--probe-rounds", type=int, default=8, help="decode steps timed by the probe")
     p.add_argument("--probe-prompt", type=int, default=128, help="prompt tokens of the probe's requests")
     p.add_argument(
         "--trace-out", help="Chrome/Perfetto trace of the near-saturation runs (default: in --out)"
     )
     p.add_argument("--quick", action="store_true", help="a tiny smoke run: few requests, short lengths")
+
+
+def _saturation_targets(args: argparse.Namespace) -> list[str]:
+    """--targets in order, continuous and static first and always, HF peers dropped by --skip-hf."""
+    names = [t.strip() for t in args.targets.split(",") if t.strip()]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise SystemExit(f"unknown target(s) {', '.join(unknown)}; choose from {', '.join(TARGETS)}")
+    rest = [n for n in names if n not in ("continuous", "static")]
+    if args.skip_hf:
+        rest = [n for n in rest if not n.startswith("hf")]
+    return ["continuous", "static", *dict.fromkeys(rest)]
 
 
 def _next_multiple(passed: set[float], failed: set[float], lo: float, hi: float) -> float | None:
@@ -145,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_model_len=mix.long_prompt[1] + mix.output[1] + args.block_size,
         seed=args.seed,
+        engine_args={"dtype": args.dtype},
+        vllm_eager=not args.vllm_compile,
     )
     session = Session(config, out, slo, mc.vocab_size)
     print(f"model {model} ({mc.num_hidden_layers} layers, hidden {mc.hidden_size}), {threads} threads")
@@ -173,16 +203,18 @@ def run(args: argparse.Namespace) -> int:
     )
     saturation: dict[str, dict[str, Any]] = {}
     sat_runs = {}
-    targets = ["continuous", "static"] + ([] if args.skip_hf else ["hf-batch", "hf-generate"])
-    for name in targets:
+    for name in _saturation_targets(args):
         sat_runs[name], saturation[name] = session.run(name, sat_specs, "saturation", math.inf)
         window = backlog_throughput(sat_runs[name], args.max_num_seqs)
         saturation[name]["saturated_output_throughput"] = window
         print(
             f"  {name}: {window:.1f} output tokens/s until {args.max_num_seqs} requests remained", flush=True
         )
-        if name.startswith("hf"):
-            session.release(name)  # one HF model in memory at a time
+        if name not in ("continuous", "static"):
+            session.release(name)  # one peer in memory at a time; only the engine runs again
+    comparisons = peer_comparisons(sat_runs)
+    for peer, result in comparisons.items():
+        print(describe_identical(result, "continuous", peer), flush=True)
     static_rate = saturation["static"]["request_throughput"]
     print(f"static saturates at S = {static_rate:.3f} req/s", flush=True)
 
@@ -224,6 +256,7 @@ def run(args: argparse.Namespace) -> int:
             "command": "inflight bench engine " + " ".join(args.argv),
             "wall_s": time.time() - started,
             "threads": threads,
+            "dtype": args.dtype,
             "model": {"path": model, "linear_params": linear_params(mc), "threads": threads},
             "target_config": {k: v for k, v in vars(config).items() if k != "engine_args"},
             "slo": slo.describe(),
@@ -231,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
             "static_saturation_rate": static_rate,
             "decode_probe": probe.to_json(),
             "saturation": saturation,
+            "greedy_outputs_identical": comparisons,
             "sweep": sweep,
             "max_rate_at_p99_ttft": {
                 lim: {n: {"rate": r, "bounded": b} for n, (r, b) in row.items()}

@@ -105,7 +105,10 @@ def issue2_figures(
     c_sat = saturation.get("continuous", {}).get("saturated_output_throughput")
     c_tok = saturation.get("continuous", {}).get("output_throughput")
     c_cpu = saturation.get("continuous", {}).get("output_tokens_per_cpu_s")
-    for peer, bound in (("static", 1.5), ("hf-batch", 3.0), ("hf-generate", 2.0)):
+    peers: tuple[tuple[str, float], ...] = (("static", 1.5), ("hf-batch", 3.0), ("hf-generate", 2.0))
+    if "vllm" in saturation:  # issue 10: at least vLLM's CPU backend at the same dtype and threads
+        peers += (("vllm", 1.0),)
+    for peer, bound in peers:
         p_sat = saturation.get(peer, {}).get("saturated_output_throughput")
         p_tok = saturation.get(peer, {}).get("output_throughput")
         p_cpu = saturation.get(peer, {}).get("output_tokens_per_cpu_s")

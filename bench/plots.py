@@ -17,7 +17,13 @@ from bench.results import RunResult
 from bench.timeline import batch_matrix
 
 # One colour per target, the same in every plot.
-COLORS = {"continuous": "tab:blue", "static": "tab:red", "hf-batch": "tab:green", "hf-generate": "tab:purple"}
+COLORS = {
+    "continuous": "tab:blue",
+    "static": "tab:red",
+    "hf-batch": "tab:green",
+    "hf-generate": "tab:purple",
+    "vllm": "tab:orange",
+}
 
 
 def _color(target: str) -> str | None:

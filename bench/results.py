@@ -30,6 +30,8 @@ class RequestResult:
     # Engine targets: the engine's own lifecycle events (queued, admitted, prefill_chunk, first_token,
     # preempted, resumed, finished) as [name, time, attributes].
     events: list[tuple[str, float, dict[str, Any]]] = field(default_factory=list)
+    # Engine and vllm targets: the generated token ids, so two targets' greedy outputs can be compared.
+    output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_output_tokens(self) -> int:

@@ -4,10 +4,13 @@
     inflight bench sweep --targets continuous --process gamma --cv 3 --rates 0.5,1
     inflight bench sweep --targets continuous,hf-batch --trace my.jsonl --speedups 0.5,1,2
     inflight bench sweep --targets continuous --rates 1 --engine-arg max_num_batched_tokens=256
+    inflight bench sweep --targets continuous,vllm --rates 1,4 --engine-arg dtype=bfloat16
 
 Each rate runs every target on the same requests (a rate only rescales arrival times), interleaved
-target by target. Writes sweep.json, per-run JSON, sweep.png (throughput and P99s vs rate, one line
-per target), CDFs, batch timelines and engine time series per rate, and a Chrome trace if asked.
+target by target. Where continuous and vllm (``make bench-peers``) both ran a point, their greedy
+outputs are compared token by token (identical n/N, in sweep.json). Writes sweep.json, per-run JSON,
+sweep.png (throughput and P99s vs rate, one line per target), CDFs, batch timelines and engine time
+series per rate, and a Chrome trace if asked.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import plots
+from bench.compare import describe_identical, peer_comparisons
 from bench.results import RunResult, write_json
 from bench.session import Session, bench_model_path, set_threads
 from bench.stats import parse_slo
@@ -54,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--stop-after-ttft", type=float, help="drop a target after a rate with P99 TTFT above this (s)"
     )
     p.add_argument("--trace-out", help="write a Chrome/Perfetto trace of every run here")
+    p.add_argument("--vllm-compile", action="store_true", help="vllm target: torch.compile (default: eager)")
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -125,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=-(-(longest + 1) // args.block_size) * args.block_size,
         seed=args.seed,
         engine_args=parse_engine_args(args.engine_arg),
+        vllm_eager=not args.vllm_compile,
     )
     slo = parse_slo(args.slo)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -133,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     sweep: dict[str, list[dict[str, Any]]] = {t: [] for t in targets}
     runs: list[RunResult] = []
     stopped: set[str] = set()
+    identical: dict[str, dict[str, Any]] = {}
     for label, rate, specs in points:
         point_runs = []
         for name in targets:
@@ -145,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
             if limit is not None and not summary["ttft"]["p99_ms"] <= limit * 1e3:
                 stopped.add(name)
         runs.extend(point_runs)
+        for peer, same in peer_comparisons({r.target: r for r in point_runs}).items():
+            identical.setdefault(label, {})[peer] = same
+            print(describe_identical(same, "continuous", peer), flush=True)
         _point_outputs(out, label, point_runs, args.max_num_seqs)
     session.close()
     write_json(
@@ -156,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             "workloads": {label: describe(specs) for label, _, specs in points},
             "slo": slo.describe(),
             "sweep": sweep,
+            "greedy_outputs_identical": identical,
         },
     )
     plots.plot_sweep(sweep, out / "sweep.png", ttft_limit_s=slo.ttft_s)

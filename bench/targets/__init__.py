@@ -4,6 +4,7 @@
     static       the same engine with batching="static" (a batch runs until its last request ends)
     hf-batch     HF transformers' own continuous batching (the manager behind ``generate_batch``)
     hf-generate  padded HF ``generate`` over static batches of the requests that have arrived
+    vllm         vLLM's CPU backend from its own virtualenv (``make bench-peers``), driven in a child
 
 Every target gets the same checkpoint, dtype, thread count, greedy sampling with EOS ignored, and
 the same KV capacity in tokens, and is warmed up before it is measured.
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 from bench.results import RunResult
 from bench.workload import RequestSpec
 
-TARGETS = ("continuous", "static", "hf-batch", "hf-generate")
+TARGETS = ("continuous", "static", "hf-batch", "hf-generate", "vllm")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class TargetConfig:
     max_model_len: int = 1024
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra engine args (engine targets)
+    vllm_eager: bool = True  # vllm target: no torch.compile (the issue's comparison ran eager)
 
     @property
     def kv_tokens(self) -> int:
@@ -60,4 +62,8 @@ def make_target(name: str, config: TargetConfig) -> Target:
         from bench.targets.hf import HFGenerateTarget
 
         return HFGenerateTarget(config)
+    if name == "vllm":
+        from bench.targets.vllm_cpu import VLLMTarget
+
+        return VLLMTarget(config)
     raise ValueError(f"unknown target {name!r}; choose from {', '.join(TARGETS)}")

@@ -151,6 +151,7 @@ def drive(
                 r = results[out.request_id]
                 for c in out.outputs:
                     r.token_times.extend([t] * len(c.token_ids))
+                    r.output_token_ids.extend(c.token_ids)
                 if out.error:
                     r.error = out.error
                 if out.finished:
