@@ -51,11 +51,20 @@ class ModelRunner:
         mc = config.model
         self.backend = get_attention_backend(config.attention_backend)
         use_triton_ops = config.attention_backend == "triton" and self.device.type == "cuda"
+        # The C++ pointwise ops come with the C++ attention (same build), for the dtypes they take.
+        use_cpu_kernels = config.attention_backend == "cpu" and config.dtype in (
+            torch.float32,
+            torch.bfloat16,
+        )
         weights = load_weights(
             config.model_path, mc, config.dtype, self.device, config.load_format, config.seed
         )
         self.model = LlamaForCausalLM(
-            mc, weights, self.backend, ModelOps(use_triton=use_triton_ops), config.max_model_len
+            mc,
+            weights,
+            self.backend,
+            ModelOps(use_triton=use_triton_ops, use_cpu_kernels=use_cpu_kernels),
+            config.max_model_len,
         )
         self.num_blocks = self._decide_num_blocks()
         shape = (2, self.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
