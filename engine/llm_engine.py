@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineArgs, EngineConfig
+from engine.inputs import check_context_length
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineMetrics, StepRecord
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -140,12 +141,7 @@ class LLMEngine:
     def _validate(self, ids: list[int], resumed: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty")
-        total = len(ids) + len(resumed)
-        if total >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt of {total} tokens leaves no room to generate within max_model_len "
-                f"{self.config.max_model_len}"
-            )
+        check_context_length(len(ids) + len(resumed), self.config.max_model_len)
         vocab = self.config.model.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

@@ -11,8 +11,10 @@ the numbering), so a reader detects a gap (seq jumps) or a duplicate (seq alread
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from services.common.wire_sampling import SamplingWireError, WireSampling
 
 WIRE_VERSION = 1
 
@@ -68,7 +70,7 @@ class RequestMessage:
     kind: Kind
     model: str
     prompt_token_ids: list[int]
-    params: dict[str, Any]  # engine SamplingParams fields, validated by the gateway
+    params: WireSampling  # typed and versioned on its own (wire_sampling.py), validated by the gateway
     created: float  # unix seconds at admission
     priority: int = 0
     job: bool = False
@@ -76,11 +78,12 @@ class RequestMessage:
     # empty): the completion prompt, or the chat messages to render with the model's template.
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    # For ``messages``: whether the template appends the assistant turn's opening.
+    add_generation_prompt: bool = True
 
     def encode(self) -> bytes:
-        return json.dumps(
-            {"v": WIRE_VERSION, "type": "request", **asdict(self)}, separators=(",", ":")
-        ).encode()
+        body = {"v": WIRE_VERSION, "type": "request", **vars(self), "params": self.params.to_json()}
+        return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, raw: bytes | str) -> RequestMessage:
@@ -91,17 +94,22 @@ class RequestMessage:
         prompt, messages = obj.get("prompt"), obj.get("messages")
         if not isinstance(prompt, str | None) or not isinstance(messages, list | None):
             raise WireError("prompt must be a string and messages a list")
+        try:
+            params = WireSampling.from_json(obj.get("params"))
+        except SamplingWireError as exc:
+            raise WireError(str(exc)) from None
         return cls(
             id=_require(obj, "id", str),
             kind=kind,
             model=_require(obj, "model", str),
             prompt_token_ids=_int_list(obj, "prompt_token_ids"),
-            params=_require(obj, "params", dict),
+            params=params,
             created=float(_require(obj, "created", (int, float))),
             priority=int(obj.get("priority", 0)),
             job=bool(obj.get("job", False)),
             prompt=prompt,
             messages=messages,
+            add_generation_prompt=bool(obj.get("add_generation_prompt", True)),
         )
 
 

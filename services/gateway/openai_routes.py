@@ -65,7 +65,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     gw = gateway(request)
     check_model(gw, body.model)
     prepared = prepare_chat(body, gw.info)
-    return await _serve(gw, request, "chat", body, prepared, prepared.params["logprobs"])
+    return await _serve(gw, request, "chat", body, prepared, prepared.params.logprobs)
 
 
 async def _serve(

@@ -6,16 +6,17 @@ model's context before anything is enqueued, and so the Kafka key can be the pro
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.inputs import ContextLengthError, check_context_length
 from engine.models.gguf import is_gguf, local_checkpoint
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, load_tokenizer
 from services.common.settings import Settings
+from services.common.wire_sampling import WireSampling
 from services.gateway.errors import APIError
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 
@@ -49,11 +50,12 @@ def load_model_info(settings: Settings) -> ModelInfo:
 @dataclass(frozen=True)
 class Prepared:
     prompt_token_ids: list[int]  # empty when the gateway has no tokenizer: then text or messages
-    params: dict[str, Any]  # SamplingParams fields, already validated
+    params: WireSampling  # already validated
     session: str | None
     priority: int = 0
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True  # for messages the worker renders
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -100,7 +102,15 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if info.tokenizer is None:
-        return _finish(req, info, [], max_tokens, logprobs, messages=messages)
+        return _finish(
+            req,
+            info,
+            [],
+            max_tokens,
+            logprobs,
+            messages=messages,
+            add_generation_prompt=req.add_generation_prompt,
+        )
     try:
         text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
     except Exception as exc:  # template code is the checkpoint's: any failure is the input's fault
@@ -119,6 +129,7 @@ def _finish(
     *,
     text: str | None = None,
     messages: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
 ) -> Prepared:
     if not ids and text is None and messages is None:
         raise _bad("the prompt is empty", "prompt")
@@ -132,13 +143,11 @@ def _finish(
     # Without a tokenizer the prompt's length is unknown here: only max_tokens is checked, the worker
     # checks the rest.
     room = None if info.max_model_len is None else info.max_model_len - len(ids)
-    if room is not None and (room < 1 or (max_tokens is not None and max_tokens > room)):
-        asked = f"{len(ids)} in the prompt" + (f" + {max_tokens} to generate" if max_tokens else "")
-        raise _bad(
-            f"This model's maximum context length is {info.max_model_len} tokens; this request asks for "
-            f"{asked}. Shorten the prompt or lower max_tokens.",
-            "max_tokens" if room >= 1 else "prompt",
-        )
+    if info.max_model_len is not None:
+        try:
+            check_context_length(len(ids), info.max_model_len, max_tokens)
+        except ContextLengthError as exc:
+            raise _bad(str(exc), exc.param) from None
     fields: dict[str, Any] = {
         "n": req.n,
         "temperature": 1.0 if req.temperature is None else req.temperature,
@@ -164,4 +173,5 @@ def _finish(
     except ValueError as exc:
         raise _bad(str(exc)) from None
     session = req.session_id or req.user
-    return Prepared(ids, dataclasses.asdict(params), session, req.priority, text, messages)
+    wire = WireSampling.from_params(params)
+    return Prepared(ids, wire, session, req.priority, text, messages, add_generation_prompt)

@@ -56,15 +56,16 @@ class Gateway:
             job=job,
             prompt=prepared.text,
             messages=prepared.messages,
+            add_generation_prompt=prepared.add_generation_prompt,
         )
         record: dict[str, str | int | float] = {
             "kind": kind,
             "model": msg.model,
             "created": f"{msg.created:.6f}",
             "job": int(job),
-            "n": int(prepared.params["n"]),
+            "n": prepared.params.n,
             "prompt_tokens": len(prepared.prompt_token_ids),
-            "logprobs": "" if prepared.params["logprobs"] is None else int(prepared.params["logprobs"]),
+            "logprobs": "" if prepared.params.logprobs is None else prepared.params.logprobs,
             **(extra or {}),
         }
         text = prepared.text or "".join(str(m.get("content") or "") for m in prepared.messages or [])

@@ -19,6 +19,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from engine.inputs import check_context_length
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from services.common.engine_spans import EngineSpanExporter
@@ -75,7 +76,7 @@ class Runner:
             run.cancelled = True
             return await self._finish(run)
         try:
-            params = SamplingParams(**run.msg.params)
+            params = run.msg.params.to_params()
             run.prompt_token_ids = self._prompt(run, params)
         except Exception as exc:  # bad parameters, or a chat template that cannot render these messages
             run.errors[0] = str(exc)
@@ -100,18 +101,15 @@ class Runner:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: send the prompt as token ids")
         if msg.messages is not None:
-            text = tokenizer.apply_chat_template(msg.messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(
+                msg.messages, add_generation_prompt=msg.add_generation_prompt
+            )
             ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = tokenizer.encode(msg.prompt or "", add_special_tokens=True)
-        max_len = int(self.engine.config.max_model_len)
-        wanted = len(ids) + (params.max_tokens or 1)
-        if not ids or wanted > max_len:
-            raise ValueError(
-                f"This model's maximum context length is {max_len} tokens; this request asks for "
-                f"{len(ids)} in the prompt + {params.max_tokens or 1} to generate. Shorten the prompt or "
-                "lower max_tokens."
-            )
+        if not ids:
+            raise ValueError("the prompt is empty")
+        check_context_length(len(ids), self.engine.config.max_model_len, params.max_tokens)
         return ids
 
     def _resume(self, run: Run, events: list[Any]) -> None:
@@ -225,7 +223,7 @@ class Runner:
 
     def _record_fields(self, run: Run, final: Final) -> dict[str, str | int | float]:
         out = run.output
-        n = max(len(out.tokens), int(run.msg.params.get("n", 1)))
+        n = max(len(out.tokens), run.msg.params.n)
         choices = [
             {
                 "index": i,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
+from engine.sampling_params import SamplingParams
 from services.common.wire import (
     WIRE_VERSION,
     CancelMessage,
@@ -16,6 +18,7 @@ from services.common.wire import (
     decode_event,
     encode_event,
 )
+from services.common.wire_sampling import SAMPLING_VERSION, WireSampling
 
 
 def _request() -> RequestMessage:
@@ -24,7 +27,7 @@ def _request() -> RequestMessage:
         kind="chat",
         model="tiny",
         prompt_token_ids=[0, 5, 9],
-        params={"n": 1, "temperature": 0.0, "max_tokens": 4},
+        params=WireSampling(n=2, temperature=0.0, max_tokens=4, stop=["\n"], seed=7, logprobs=3),
         created=1700000000.5,
         priority=2,
         job=True,
@@ -39,8 +42,41 @@ def test_request_round_trip() -> None:
 
 
 def test_text_request_round_trip() -> None:
-    msg = RequestMessage("c", "completion", "m", [], {}, 1.0, prompt="hello")
+    msg = RequestMessage("c", "completion", "m", [], WireSampling(), 1.0, prompt="hello")
     assert RequestMessage.decode(msg.encode()) == msg
+    chat = RequestMessage(
+        "c", "chat", "m", [], WireSampling(), 1.0, messages=[{"role": "user", "content": "hi"}]
+    )
+    for add in (True, False):
+        again = RequestMessage.decode(dataclasses.replace(chat, add_generation_prompt=add).encode())
+        assert again.add_generation_prompt is add
+
+
+def test_every_sampling_field_is_named_on_the_wire() -> None:
+    """A field added to SamplingParams must be added to the wire schema on purpose (and the version
+    bumped if old readers would misread it): this fails until it is."""
+    engine_fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert {f.name for f in dataclasses.fields(WireSampling)} == engine_fields
+    params = SamplingParams(n=3, temperature=0.5, top_k=4, seed=9, stop=["x"], stop_token_ids=[5], logprobs=2)
+    assert WireSampling.from_params(params).to_params() == params
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"v": SAMPLING_VERSION + 1}, "sampling schema version"),
+        ({"v": SAMPLING_VERSION, "best_of": 2}, "unknown sampling fields"),
+        ({"v": SAMPLING_VERSION, "n": True}, "wrong type"),
+        ({"v": SAMPLING_VERSION, "max_tokens": 1.5}, "wrong type"),
+        ({"v": SAMPLING_VERSION, "stop": ["ok", 3]}, "wrong type"),
+        ({"v": SAMPLING_VERSION, "temperature": -1}, "temperature must be non-negative"),
+        ({"n": 1}, "sampling schema version"),
+    ],
+)
+def test_bad_sampling_settings_are_rejected(params: dict[str, object], match: str) -> None:
+    body = {**json.loads(_request().encode()), "params": params}
+    with pytest.raises(WireError, match=match):
+        RequestMessage.decode(json.dumps(body))
 
 
 def test_events_round_trip() -> None:

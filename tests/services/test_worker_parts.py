@@ -23,6 +23,7 @@ from services.common.servers import ServerProcess
 from services.common.settings import Settings
 from services.common.store import Store, connect_redis
 from services.common.wire import COMPLETED, DeltaEvent, DoneEvent, RequestMessage, encode_event
+from services.common.wire_sampling import WireSampling
 from services.worker.publisher import Publisher, PublishError
 from services.worker.run import Final, Outcome, PendingDelta, Run
 from services.worker.runner import Runner
@@ -71,7 +72,7 @@ def _message(params: SamplingParams, **fields: object) -> RequestMessage:
         "kind": "completion",
         "model": "tiny",
         "prompt_token_ids": [5, 6, 7, 8, 9],
-        "params": dataclasses.asdict(params),
+        "params": WireSampling.from_params(params),
         "created": 1.0,
     }
     return RequestMessage(**{**base, **fields})  # type: ignore[arg-type]
@@ -184,4 +185,28 @@ async def test_runner_fails_a_prompt_longer_than_the_model(parts: Parts, engine:
     assert await Runner(engine, p.store, p.publisher, p.settings).execute(run) is Outcome.DONE
     (done,) = await p.store.read_log(run.id)
     assert isinstance(done, DoneEvent) and (done.status, done.code) == ("failed", "invalid_request")
-    assert "maximum context length is 256" in (done.error or "")
+    assert "maximum context length (max_model_len) is 256" in (done.error or "")
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+async def test_runner_renders_chat_as_the_client_asked(
+    parts: Parts, engine: AsyncLLMEngine, add_generation_prompt: bool
+) -> None:
+    """The text path (a gateway without the model): the worker renders the messages, honouring
+    add_generation_prompt (it used to render every chat with True)."""
+    p = parts
+    messages = [{"role": "user", "content": "hello there"}]
+    msg = _message(
+        SamplingParams(max_tokens=2, ignore_eos=True),
+        kind="chat",
+        prompt_token_ids=[],
+        messages=messages,
+        add_generation_prompt=add_generation_prompt,
+    )
+    run = await _admitted(p, msg)
+    assert await Runner(engine, p.store, p.publisher, p.settings).execute(run) is Outcome.DONE
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert run.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert rendered.endswith("<|im_start|>assistant\n") is add_generation_prompt
