@@ -204,6 +204,18 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for [n, V] float32, through the C++ CPU kernel where it is built: torch's CPU
+    argmax reads about 0.35 GB/s, 9 ms a step for 64 rows of a 49k vocabulary. Same result (first
+    index of the maximum, NaN counting as the maximum)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1:
+        from engine.kernels import cpu as cpu_kernels
+
+        if cpu_kernels.load():
+            return torch.ops.inflight_cpu.argmax_rows(x)
+    return x.argmax(dim=-1)
+
+
 # ---- the sampler ----------------------------------------------------------------------------------
 class Sampler:
     """Chooses one token per row; see the module docstring for the order of operations."""
@@ -224,7 +236,7 @@ class Sampler:
             b_rows, b_tokens = torch.tensor(banned, dtype=torch.long, device=device).unbind(dim=1)
             work[b_rows, b_tokens] = float("-inf")
 
-        tokens = work.argmax(dim=-1)  # right for greedy rows; random rows are overwritten below
+        tokens = argmax_rows(work)  # right for greedy rows; random rows are overwritten below
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             tokens[random_rows] = self._draw(work[random_rows], [rows[i] for i in random_rows])
@@ -256,7 +268,7 @@ class Sampler:
         q = exponential_noise([r.seed for r in rows], [len(r.output_token_ids) for r in rows], vocab, device)
         # argmax(p / q) == argmax(logits - log q): softmax's normaliser is the same for every token,
         # and the log form keeps precision for tokens whose probability underflows.
-        return (logits - q.log()).argmax(dim=-1)
+        return argmax_rows(logits - q.log())
 
     @staticmethod
     def _logprobs(

@@ -77,3 +77,20 @@ def test_silu_and_mul(dtype, inter):
     out = torch.empty(13, inter, dtype=dtype)
     torch.ops.inflight_cpu.silu_and_mul(out, x)
     torch.testing.assert_close(out, reference.silu_and_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 7), (64, 8192), (5, 49152 + 3)])
+def test_argmax_rows_matches_torch(rows, vocab):
+    x = torch.randn(rows, vocab, generator=_gen(8))
+    x[0, vocab // 2] = x[0].max() + 1.0
+    if rows > 2:
+        x[1, 3] = x[1, vocab - 1] = x[1].max() + 1.0  # a tie: the first index wins
+        x[2, -1] = float("nan")  # NaN counts as the maximum, as in torch
+        x[2, 1] = float("nan")
+    got = torch.ops.inflight_cpu.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    strided = torch.randn(3, 2 * vocab, generator=_gen(9))[:, :vocab]  # rows strided, as a slice of logits
+    assert torch.equal(torch.ops.inflight_cpu.argmax_rows(strided), strided.argmax(dim=-1))
+    all_inf = torch.full((1, vocab), float("-inf"))
+    assert torch.equal(torch.ops.inflight_cpu.argmax_rows(all_inf), all_inf.argmax(dim=-1))

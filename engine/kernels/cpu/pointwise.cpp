@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 // Separate multiplies and adds, as torch's op-by-op results round them (set before vec.h, whose
 // helpers are inlined here).
@@ -202,9 +203,65 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   });
 }
 
+// torch.argmax over each row of float32 logits, with its semantics: the first index of the maximum,
+// NaN counting as the maximum. torch's CPU reduction runs at about 0.35 GB/s on [64, 49152] logits
+// (9 ms a step); sixteen lanes with their own running maximum and index do it in a fraction of that.
+INFLIGHT_CLONES void argmax_row(const float* x, int64_t n, int64_t* out) {
+  // Pass 1: the maximum (and whether there is a NaN); pass 2: its first index, with an early exit.
+  const int64_t nv = n / kLanes * kLanes;
+  vfloat vmax = vfloat{} - std::numeric_limits<float>::infinity();
+  vi32 nan{};
+  for (int64_t i = 0; i < nv; i += kLanes) {
+    const vfloat v = load16(x + i);
+    vmax = v > vmax ? v : vmax;
+    nan |= v != v;
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  bool any_nan = false;
+  for (int j = 0; j < kLanes; ++j) {
+    best = std::max(best, vmax[j]);
+    any_nan |= nan[j] != 0;
+  }
+  for (int64_t i = nv; i < n; ++i) {
+    best = std::max(best, x[i]);
+    any_nan |= std::isnan(x[i]);
+  }
+  int64_t found = 0;  // a row of -inf only: every element equals the maximum, the first is 0
+  int64_t start = 0;  // sixteen at a time to the first vector that holds the answer
+  for (; start < nv; start += kLanes) {
+    const vfloat v = load16(x + start);
+    const vi32 hit = any_nan ? (v != v) : (v == best);
+    bool any = false;
+    for (int j = 0; j < kLanes; ++j) any |= hit[j] != 0;
+    if (any) break;
+  }
+  for (int64_t i = start; i < n; ++i) {
+    if (any_nan ? std::isnan(x[i]) : x[i] == best) {
+      found = i;
+      break;
+    }
+  }
+  *out = found;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, "x must be float32 on the CPU");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "x must be [rows, n] with contiguous rows");
+  TORCH_CHECK(x.size(1) < (int64_t{1} << 31), "rows longer than 2^31 are not supported");
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* data = x.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) argmax_row(data + r * x.stride(0), n, o + r);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def("rotary(Tensor(a!) query, Tensor(b!) key, Tensor positions, Tensor cache) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
@@ -214,4 +271,5 @@ TORCH_LIBRARY_IMPL(inflight_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }
