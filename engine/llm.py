@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import ChoiceAccumulator, CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
@@ -65,22 +65,28 @@ class _Accumulator:
 
     def __init__(self) -> None:
         self.last: RequestOutput | None = None
-        self.completions: dict[int, CompletionOutput] = {}
+        self.choices: ChoiceAccumulator[dict[int, float]] = ChoiceAccumulator()
+        self.num_output_tokens: dict[int, int] = {}
 
     def add(self, out: RequestOutput) -> None:
         self.last = out
-        for delta in out.outputs:
-            c = self.completions.setdefault(delta.index, CompletionOutput(delta.index, "", [], logprobs=None))
-            c.text += delta.text
-            c.token_ids.extend(delta.token_ids)
-            if delta.logprobs is not None:
-                c.logprobs = (c.logprobs or []) + delta.logprobs
-            c.finish_reason = delta.finish_reason
-            c.stop_reason = delta.stop_reason
-            c.num_output_tokens = delta.num_output_tokens
+        for d in out.outputs:
+            self.choices.add(d.index, d.token_ids, d.text, d.finish_reason, d.stop_reason, d.logprobs)
+            self.num_output_tokens[d.index] = d.num_output_tokens
 
     def result(self) -> RequestOutput:
         assert self.last is not None and self.last.finished
         out = self.last
-        out.outputs = [self.completions[i] for i in sorted(self.completions)]
+        out.outputs = [
+            CompletionOutput(
+                index=i,
+                text=c.text,
+                token_ids=c.token_ids,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                logprobs=c.logprobs or None,
+                num_output_tokens=self.num_output_tokens[i],
+            )
+            for i, c in sorted(self.choices.choices.items())
+        ]
         return out

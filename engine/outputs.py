@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+L = TypeVar("L")  # one token's logprobs: a dict in the engine, [token id, logprob] pairs on the wire
 
 
 @dataclass
@@ -50,3 +53,60 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class Choice(Generic[L]):
+    """One completion index, whole: what the deltas of that index add up to."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)  # joined on read: appends stay O(1)
+    logprobs: list[L] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class ChoiceAccumulator(Generic[L]):
+    """Folds a request's per-index deltas into whole choices.
+
+    The one accumulator of a response: the offline API (``LLM.generate``), the worker's final record and
+    the gateway's non-streaming response all fold their deltas here.
+    """
+
+    def __init__(self, n: int = 0) -> None:
+        self.choices: dict[int, Choice[L]] = {i: Choice() for i in range(n)}
+
+    def add(
+        self,
+        index: int,
+        token_ids: list[int],
+        text: str,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
+        logprobs: list[L] | None = None,
+    ) -> None:
+        choice = self.choice(index)
+        choice.token_ids.extend(token_ids)
+        choice.text_parts.append(text)
+        if logprobs:
+            choice.logprobs.extend(logprobs)
+        if finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = finish_reason, stop_reason
+
+    def choice(self, index: int) -> Choice[L]:
+        choice = self.choices.get(index)
+        if choice is None:
+            choice = self.choices[index] = Choice()
+        return choice
+
+    def finished(self, index: int) -> bool:
+        choice = self.choices.get(index)
+        return choice is not None and choice.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.outputs import ChoiceAccumulator
 from engine.tokenizer import Tokenizer
 from services.common.wire import DeltaEvent, DoneEvent, Kind
 
@@ -29,11 +30,7 @@ class ResponseBuilder:
         self.n = n
         self.tokenizer = tokenizer
         self.logprobs = logprobs
-        self.texts: dict[int, list[str]] = {i: [] for i in range(n)}
-        self.finish: dict[int, str | None] = dict.fromkeys(range(n))
-        self.stop_reasons: dict[int, Any] = dict.fromkeys(range(n))
-        self.lp: dict[int, list[list[list[float]]]] = {i: [] for i in range(n)}
-        self.tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+        self.choices: ChoiceAccumulator[list[list[float]]] = ChoiceAccumulator(n)
         self._role_sent: set[int] = set()
 
     @property
@@ -41,13 +38,7 @@ class ResponseBuilder:
         return "text_completion" if self.kind == "completion" else "chat.completion"
 
     def add(self, ev: DeltaEvent) -> None:
-        self.texts.setdefault(ev.index, []).append(ev.text)
-        self.tokens.setdefault(ev.index, []).extend(ev.token_ids)
-        if ev.logprobs:
-            self.lp.setdefault(ev.index, []).extend(ev.logprobs)
-        if ev.finish_reason is not None:
-            self.finish[ev.index] = ev.finish_reason
-            self.stop_reasons[ev.index] = ev.stop_reason
+        self.choices.add(ev.index, ev.token_ids, ev.text, ev.finish_reason, ev.stop_reason, ev.logprobs)
 
     # ---- streaming -------------------------------------------------------------------------
     def chunk(self, ev: DeltaEvent) -> dict[str, Any]:
@@ -74,9 +65,8 @@ class ResponseBuilder:
     def response(self, done: DoneEvent) -> dict[str, Any]:
         choices = []
         for i in range(self.n):
-            text = "".join(self.texts.get(i, []))
-            ids, lps = self.tokens.get(i, []), self.lp.get(i, [])
-            choices.append(self._choice(i, text, self.finish.get(i), self.stop_reasons.get(i), ids, lps))
+            c = self.choices.choice(i)
+            choices.append(self._choice(i, c.text, c.finish_reason, c.stop_reason, c.token_ids, c.logprobs))
         body = self._envelope(choices, chunk=False)
         body["usage"] = usage(done.prompt_tokens, done.completion_tokens)
         return body

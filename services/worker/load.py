@@ -1,15 +1,18 @@
-"""How loaded this worker is, told to Prometheus and to Kubernetes (pod-deletion-cost)."""
+"""How loaded this worker is, told to Prometheus and to Kubernetes (pod-deletion-cost).
+
+The engine's own load (running, waiting, KV usage) is exported once, by the engine's exporter
+(``inflight:num_requests_running`` ..., services/common/metrics.py); this module adds only what the
+worker alone knows: the requests it holds, engine or not.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING
 
 from prometheus_client import Gauge
 
 from services.worker.control import Spawn
-from services.worker.engine_client import EngineClient
 
 if TYPE_CHECKING:
     from services.worker.k8s import PodDeletionCost
@@ -17,14 +20,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 INFLIGHT = Gauge("inflight_worker_requests", "Requests this worker holds (in the engine or about to be)")
-KV_USAGE = Gauge("inflight_worker_kv_usage", "Fraction of KV cache blocks in use")
-WAITING = Gauge("inflight_worker_engine_waiting", "Requests in the engine's waiting queue")
-RUNNING = Gauge("inflight_worker_engine_running", "Requests in the engine's running batch")
 
 
 class LoadReporter:
-    def __init__(self, engine: EngineClient, spawn: Spawn) -> None:
-        self.engine = engine
+    def __init__(self, spawn: Spawn) -> None:
         self._spawn = spawn
         self._deletion_cost = _deletion_cost()
 
@@ -33,14 +32,6 @@ class LoadReporter:
         if self._deletion_cost is not None:
             # The pod with fewer requests is the cheaper one to delete when a deployment scales down.
             self._spawn(self._deletion_cost.update(num_requests))
-
-    async def gauges_forever(self) -> None:
-        while True:
-            stats = self.engine.kv_stats()
-            KV_USAGE.set(stats["usage"])
-            WAITING.set(self.engine.num_waiting)
-            RUNNING.set(self.engine.num_running)
-            await asyncio.sleep(1.0)
 
 
 def _deletion_cost() -> PodDeletionCost | None:

@@ -9,7 +9,7 @@ model step). Each job has one module:
     commit loop     commits.py    commits offsets past terminal requests (offsets.py does the arithmetic)
     cancel listener control.py    the cancel channel -> engine.abort
     lease keeper    control.py    extends this worker's leases; a lost lease stops that request here
-    load reporting  load.py       Prometheus gauges, pod-deletion-cost
+    load reporting  load.py       requests held (Prometheus), pod-deletion-cost
 This module owns the set of runs and the lifecycle: start, drain (SIGTERM), stop.
 """
 
@@ -62,7 +62,7 @@ class Worker:
         self.intake = Intake(
             settings, self.store, engine, self.tracker, self.runs, self._start_run, self._spawn
         )
-        self.load = LoadReporter(engine, self._spawn)
+        self.load = LoadReporter(self._spawn)
         self.consumer: AIOKafkaConsumer | None = None
         self.started = False
         self._tasks: list[asyncio.Task[Any]] = []
@@ -82,7 +82,7 @@ class Worker:
         await consumer.start()
         for coro in (self.publisher.run_forever(), self.intake.fetch_forever(consumer),
                      self.committer.run_forever(), self.control.cancel_listener(),
-                     self.control.lease_keeper(), self.load.gauges_forever(),
+                     self.control.lease_keeper(),
                      telemetry.report_lag_forever(consumer)):  # fmt: skip
             self._tasks.append(asyncio.create_task(coro))
         self.started = True

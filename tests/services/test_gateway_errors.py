@@ -76,4 +76,7 @@ def test_probes_and_metrics(stack: Stack) -> None:
     assert "inflight_gateway_responses_total" in metrics
     worker = stack.workers[0]
     assert httpx.get(f"{worker.url}/readyz", timeout=10).status_code == 200
-    assert "inflight_worker_kv_usage" in httpx.get(f"{worker.url}/metrics", timeout=10).text
+    worker_metrics = httpx.get(f"{worker.url}/metrics", timeout=10).text
+    # The engine's gauges, exported once (the worker's own copies of them are gone).
+    assert 'inflight:kv_cache_usage_perc{model_name="tiny"}' in worker_metrics
+    assert "inflight_worker_kv_usage" not in worker_metrics
