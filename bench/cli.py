@@ -2,6 +2,7 @@
 
 inflight bench engine   the seed's experiment: continuous vs static vs HF peers (make bench)
 inflight bench sweep    any targets over a range of request rates, Poisson / gamma / trace
+inflight bench peers    this engine vs vLLM's CPU backend, same workload, dtype and threads
 inflight bench trace    Chrome/Perfetto trace (and timelines) from saved run JSON files
 inflight bench service  the full service path (bench/service_bench.py)
 """
@@ -14,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import experiment, sweep
+from bench import experiment, peers, sweep
 
 
 def _trace_command(args: argparse.Namespace) -> int:
@@ -34,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     experiment.add_arguments(sub.add_parser("engine", help="the seed's experiment (issue 2's figures)"))
     sweep.add_arguments(sub.add_parser("sweep", help="rate sweep over any targets"))
+    peers.add_arguments(sub.add_parser("peers", help="this engine vs vLLM's CPU backend, side by side"))
     t = sub.add_parser("trace", help="Chrome/Perfetto trace from saved runs (out/runs/*.json)")
     t.add_argument("runs", nargs="+", help="run JSON files written by engine or sweep")
     t.add_argument("--trace-out", required=True)
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return experiment.run(args)
     if args.command == "sweep":
         return sweep.run(args)
+    if args.command == "peers":
+        return peers.main(args)
     return _trace_command(args)
 
 

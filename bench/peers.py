@@ -1,0 +1,162 @@
+"""``inflight bench peers``: this engine against vLLM's CPU backend, side by side in one run.
+
+The workload is the engine-speed issue's: N requests at t = 0 (default 64), a quarter of the prompts
+256-512 tokens and the rest 16-128, outputs log-uniform 8-256, greedy with EOS ignored, prefix
+caching off, the same dtype, threads, batch limit, token budget and KV capacity for both. Each
+configuration (model x dtype x batch limit) runs continuous, then vllm, then continuous again, and
+reports the mean of the two engine runs, so a slow minute of a shared machine hits both sides.
+Outputs are compared token by token. Optionally the same engine with static batching joins the
+runs, and the decode probe (one decode step at a full batch vs the model's linear layers alone,
+same rows) runs per dtype.
+
+Writes ``peers.json`` and prints a Markdown table. Needs ``make bench-peers`` for vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.compare import identical_outputs
+from bench.micro import decode_probe
+from bench.results import write_json
+from bench.session import Session, bench_model_path, set_threads
+from bench.targets import TargetConfig
+from bench.workload import LengthMix, synthetic
+from engine.platform import cpu_auto_dtype, cpu_flags, cpu_model_name
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--models", default="bench", help="comma list of checkpoints; 'bench' = the bench preset (default)"
+    )
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma list (auto: this CPU's pick)")
+    p.add_argument(
+        "--batches",
+        default="64:2048,16:512",
+        help="comma list of max_num_seqs:max_num_batched_tokens (default: the issue's two settings)",
+    )
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="compute threads of each engine")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--static", action="store_true", help="also run the engine with static batching")
+    p.add_argument("--probe", action="store_true", help="also run the decode probe per dtype")
+    p.add_argument("--no-vllm", action="store_true", help="the engine alone (no .venv-peers needed)")
+    p.add_argument("--vllm-compile", action="store_true", help="let vLLM torch.compile (default: eager)")
+    p.add_argument("--out", default="bench-results/peers")
+
+
+def _tok_s(summary: dict[str, Any]) -> float:
+    return float(summary["output_throughput"])
+
+
+def run_config(
+    model: str, dtype: str, batch: int, budget: int, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
+    from engine.config import ModelConfig
+
+    mc = ModelConfig.from_path(model)
+    mix = LengthMix()
+    config = TargetConfig(
+        model=model,
+        max_num_seqs=batch,
+        max_num_batched_tokens=budget,
+        block_size=args.block_size,
+        max_model_len=mix.long_prompt[1] + mix.output[1] + args.block_size,
+        seed=args.seed,
+        engine_args={"dtype": dtype, "enable_prefix_caching": False},
+        vllm_eager=not args.vllm_compile,
+    )
+    specs = synthetic(args.num_requests, math.inf, mc.vocab_size, mix=mix, seed=args.seed, prefix="peer")
+    session = Session(config, out, None, mc.vocab_size)
+    row: dict[str, Any] = {"model": model, "dtype": dtype, "max_num_seqs": batch, "budget": budget}
+    try:
+        first, s1 = session.run("continuous", specs, f"{dtype}_{batch}_a", math.inf)
+        runs = [s1]
+        if not args.no_vllm:
+            vllm_run, sv = session.run("vllm", specs, f"{dtype}_{batch}", math.inf)
+            session.release("vllm")
+            row["vllm_tok_s"] = _tok_s(sv)
+            row["vllm_tok_per_cpu_s"] = sv["output_tokens_per_cpu_s"]
+            same = identical_outputs(first, vllm_run)
+            row["identical"] = f"{same['identical']}/{same['compared']}"
+            _, s2 = session.run("continuous", specs, f"{dtype}_{batch}_b", math.inf)
+            runs.append(s2)
+        row["inflight_tok_s"] = statistics.mean(_tok_s(s) for s in runs)
+        row["inflight_tok_s_runs"] = [_tok_s(s) for s in runs]
+        row["inflight_tok_per_cpu_s"] = statistics.mean(s["output_tokens_per_cpu_s"] for s in runs)
+        if "vllm_tok_s" in row:
+            row["ratio"] = row["inflight_tok_s"] / row["vllm_tok_s"]
+            row["ratio_per_cpu_s"] = row["inflight_tok_per_cpu_s"] / row["vllm_tok_per_cpu_s"]
+        if args.static:
+            _, ss = session.run("static", specs, f"{dtype}_{batch}", math.inf)
+            row["static_tok_s"] = _tok_s(ss)
+            row["continuous_over_static"] = row["inflight_tok_s"] / row["static_tok_s"]
+    finally:
+        session.close()
+    return row
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    head = "| model | dtype | seqs / budget | inflight tok/s | vLLM tok/s | inflight / vLLM | per CPU-s |"
+    lines = [head + " identical |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
+        per_cpu = f"{r['ratio_per_cpu_s']:.2f}" if "ratio_per_cpu_s" in r else "-"
+        vllm = f"{r['vllm_tok_s']:.1f}" if "vllm_tok_s" in r else "-"
+        lines.append(
+            f"| {Path(r['model']).name} | {r['dtype']} | {r['max_num_seqs']} / {r['budget']} | "
+            f"{r['inflight_tok_s']:.1f} | {vllm} | {ratio} | {per_cpu} | {r.get('identical', '-')} |"
+        )
+    return "\n".join(lines)
+
+
+def main(args: argparse.Namespace) -> int:
+    started = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    threads = set_threads(args.threads)
+    models = [str(bench_model_path()) if m == "bench" else m for m in args.models.split(",")]
+    auto = str(cpu_auto_dtype()).removeprefix("torch.")
+    dtypes = [auto if d == "auto" else d for d in args.dtypes.split(",")]
+    batches = [tuple(int(x) for x in b.split(":")) for b in args.batches.split(",")]
+    host = {
+        "cpu": cpu_model_name(),
+        "bf16_units": sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"}),
+        "avx512f": "avx512f" in cpu_flags(),
+        "threads": threads,
+        "auto_dtype": auto,
+    }
+    print(f"host: {host}", flush=True)
+    probes: dict[str, Any] = {}
+    if args.probe:
+        for dtype in dtypes:
+            p = decode_probe(models[0], batch=64, prompt_len=256, rounds=6, dtype=dtype)
+            linear_ms = 1e3 * (2 * 64 * _linear_params(models[0])) / (p.matmul_gflops * 1e9)
+            probes[dtype] = {**p.to_json(), "linear_ms": linear_ms, "step_over_linear": p.step_ms / linear_ms}
+            print(
+                f"decode probe {dtype}: step at 64 running {p.step_ms:.1f} ms, its linear layers alone "
+                f"{linear_ms:.1f} ms: {p.step_ms / linear_ms:.2f}x (context {p.context_mean:.0f})",
+                flush=True,
+            )
+    rows = []
+    for model in models:
+        for dtype in dtypes:
+            for batch, budget in batches:
+                rows.append(run_config(model, dtype, batch, budget, args, out))
+                write_json(out / "peers.json", {"host": host, "probes": probes, "rows": rows})
+    print(_table(rows))
+    print(f"done in {time.time() - started:.0f} s", flush=True)
+    return 0
+
+
+def _linear_params(model: str) -> int:
+    from bench.micro import linear_params
+    from engine.config import ModelConfig
+
+    return linear_params(ModelConfig.from_path(model))
