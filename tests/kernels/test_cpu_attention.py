@@ -100,3 +100,32 @@ def test_backend_falls_back_for_shapes_the_kernel_does_not_take(paged_batch, den
     want = dense_attention(batch, 24**-0.5)
     got = get_attention_backend("cpu").forward(batch.query, batch.kv_cache, batch.metadata(), 24**-0.5)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
+
+
+def test_a_host_that_cannot_build_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
+    """No compiler (simulated: the build raises): load() says no once, warns once, and the engine's
+    auto backend resolves to torch instead of crashing."""
+    from torch.utils import cpp_extension
+
+    from engine.config import EngineArgs, EngineConfig
+    from engine.models.tiny import write_tiny_checkpoint
+
+    def broken_build(**kwargs):
+        raise RuntimeError("Error building extension 'inflight_cpu': g++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", broken_build)
+    monkeypatch.setenv("INFLIGHT_CPU_EXT_DIR", str(tmp_path / "ext"))
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="engine.kernels.cpu"):
+            assert cpu_kernels.load() is False
+            assert cpu_kernels.load() is False  # cached: no second build attempt, no second warning
+        warnings = [r for r in caplog.records if "unavailable" in r.getMessage()]
+        assert len(warnings) == 1 and "g++: command not found" in warnings[0].getMessage()
+        path = write_tiny_checkpoint(tmp_path / "m", arch="llama")
+        config = EngineConfig.resolve(EngineArgs(model=str(path), device="cpu"))
+        assert config.attention_backend == "torch"
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.load.cache_clear()
+        assert cpu_kernels.load()  # the real build (cached on disk) for the tests after this one
