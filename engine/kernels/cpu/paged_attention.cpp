@@ -145,8 +145,12 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
   // every row of the item then reads (rather than each row streaming the whole context from L2).
   alignas(64) float kbuf[kLanes * D];
   for (int64_t t0 = 0; t0 < ctx_pad; t0 += kLanes) {
-    if (t0 + kLanes < ctx_pad) {
-      for (int j = 0; j < kLanes; ++j) prefetch_row<T, C>(k_cache + offsets[t0 + kLanes + j]);
+    // Two groups ahead: a group takes about as long as one trip to memory.
+    if (t0 == 0) {
+      for (int64_t j = kLanes; j < std::min<int64_t>(2 * kLanes, ctx_pad); ++j) prefetch_row<T, C>(k_cache + offsets[j]);
+    }
+    if (t0 + 2 * kLanes < ctx_pad) {
+      for (int j = 0; j < kLanes; ++j) prefetch_row<T, C>(k_cache + offsets[t0 + 2 * kLanes + j]);
     }
     for (int j = 0; j < kLanes; ++j) {
       const T* k = k_cache + offsets[t0 + j];
@@ -201,7 +205,7 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
   // Pass 2, weighted sum of V: up to kRowsPerPass rows at once share each V load, with their
   // accumulators (kRowsPerPass x C vectors) in registers; a zero probability adds nothing.
   constexpr int64_t kRowsPerPass = C <= 4 ? 4 : (C <= 8 ? 2 : 1);
-  constexpr int64_t kAhead = 8;  // keys of V prefetched ahead of the accumulation
+  constexpr int64_t kAhead = 24;  // keys of V prefetched ahead of the accumulation (~ one memory trip)
   for (int64_t t = 0; t < std::min(kAhead, ctx); ++t) prefetch_row<T, C>(v_cache + offsets[t]);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
     const int64_t nr = std::min(kRowsPerPass, rows - r0);
