@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "worker": "inflight.commands.worker",
     "dev": "inflight.commands.dev",
     "bench": "inflight.commands.bench",
+    "plan": "inflight.commands.plan",
 }
 
 

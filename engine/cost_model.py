@@ -1,0 +1,192 @@
+"""A step's wall time as a linear function of what the step computes, fitted on the host it runs on.
+
+    T(step) = fixed + per_token * num_tokens + per_seq * num_seqs + per_context * sum_context
+
+``num_tokens`` are the tokens scheduled (prefill chunks and decodes), ``num_seqs`` the rows of the
+batch, ``sum_context`` the tokens each row attends over (its computed tokens plus the new ones), summed.
+The terms follow what a step does: the matmuls scale with tokens, sampling and per-row bookkeeping with
+rows, attention with context, and launch and Python overhead is fixed. Example on a bench-preset fit
+(fixed 4 ms, 0.05 ms a token, 0.1 ms a row, 2 us a context token): 32 decodes at context 300 cost
+4 + 32 * 0.05 + 32 * 0.1 + 9600 * 0.002 = 28 ms.
+
+Pure Python (no torch): the scheduler's ``slo`` policy, the simulator and the planner all read it.
+Coefficients are fitted by non-negative least squares: with four terms every subset of them is tried
+as the free set (16 small solves), which is exact and needs no numeric library.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+COST_MODEL_VERSION = 1
+TERMS = ("fixed", "per_token", "per_seq", "per_context")
+
+
+@dataclass(frozen=True)
+class StepSample:
+    num_tokens: int
+    num_seqs: int
+    sum_context: int
+    seconds: float
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.num_tokens), float(self.num_seqs), float(self.sum_context))
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    fixed: float  # seconds
+    per_token: float
+    per_seq: float
+    per_context: float
+    # Where it was measured (CPU, flags, threads) and with which engine settings; free-form.
+    host: dict[str, Any] = field(default_factory=dict)
+    engine: dict[str, Any] = field(default_factory=dict)
+    # Fit quality: relative RMS and worst relative error over the calibration samples.
+    fit: dict[str, float] = field(default_factory=dict)
+    # The calibration's samples as (num_tokens, num_seqs, sum_context, seconds): kept so a fit can be
+    # checked or redone; the model itself never reads them.
+    samples: tuple[tuple[int, int, int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in TERMS:
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
+
+    def step_time(self, num_tokens: int, num_seqs: int, sum_context: int) -> float:
+        return (
+            self.fixed
+            + self.per_token * num_tokens
+            + self.per_seq * num_seqs
+            + self.per_context * sum_context
+        )
+
+    def max_chunk(
+        self, seconds: float, num_tokens: int, num_seqs: int, sum_context: int, computed: int
+    ) -> int:
+        """The longest prefill chunk that a step already holding (``num_tokens``, ``num_seqs``,
+        ``sum_context``) can add for a request with ``computed`` tokens in the cache while still taking
+        at most ``seconds``. A chunk of n adds n tokens, one row and ``computed + n`` context.
+        0 or less when even one token does not fit."""
+        slope = self.per_token + self.per_context
+        room = seconds - self.step_time(num_tokens, num_seqs + 1, sum_context + computed)
+        if slope <= 0:
+            return 1 << 30 if room >= 0 else 0
+        return math.floor(room / slope + 1e-9)
+
+    def decode_run_time(self, num_seqs: int, sum_context: int, num_steps: int) -> float:
+        """Total time of ``num_steps`` decode-only steps of ``num_seqs`` rows, context growing by
+        ``num_seqs`` a step (closed form of the arithmetic series)."""
+        base = self.step_time(num_seqs, num_seqs, sum_context)
+        return num_steps * base + self.per_context * num_seqs * num_steps * (num_steps - 1) / 2
+
+    # ---- persistence -----------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {"version": COST_MODEL_VERSION, **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> StepCostModel:
+        if raw.get("version") != COST_MODEL_VERSION:
+            raise ValueError(f"cost model version {raw.get('version')!r} is not {COST_MODEL_VERSION}")
+        unknown = set(raw) - {"version", *TERMS, "host", "engine", "fit", "samples"}
+        if unknown:
+            raise ValueError(f"unknown cost model field(s): {', '.join(sorted(unknown))}")
+        return cls(
+            **{t: float(raw[t]) for t in TERMS},
+            host=dict(raw.get("host", {})),
+            engine=dict(raw.get("engine", {})),
+            fit={k: float(v) for k, v in raw.get("fit", {}).items()},
+            samples=tuple((int(t), int(n), int(c), float(x)) for t, n, c, x in raw.get("samples", ())),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCostModel:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+# ---- fitting -------------------------------------------------------------------------------
+def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None if singular."""
+    n = len(b)
+    m = [[*row, b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for c in range(col, n + 1):
+                    m[r][c] -= f * m[col][c]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def fit_nnls(samples: Sequence[StepSample]) -> tuple[float, float, float, float]:
+    """Non-negative least squares on relative error (each row weighted by 1/seconds, so a 2 ms decode
+    counts as much as a 200 ms prefill): the best fit over every subset of terms left free."""
+    if len(samples) < len(TERMS):
+        raise ValueError(f"need at least {len(TERMS)} samples, got {len(samples)}")
+    rows = [[x / s.seconds for x in s.features()] for s in samples]
+    ys = [1.0 for _ in samples]
+    best: tuple[float, list[float]] | None = None
+    for k in range(1, len(TERMS) + 1):
+        for free in itertools.combinations(range(len(TERMS)), k):
+            # Normal equations on the free columns, scaled so their diagonals are 1.
+            cols = [[r[j] for j in free] for r in rows]
+            scale = [math.sqrt(sum(c[i] ** 2 for c in cols)) or 1.0 for i in range(k)]
+            ata = [
+                [sum(c[i] * c[j] for c in cols) / (scale[i] * scale[j]) for j in range(k)] for i in range(k)
+            ]
+            atb = [sum(c[i] * y for c, y in zip(cols, ys, strict=True)) / scale[i] for i in range(k)]
+            sol = _solve(ata, atb)
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            coef = [0.0] * len(TERMS)
+            for i, j in enumerate(free):
+                coef[j] = sol[i] / scale[i]
+            err = sum((sum(c * x for c, x in zip(coef, r, strict=True)) - 1.0) ** 2 for r in rows)
+            if best is None or err < best[0]:
+                best = (err, coef)
+    if best is None:
+        raise ValueError("no non-negative fit exists for these samples")
+    fixed, per_token, per_seq, per_context = best[1]
+    return fixed, per_token, per_seq, per_context
+
+
+def fit_errors(model: StepCostModel, samples: Sequence[StepSample]) -> dict[str, float]:
+    rel = [
+        (model.step_time(s.num_tokens, s.num_seqs, s.sum_context) - s.seconds) / s.seconds for s in samples
+    ]
+    return {
+        "rel_rms": math.sqrt(sum(e * e for e in rel) / len(rel)),
+        "rel_max": max(abs(e) for e in rel),
+        "num_samples": float(len(rel)),
+    }
+
+
+def fit(
+    samples: Sequence[StepSample], *, host: dict[str, Any] | None = None, engine: dict[str, Any] | None = None
+) -> StepCostModel:
+    fixed, per_token, per_seq, per_context = fit_nnls(samples)
+    model = StepCostModel(fixed, per_token, per_seq, per_context)
+    return StepCostModel(
+        fixed,
+        per_token,
+        per_seq,
+        per_context,
+        host=host or {},
+        engine=engine or {},
+        fit=fit_errors(model, samples),
+        samples=tuple((s.num_tokens, s.num_seqs, s.sum_context, s.seconds) for s in samples),
+    )

@@ -1,0 +1,1 @@
+"""Capacity planning from a measured step-cost model: calibrate, simulate a fleet, size it."""

@@ -1,0 +1,126 @@
+"""Time the engine's own steps over a grid of batch shapes and fit ``engine.cost_model``.
+
+Each grid point is a small workload run through ``LLMEngine.step`` as it serves requests: a lone
+prompt of P tokens (a prefill step of P tokens), and S prompts of C tokens decoding together (prefill
+steps of several rows, then decode steps of S rows at context about S * C). Every step after a
+warm-up is one sample: its wall time around ``step()`` (scheduling, the model, sampling and
+detokenizing: what a simulated step must cost) against the batch it ran, read from the engine's own
+step record.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.cost_model import StepCostModel, StepSample, fit
+
+
+@dataclass(frozen=True)
+class Grid:
+    prefill_tokens: tuple[int, ...]
+    decode_seqs: tuple[int, ...]
+    contexts: tuple[int, ...]
+    max_sum_context: int  # skip (seqs, context) points above this: their prefill alone takes long
+    decode_steps: int  # decode steps recorded per (seqs, context) point
+    repeats: int
+
+
+# About a minute on a quiet 2-core host with the bench preset (several when other work shares the
+# cores); --quick is a few seconds, for tests.
+DEFAULT_GRID = Grid((16, 128, 512), (1, 8, 32), (32, 256, 1024), 8192, 5, 1)
+QUICK_GRID = Grid((16, 128), (1, 8), (32, 192), 2048, 3, 1)
+
+
+def host_info(threads: int) -> dict[str, Any]:
+    from engine.platform import cpu_flags, cpu_model_name
+
+    interesting = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
+    return {
+        "cpu": cpu_model_name(),
+        "cpu_flags": sorted(f for f in interesting if f in cpu_flags()),
+        "threads": threads,
+        "cpus_allowed": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
+
+
+def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any = print) -> StepCostModel:
+    import torch
+
+    from engine.llm_engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    eng = LLMEngine.from_engine_args(model, **engine_args)
+    cfg = eng.config
+    rng = random.Random(0)
+    vocab = cfg.model.vocab_size
+    samples: list[StepSample] = []
+    counter = 0
+
+    def run(prompts: list[int], max_tokens: int, keep: bool) -> None:
+        nonlocal counter
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for n in prompts:
+            counter += 1
+            eng.add_request(f"cal-{counter}", [rng.randrange(4, vocab) for _ in range(n)], params)
+        while eng.has_unfinished_requests():
+            before = eng.metrics.num_steps
+            t0 = time.perf_counter()
+            eng.step()
+            seconds = time.perf_counter() - t0
+            if keep and eng.metrics.num_steps > before:
+                batch = eng.metrics.steps[-1].batch
+                samples.append(
+                    StepSample(
+                        num_tokens=sum(n for _, n, _ in batch),
+                        num_seqs=len(batch),
+                        sum_context=sum(n + done for _, n, done in batch),
+                        seconds=seconds,
+                    )
+                )
+
+    run([24, 130], 4, keep=False)  # warm-up: first-call allocations happen here
+    budget, max_len = cfg.max_num_batched_tokens, cfg.max_model_len
+    for _ in range(grid.repeats):
+        for p in grid.prefill_tokens:
+            if p <= min(budget, max_len - 2):
+                run([p], 1, keep=True)
+        for s in grid.decode_seqs:
+            for c in grid.contexts:
+                if (
+                    s <= cfg.max_num_seqs
+                    and s * c <= grid.max_sum_context
+                    and c + grid.decode_steps < max_len
+                ):
+                    run([c] * s, grid.decode_steps + 1, keep=True)
+    log(f"{len(samples)} steps timed")
+    settings = {
+        "model": model,
+        "dtype": str(cfg.dtype).removeprefix("torch."),
+        "attention_backend": cfg.attention_backend,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": budget,
+        "max_model_len": max_len,
+        "block_size": cfg.block_size,
+        "num_blocks": eng.kv.num_total_blocks,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "enable_chunked_prefill": cfg.enable_chunked_prefill,
+        "device": str(cfg.device),
+    }
+    return fit(samples, host=host_info(torch.get_num_threads()), engine=settings)
+
+
+def describe(cost: StepCostModel) -> str:
+    f = cost.fit
+    return (
+        f"T(step) = {cost.fixed * 1e3:.3f} ms + {cost.per_token * 1e6:.2f} us/token + "
+        f"{cost.per_seq * 1e6:.2f} us/seq + {cost.per_context * 1e9:.2f} ns/context token\n"
+        f"fit over {int(f.get('num_samples', 0))} steps: relative RMS error "
+        f"{100 * f.get('rel_rms', 0):.1f}%, worst {100 * f.get('rel_max', 0):.1f}%"
+    )

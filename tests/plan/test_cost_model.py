@@ -1,0 +1,97 @@
+"""The step-cost model: the fit recovers known coefficients, stays non-negative, round-trips JSON;
+``calibrate --quick`` fits the real engine."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from engine.cost_model import StepCostModel, StepSample, fit
+from inflight.cli import main
+
+
+def _samples(truth: StepCostModel) -> list[StepSample]:
+    grid = [(t, s, c) for t in (1, 8, 64, 256) for s in (1, 8, 32) for c in (64, 1024, 8192) if s <= t]
+    return [StepSample(t, s, c, truth.step_time(t, s, c)) for t, s, c in grid]
+
+
+def test_fit_recovers_exact_coefficients() -> None:
+    truth = StepCostModel(0.004, 5e-5, 1e-4, 2e-6)
+    got = fit(_samples(truth))
+    for name in ("fixed", "per_token", "per_seq", "per_context"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert got.fit["rel_rms"] < 1e-9
+
+
+def test_fit_never_goes_negative() -> None:
+    # Time falls with rows here (a least-squares fit would give per_seq < 0): NNLS pins it at 0.
+    samples = [StepSample(t, s, 0, 0.01 + 1e-4 * t - 1e-5 * s) for t in (8, 64, 256) for s in (1, 4, 8)]
+    got = fit(samples)
+    assert got.per_seq == 0.0
+    assert min(got.fixed, got.per_token, got.per_context) >= 0.0
+    assert got.per_token == pytest.approx(1e-4, rel=0.05)
+
+
+def test_decode_run_time_is_the_sum_of_its_steps() -> None:
+    m = StepCostModel(0.003, 4e-5, 2e-4, 3e-6)
+    steps = sum(m.step_time(16, 16, 4000 + 16 * k) for k in range(25))
+    assert m.decode_run_time(16, 4000, 25) == pytest.approx(steps, rel=1e-12)
+
+
+def test_max_chunk() -> None:
+    m = StepCostModel(0.010, 1e-4, 0.0, 1e-6)
+    # 10 decodes at context 100 each plus a chunk of a prompt with 200 tokens computed: 20 ms holds
+    # 10 ms fixed + 1 ms of tokens + 1 ms of decode context + 0.2 ms of cached context + n * 101 us,
+    # so n = floor(7.8 / 0.101) = 77.
+    n = m.max_chunk(0.020, 10, 10, 1000, 200)
+    assert n == 77
+    assert m.step_time(10 + n, 11, 1200 + n) <= 0.020 < m.step_time(10 + n + 1, 11, 1200 + n + 1)
+    assert m.max_chunk(0.005, 10, 10, 1000, 0) < 0
+
+
+def test_json_round_trip_and_rejects_unknown_fields(tmp_path: Path) -> None:
+    m = StepCostModel(
+        0.001, 2e-5, 0.0, 1e-7, host={"cpu": "x"}, engine={"block_size": 16}, fit={"rel_rms": 0.1}
+    )
+    m.save(tmp_path / "c.json")
+    assert StepCostModel.load(tmp_path / "c.json") == m
+    raw = json.loads((tmp_path / "c.json").read_text())
+    raw["per_flop"] = 1.0
+    with pytest.raises(ValueError, match="per_flop"):
+        StepCostModel.from_json(raw)
+    with pytest.raises(ValueError, match="fixed"):
+        StepCostModel(-1.0, 0.0, 0.0, 0.0)
+
+
+def test_calibrate_quick_fits_the_engine(
+    tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cost.json"
+    assert (
+        main(
+            [
+                "plan",
+                "calibrate",
+                "--model",
+                str(tiny_model_path),
+                "--out",
+                str(out),
+                "--quick",
+                "--max-num-seqs",
+                "8",
+                "--max-model-len",
+                "512",
+            ]
+        )
+        == 0
+    )
+    cost = StepCostModel.load(out)
+    assert "relative RMS error" in capsys.readouterr().out
+    assert cost.engine["max_num_batched_tokens"] == 512 and cost.engine["num_blocks"] == 8 * 512 // 16
+    assert cost.host["threads"] >= 1 and cost.host["cpu"]
+    assert cost.fit["num_samples"] == len(cost.samples) >= 8 and math.isfinite(cost.fit["rel_rms"])
+    # A longer prefill is predicted to cost more than a one-token decode.
+    assert cost.step_time(128, 1, 128) > cost.step_time(1, 1, 33)
