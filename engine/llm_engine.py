@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from engine.config import EngineArgs, EngineConfig
 from engine.inputs import check_context_length
 from engine.kv_cache.manager import KVCacheManager
@@ -57,6 +59,16 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, eos)
+        logger.info(
+            "engine: %s on %s, dtype %s, attention %s, %d torch threads, %d KV blocks of %d tokens",
+            config.model.architecture,
+            config.device,
+            str(config.dtype).removeprefix("torch."),
+            config.attention_backend,
+            torch.get_num_threads(),
+            self.runner.num_blocks,
+            config.block_size,
+        )
         self.metrics = EngineMetrics()
         self._groups: dict[str, _Group] = {}
         self._pending: list[RequestOutput] = []  # outputs produced between steps (aborts)
