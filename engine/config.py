@@ -120,7 +120,15 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes for K/V across all layers
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
+    # slo policy: default deadlines for every request (None = none), rejection of lost requests, the
+    # wait after which any request is served by arrival, and the step-cost model (COST.json from
+    # ``inflight plan calibrate``) that estimates prefill and step times; see engine/sched/slo.py.
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    slo_reject: bool = False
+    slo_starvation_s: float = 30.0
+    slo_cost_model: str | None = None
     batching: Literal["continuous", "static"] = "continuous"
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     seed: int = 0
@@ -138,10 +146,14 @@ class EngineArgs:
             raise ValueError("max_num_batched_tokens must be at least 1")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError("num_blocks must be at least 1")
-        if self.scheduling_policy not in ("fcfs", "priority"):
+        if self.scheduling_policy not in ("fcfs", "priority", "slo"):
             raise ValueError(
-                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+                f"scheduling_policy must be 'fcfs', 'priority' or 'slo', got {self.scheduling_policy!r}"
             )
+        for name in ("slo_ttft_s", "slo_tpot_s", "slo_starvation_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
@@ -183,6 +195,11 @@ class EngineConfig:
     enable_cuda_graph: bool
     num_blocks: int | None = None  # None: sized from kv_cache_memory or free memory by the runner
     kv_cache_memory: int | None = None
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    slo_reject: bool = False
+    slo_starvation_s: float = 30.0
+    slo_cost_model: str | None = None
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -262,4 +279,9 @@ class EngineConfig:
             enable_cuda_graph=args.enable_cuda_graph and device.type == "cuda",
             num_blocks=args.num_blocks,
             kv_cache_memory=args.kv_cache_memory,
+            slo_ttft_s=args.slo_ttft_s,
+            slo_tpot_s=args.slo_tpot_s,
+            slo_reject=args.slo_reject,
+            slo_starvation_s=args.slo_starvation_s,
+            slo_cost_model=args.slo_cost_model,
         )

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineArgs, EngineConfig
+from engine.cost_model import StepCostModel
 from engine.inputs import check_context_length
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineMetrics, StepRecord
@@ -58,7 +59,8 @@ class LLMEngine:
         self.eos_token_ids = eos
         self.runner = ModelRunner(config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, eos)
+        cost = StepCostModel.load(config.slo_cost_model) if config.slo_cost_model else None
+        self.scheduler = Scheduler(config, self.kv, eos, cost=cost)
         logger.info(
             "engine: %s on %s, dtype %s, attention %s, %d torch threads, %d KV blocks of %d tokens",
             config.model.architecture,
@@ -98,8 +100,14 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         resume_token_ids: list[int] | None = None,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> None:
+        """``slo_ttft_s`` / ``slo_tpot_s`` override the engine's default deadlines (slo policy)."""
         params = params or SamplingParams()
+        for name, value in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in flight")
         text, ids = self.tokenize(prompt)
@@ -121,6 +129,8 @@ class LLMEngine:
                 index=i,
                 resumed_output_token_ids=resumed,
                 seed=seed + i,
+                slo_ttft_s=self.config.slo_ttft_s if slo_ttft_s is None else slo_ttft_s,
+                slo_tpot_s=self.config.slo_tpot_s if slo_tpot_s is None else slo_tpot_s,
             )
             for i in range(params.n)
         ]
@@ -179,6 +189,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         scheduled_at = time.monotonic()
         outputs, self._pending = self._pending, []
+        if self.scheduler.rejected:  # slo policy: lost TTFT deadlines finished early, with an error
+            outputs.extend(self._report_rejected())
         if out.is_empty:
             self.runner.update_rows(out)  # still drop the rows of requests finished since last step
             return outputs
@@ -227,6 +239,14 @@ class LLMEngine:
             )
         )
         return outputs
+
+    def _report_rejected(self) -> list[RequestOutput]:
+        rejected, self.scheduler.rejected = self.scheduler.rejected, []
+        groups: dict[str, _Group] = {}
+        for request in rejected:
+            self.metrics.on_finished(request)
+            groups[request.parent_id] = self._groups[request.parent_id]
+        return self._collect(list(groups.values()), {})
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         groups: dict[str, _Group] = {}

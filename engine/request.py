@@ -88,6 +88,8 @@ class Request:
         index: int = 0,
         resumed_output_token_ids: list[int] | None = None,
         seed: int = 0,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.parent_id = parent_id or request_id  # the id the caller knows (n > 1 shares it)
@@ -96,6 +98,10 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.priority = priority
+        # Deadlines the slo policy schedules by (seconds; None = none): first token within slo_ttft_s
+        # of arrival, then on average one token every slo_tpot_s.
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_s = slo_tpot_s
         # Always set (drawn by the engine when the caller gave none): sampling draws depend only on
         # (seed, output index), which keeps a request reproducible whatever shares its batch.
         self.seed = seed

@@ -12,14 +12,17 @@ goes out in full, one it holds as the blocks allocated since and its computed-to
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
+from engine.cost_model import StepCostModel
 from engine.kv_cache.block_pool import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.sched.policy import make_waiting_queue, priority_key
+from engine.sched.policy import WaitingQueue, make_waiting_queue, priority_key
+from engine.sched.slo import SLOQueue, is_lost, lost_message, step_time_cap
 
 
 class EngineQueueFull(RuntimeError):
@@ -42,12 +45,34 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, eos_token_ids: set[int]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv: KVCacheManager,
+        eos_token_ids: set[int],
+        *,
+        cost: StepCostModel | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.static = config.batching == "static"
-        self.waiting = make_waiting_queue(config.scheduling_policy)
+        # The slo policy's step-time estimates; the clock is injectable so a simulation can run the
+        # same scheduler on simulated time.
+        self.cost = cost
+        self.clock = clock
+        self.slo = config.scheduling_policy == "slo"
+        self.waiting: WaitingQueue = (
+            SLOQueue(cost, config.max_num_batched_tokens, config.slo_starvation_s)
+            if self.slo
+            else make_waiting_queue(config.scheduling_policy)
+        )
+        # slo policy: requests finished early because their TTFT deadline was lost (slo_reject); the
+        # engine takes them after each schedule() and reports them.
+        self.rejected: list[Request] = []
+        self._step_cap: float | None = None  # slo: this step's time bound (tightest running TPOT)
+        self._prefill_granted = False  # slo: a prefill chunk already ran this step
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (not finished) requests by id
         self._finished_since_last_step: set[str] = set()
@@ -78,7 +103,7 @@ class Scheduler:
             raise EngineQueueFull(f"waiting queue is full ({self.config.max_waiting})")
         self.requests[request.request_id] = request
         self.waiting.add(request)
-        request.record("queued", time.monotonic(), prompt_tokens=request.num_prompt_tokens)
+        request.record("queued", self.clock(), prompt_tokens=request.num_prompt_tokens)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Move a live request to a terminal status and free its blocks; unknown ids are a no-op."""
@@ -95,7 +120,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        request.timeline.finished = now = time.monotonic()
+        request.timeline.finished = now = self.clock()
         request.record(
             "finished", now, reason=status.finish_reason or "", output_tokens=request.num_output_tokens
         )
@@ -121,12 +146,45 @@ class Scheduler:
         self._step_preemptions = 0
         self._scheduled, self._new_blocks = [], {}
         budget = self.config.max_num_batched_tokens
+        if self.slo:
+            self._slo_prepare()
         admit = not self.static or not self.running  # a static batch admits only when it is empty
         budget = self._schedule_running(out, budget)
         if admit and not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         self._describe_for_runner(out)
         return out
+
+    def _slo_prepare(self) -> None:
+        now = self.clock()
+        assert isinstance(self.waiting, SLOQueue)
+        self.waiting.reorder(now)
+        if self.config.slo_reject:
+            budget = self.config.max_num_batched_tokens
+            for request in [r for r in self.waiting if is_lost(r, now, self.cost, budget)]:
+                message = lost_message(request, now, self.cost, budget)
+                self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+                request.error = message
+                self.rejected.append(request)
+        # Decodes first, so the prefill chunks after them are sized against what the step already holds.
+        self.running.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        self._step_cap = step_time_cap(self.running) if self.cost is not None else None
+        self._prefill_granted = False
+
+    def _slo_chunk(self, out: SchedulerOutput, request: Request, num_new: int) -> int:
+        """Cut a prefill chunk to what keeps the step within the tightest running TPOT deadline."""
+        if self._step_cap is None or num_new <= 1 or not self.config.enable_chunked_prefill:
+            return num_new
+        assert self.cost is not None
+        context = sum(
+            self.requests[rid].num_computed_tokens + n for rid, n in out.num_scheduled_tokens.items()
+        )
+        fits = self.cost.max_chunk(
+            self._step_cap, out.total_num_scheduled_tokens, out.num_seqs, context, request.num_computed_tokens
+        )
+        if not self._prefill_granted:
+            fits = max(fits, self.kv.block_size)  # one chunk a step always runs: no starved prefills
+        return max(0, min(num_new, fits))
 
     def _describe_for_runner(self, out: SchedulerOutput) -> None:
         """The batch as plain data: in full for requests the runner does not hold, else the diff."""
@@ -157,6 +215,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self.slo:
+                num_new = self._slo_chunk(out, request, num_new)
             if num_new <= 0:
                 i += 1
                 continue
@@ -197,6 +257,8 @@ class Scheduler:
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
+            if self.slo and (num_new := self._slo_chunk(out, request, num_new)) <= 0:
+                break
             if self.static:
                 # The baseline reserves every request's worst case up front, as fixed-batch servers do,
                 # so nothing in the batch can ever be preempted.
@@ -211,7 +273,7 @@ class Scheduler:
                     continue
                 break
             self.waiting.pop()
-            now = time.monotonic()
+            now = self.clock()
             resumed = request.status == RequestStatus.PREEMPTED
             request.record("resumed" if resumed else "admitted", now, cached_tokens=num_cached)
             request.status = RequestStatus.RUNNING
@@ -237,6 +299,8 @@ class Scheduler:
         return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
     def _add_to_batch(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
+        if num_tokens > 1:
+            self._prefill_granted = True
         self._scheduled.append(request)
         out.num_scheduled_tokens[request.request_id] = num_tokens
         out.total_num_scheduled_tokens += num_tokens
@@ -264,7 +328,7 @@ class Scheduler:
         self._in_runner.discard(victim.request_id)
         victim.status = RequestStatus.PREEMPTED
         victim.timeline.num_preemptions += 1
-        victim.record("preempted", time.monotonic(), computed_tokens=victim.num_computed_tokens)
+        victim.record("preempted", self.clock(), computed_tokens=victim.num_computed_tokens)
         victim.num_computed_tokens = 0
         self.waiting.add_front(victim)
         self.num_preemptions += 1
@@ -285,7 +349,7 @@ class Scheduler:
 
         Returns the requests that received a token this step (finished ones included).
         """
-        now = time.monotonic()
+        now = self.clock()
         got_token = []
         for req_id, num_scheduled in out.num_scheduled_tokens.items():
             request = self.requests.get(req_id)

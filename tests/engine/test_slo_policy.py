@@ -1,0 +1,167 @@
+"""The slo policy on hand-built cases: exact waiting order, exact chunk sizes, early rejection; then
+the engine end to end (per-request deadlines, the error a rejected request finishes with)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine.cost_model import StepCostModel
+from engine.kv_cache.manager import KVCacheManager
+from engine.llm_engine import LLMEngine
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.sched.scheduler import Scheduler
+from engine.sched.slo import SLOQueue
+from tests.engine.sched_utils import EOS, make_request, make_scheduler, step
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def slo_scheduler(
+    cost: StepCostModel,
+    clock: Clock,
+    *,
+    reject: bool = False,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    num_blocks: int = 64,
+    block_size: int = 4,
+) -> Scheduler:
+    base = make_scheduler(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_blocks=num_blocks,
+        block_size=block_size,
+    )
+    cfg = dataclasses.replace(base.config, scheduling_policy="slo", slo_reject=reject, slo_starvation_s=30.0)
+    kv = KVCacheManager(base.kv.num_total_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    return Scheduler(cfg, kv, {EOS}, cost=cost, clock=clock)
+
+
+def req(name: str, prompt_len: int, arrival: float, ttft: float | None, tpot: float | None = None) -> Request:
+    r = make_request(name, prompt_len, max_tokens=64, first_token=hash(name) % 50)
+    r.timeline.arrival, r.slo_ttft_s, r.slo_tpot_s = arrival, ttft, tpot
+    return r
+
+
+# 10 ms a step plus 0.1 ms a token: a 500-token prefill alone takes 60 ms, a 100-token one 20 ms.
+COST = StepCostModel(0.010, 1e-4, 0.0, 0.0)
+
+
+def docstring_case() -> list[Request]:
+    return [
+        req("C", 500, 0.1, 0.9),  # deadline 1.0, needs 60 ms: lost at t = 1.0
+        req("A", 500, 0.2, 1.0),  # latest start 1.2 - 0.06 = 1.14
+        req("D", 8, 0.5, None),  # no deadline: latest start arrival + 30 s
+        req("B", 100, 0.9, 0.3),  # latest start 1.2 - 0.02 = 1.18
+        req("E", 8, -30.5, None),  # waited 31.5 s >= 30: starving, first
+    ]
+
+
+def test_waiting_order_is_by_slack_with_starved_first_and_lost_last() -> None:
+    q = SLOQueue(COST, 512, starvation_s=30.0)
+    for r in docstring_case():
+        q.add(r)
+    q.reorder(1.0)
+    assert [r.request_id for r in q] == ["E", "A", "B", "D", "C"]
+    q.reorder(0.5)  # earlier, C could still make it: latest start 0.94, the tightest of all
+    assert [r.request_id for r in q] == ["E", "C", "A", "B", "D"]
+
+
+def test_scheduler_admits_in_slack_order() -> None:
+    sched = slo_scheduler(COST, Clock(1.0), max_num_seqs=2, max_num_batched_tokens=512, num_blocks=512)
+    for r in docstring_case():
+        sched.add_request(r)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"E": 8, "A": 500}
+
+
+def test_slo_reject_finishes_lost_requests_before_they_take_capacity() -> None:
+    sched = slo_scheduler(COST, Clock(1.0), reject=True, max_num_batched_tokens=512, num_blocks=512)
+    cases = docstring_case()
+    for r in cases:
+        sched.add_request(r)
+    out = sched.schedule()
+    lost = cases[0]
+    assert "C" not in out.num_scheduled_tokens and sched.rejected == [lost]
+    assert lost.status == RequestStatus.FINISHED_ERROR and lost.status.finish_reason == "error"
+    assert lost.error is not None and lost.error.startswith("slo_ttft_unmet: ")
+    assert "900 ms" in lost.error and sched.kv.block_ids("C") == []
+    # The budget of 512 goes by urgency: E, A, then B's first chunk; D waits.
+    assert out.num_scheduled_tokens == {"E": 8, "A": 500, "B": 4}
+
+
+def test_prefill_chunks_are_cut_to_hold_the_running_tpot_deadline() -> None:
+    # 10 ms a step, 1 ms a token: R decoding with TPOT 50 ms leaves 50 - 10 - 1 = 39 ms: 39 tokens.
+    cost = StepCostModel(0.010, 1e-3, 0.0, 0.0)
+    clock = Clock(0.0)
+    sched = slo_scheduler(cost, clock, max_num_batched_tokens=256, num_blocks=256)
+    sched.add_request(req("R", 4, 0.0, None, tpot=0.05))
+    step(sched)  # R prefilled, first token out
+    sched.add_request(req("W", 200, 0.0, 10.0))
+    sched.add_request(req("W2", 50, 0.0, 20.0))
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"R": 1, "W": 39}  # nothing left for W2
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"R": 1, "W": 39}
+    assert sched.requests["W"].num_computed_tokens == 78
+
+
+def test_one_block_of_prefill_still_runs_when_decodes_fill_the_step() -> None:
+    cost = StepCostModel(0.010, 1e-3, 0.0, 0.0)
+    sched = slo_scheduler(cost, Clock(0.0), max_num_batched_tokens=256, num_blocks=256, block_size=4)
+    sched.add_request(req("R", 4, 0.0, None, tpot=0.005))  # 5 ms: below the fixed cost
+    step(sched)
+    sched.add_request(req("W", 200, 0.0, 10.0))
+    sched.add_request(req("W2", 50, 0.0, 20.0))
+    out = step(sched)
+    assert out.num_scheduled_tokens == {"R": 1, "W": 4}
+
+
+def test_without_a_cost_model_order_is_by_deadline_and_chunks_are_whole() -> None:
+    sched = make_scheduler(policy="fcfs", max_num_batched_tokens=256, num_blocks=256)
+    cfg = dataclasses.replace(sched.config, scheduling_policy="slo")
+    clock = Clock(0.0)
+    sched = Scheduler(cfg, KVCacheManager(256, cfg.block_size), {EOS}, clock=clock)
+    sched.add_request(req("late", 40, 0.0, 2.0, tpot=0.001))
+    sched.add_request(req("soon", 40, 0.1, 0.5))
+    clock.now = 0.2
+    out = step(sched)
+    assert list(out.num_scheduled_tokens) == ["soon", "late"]
+    assert out.num_scheduled_tokens == {"soon": 40, "late": 40}
+
+
+def test_engine_serves_per_request_deadlines_and_rejects_lost_ones(tiny_llama_path: Path) -> None:
+    eng = LLMEngine.from_engine_args(
+        str(tiny_llama_path),
+        scheduling_policy="slo",
+        slo_ttft_s=1e-9,  # every request's default deadline is lost by its first schedule
+        slo_reject=True,
+        max_model_len=256,
+        num_blocks=64,
+    )
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.add_request("lost", [5, 6, 7, 8], params)
+    eng.add_request("kept", [5, 6, 7, 9], params, slo_ttft_s=60.0, slo_tpot_s=60.0)
+    with pytest.raises(ValueError, match="slo_tpot_s"):
+        eng.add_request("bad", [5], params, slo_tpot_s=0.0)
+    finished = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    lost, kept = finished["lost"], finished["kept"]
+    assert lost.error is not None and lost.error.startswith("slo_ttft_unmet")
+    assert lost.outputs[0].finish_reason == "error" and lost.outputs[0].token_ids == []
+    assert kept.error is None and kept.outputs[0].num_output_tokens == 4
+    assert eng.metrics.num_finished == 2
+    assert not eng.scheduler.requests and eng.kv.num_free_blocks == eng.kv.num_total_blocks
