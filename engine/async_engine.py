@@ -134,6 +134,8 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         resume_token_ids: list[int] | None = None,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs. Leaving the iterator early (or cancelling) aborts the request."""
         if self._thread is None:
@@ -146,7 +148,13 @@ class AsyncLLMEngine:
         try:
             await self._call(
                 lambda: self.engine.add_request(
-                    request_id, prompt, params, priority=priority, resume_token_ids=resume_token_ids
+                    request_id,
+                    prompt,
+                    params,
+                    priority=priority,
+                    resume_token_ids=resume_token_ids,
+                    slo_ttft_s=slo_ttft_s,
+                    slo_tpot_s=slo_tpot_s,
                 )
             )
             added = True

@@ -80,9 +80,15 @@ class RequestMessage:
     messages: list[dict[str, Any]] | None = None
     # For ``messages``: whether the template appends the assistant turn's opening.
     add_generation_prompt: bool = True
+    # Deadlines for the engine's slo policy, milliseconds; None: the engine's defaults. Optional in
+    # both directions within version 1: omitted when None, so an older worker reads the message as
+    # before, and a message without them decodes as None.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
     def encode(self) -> bytes:
-        body = {"v": WIRE_VERSION, "type": "request", **vars(self), "params": self.params.to_json()}
+        fields = {k: v for k, v in vars(self).items() if not (k.startswith("slo_") and v is None)}
+        body = {"v": WIRE_VERSION, "type": "request", **fields, "params": self.params.to_json()}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -110,7 +116,18 @@ class RequestMessage:
             prompt=prompt,
             messages=messages,
             add_generation_prompt=bool(obj.get("add_generation_prompt", True)),
+            slo_ttft_ms=_optional_ms(obj, "slo_ttft_ms"),
+            slo_tpot_ms=_optional_ms(obj, "slo_tpot_ms"),
         )
+
+
+def _optional_ms(obj: dict[str, Any], name: str) -> float | None:
+    value = obj.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise WireError(f"{name} must be a positive number of milliseconds, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,9 @@ def _done_error(done: DoneEvent) -> APIError:
         return APIError(409, "the request was cancelled", code="cancelled")
     if done.code == "invalid_request":
         return APIError(400, done.error or "invalid request", code="invalid_value")
-    status = 503 if done.code in ("lost_by_broker", "store_unavailable") else 500
+    # slo_ttft_unmet: the engine's slo policy dropped it because its deadline could no longer be met,
+    # which is overload, not a fault: retryable, like a broker that lost it.
+    status = 503 if done.code in ("lost_by_broker", "store_unavailable", "slo_ttft_unmet") else 500
     return APIError(status, done.error or "the request failed", code=done.code)
 
 

@@ -56,6 +56,8 @@ class Prepared:
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True  # for messages the worker renders
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -174,4 +176,14 @@ def _finish(
         raise _bad(str(exc)) from None
     session = req.session_id or req.user
     wire = WireSampling.from_params(params)
-    return Prepared(ids, wire, session, req.priority, text, messages, add_generation_prompt)
+    return Prepared(
+        ids,
+        wire,
+        session,
+        req.priority,
+        text,
+        messages,
+        add_generation_prompt,
+        req.slo_ttft_ms,
+        req.slo_tpot_ms,
+    )

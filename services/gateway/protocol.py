@@ -80,6 +80,9 @@ class _Sampling(_Checked):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-(2**31), le=_MAX_INT)
+    # Deadlines for the engine's slo policy (milliseconds; none: the engine's defaults).
+    slo_ttft_ms: float | None = Field(None, gt=0.0, le=1e9)
+    slo_tpot_ms: float | None = Field(None, gt=0.0, le=1e9)
     # Prefix affinity: requests of one session go to one engine (its prefix cache). Falls back to user.
     session_id: str | None = Field(None, max_length=256)
 

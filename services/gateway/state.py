@@ -57,6 +57,8 @@ class Gateway:
             prompt=prepared.text,
             messages=prepared.messages,
             add_generation_prompt=prepared.add_generation_prompt,
+            slo_ttft_ms=prepared.slo_ttft_ms,
+            slo_tpot_ms=prepared.slo_tpot_ms,
         )
         record: dict[str, str | int | float] = {
             "kind": kind,

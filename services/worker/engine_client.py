@@ -46,6 +46,8 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
         resume_token_ids: list[int] | None = None,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -150,6 +150,8 @@ class Runner:
                 engine_id,
                 priority=run.msg.priority,
                 resume_token_ids=resumed or None,
+                slo_ttft_s=None if run.msg.slo_ttft_ms is None else run.msg.slo_ttft_ms / 1e3,
+                slo_tpot_s=None if run.msg.slo_tpot_ms is None else run.msg.slo_tpot_ms / 1e3,
             )
             async for out in stream:
                 c = out.outputs[0]
@@ -176,6 +178,8 @@ class Runner:
                 if finish is not None:
                     if finish == "error":
                         run.errors[index] = out.error or "the engine failed this request"
+                        if (out.error or "").startswith("slo_ttft_unmet"):  # the slo policy gave up on it
+                            run.error_code = "slo_ttft_unmet"
                     return
                 if run.stopping:
                     await self.engine.abort(engine_id)
