@@ -156,7 +156,7 @@ class Settings:
 
 
 # Read elsewhere (engine, telemetry, bench): not an error to see them.
-_OTHERS = {"INFLIGHT_HOME"}
+_OTHERS = {"INFLIGHT_HOME", "INFLIGHT_FAULT_ENGINE_DIES_AFTER_STEPS"}  # the latter: services/worker/faults.py
 
 ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_KAFKA_BOOTSTRAP": ("kafka_bootstrap", "str"),

@@ -35,12 +35,19 @@ class Control:
         await pubsub.subscribe(keys.CANCEL_CHANNEL)
         while True:
             try:
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=1.0)
             except REDIS_ERRORS as exc:
                 log.warning("cancel channel: %s; reconnecting", exc)
                 await asyncio.sleep(0.5)
                 continue  # redis-py reconnects and resubscribes on the next read
             if message is None:
+                continue
+            if message["type"] == "subscribe":
+                # (Re)subscribed: a cancel published while the connection was down never reached this
+                # worker, but its key is in Redis. Check every request held here once more.
+                await self._recheck_cancels()
+                continue
+            if message["type"] != "message":
                 continue
             try:
                 request_id = CancelMessage.decode(message["data"]).id
@@ -48,12 +55,29 @@ class Control:
                 log.error("ignoring cancel message: %s", exc)
                 continue
             run = self.runs.get(request_id)
-            if run is not None and not run.cancelled:
-                log.info("cancelling %s", request_id)
-                count_cancelled("engine" if run.engine_ids else "intake")
-                run.span.add_event("cancel requested")
-                run.cancelled = True
-                await self.abort(run)
+            if run is not None:
+                await self._cancel(run)
+
+    async def _cancel(self, run: Run) -> None:
+        if run.cancelled:
+            return
+        log.info("cancelling %s", run.id)
+        count_cancelled("engine" if run.engine_ids else "intake")
+        run.span.add_event("cancel requested")
+        run.cancelled = True
+        await self.abort(run)
+
+    async def _recheck_cancels(self) -> None:
+        for run in list(self.runs.values()):
+            if run.cancelled:
+                continue
+            try:
+                cancelled = await self.store.is_cancelled(run.id)
+            except REDIS_ERRORS as exc:
+                log.warning("cancel re-check failed: %s", exc)
+                return
+            if cancelled:
+                await self._cancel(run)
 
     async def lease_keeper(self) -> None:
         interval = self.settings.lease_ttl_s / 3

@@ -23,7 +23,9 @@ def create_app(worker: Worker) -> Starlette:
         return JSONResponse({"status": "ok"})
 
     async def readyz(_: Request) -> Response:
-        ready = worker.started and not worker.draining and worker.publisher.healthy
+        # A dead engine fails whatever it is given: not ready (it has also left the consumer group).
+        alive = worker.engine.dead_error is None
+        ready = worker.started and alive and not worker.draining and worker.publisher.healthy
         return JSONResponse({"ready": ready, **worker.stats()}, status_code=200 if ready else 503)
 
     async def metrics(_: Request) -> Response:

@@ -53,6 +53,17 @@ class Runner:
     async def execute(self, run: Run) -> Outcome:
         s = self.settings
         ttl = s.job_ttl_s if run.msg.job else s.record_ttl_s
+        if time.time() - run.msg.created > ttl:
+            # Older than its record's lifetime: its record may be gone (expired, or Redis lost it), so
+            # "not terminal" proves nothing and running it could run it twice. Its client has long
+            # given up (a replay after an offset reset, a new consumer group, a stuck commit).
+            log.warning(
+                "skipping %s: %.0fs old, past its record's %ds lifetime",
+                run.id,
+                time.time() - run.msg.created,
+                ttl,
+            )
+            return Outcome.SKIPPED
         while True:
             start = await self.store.start(run.id, s.worker_id, s.lease_ttl_s, self._rng.getrandbits(62), ttl)
             if start.outcome == "terminal":
@@ -74,6 +85,8 @@ class Runner:
             if not run.cancelled:  # cancelled before this worker claimed it; the listener counts the rest
                 count_cancelled("intake")
             run.cancelled = True
+            return await self._finish(run)
+        if run.errors:  # the worker gave up on it after repeated failures (service.py): fail it for good
             return await self._finish(run)
         try:
             params = run.msg.params.to_params()
@@ -183,13 +196,23 @@ class Runner:
                     return
                 if run.stopping:
                     await self.engine.abort(engine_id)
-        except (ValueError, RuntimeError) as exc:
-            # ValueError: the engine refused the input; RuntimeError: its loop died. Either way the
-            # engine will never report this request, so its span ends here.
+        except Exception as exc:
+            # The engine will never report this request, so its span ends here.
             if self.spans is not None:
                 self.spans.abandon(engine_id, str(exc))
+            if self.engine.dead_error is not None:
+                # The engine died, not the request: no error event; it is handed back (offset left
+                # uncommitted) and another worker resumes it from the log once this one leaves.
+                log.warning("request %s index %d handed back: the engine died", run.id, index)
+                run.handed_back = True
+                return
+            if not isinstance(exc, ValueError | RuntimeError):
+                raise
             log.warning("request %s index %d failed: %s", run.id, index, exc)
             run.errors[index] = str(exc)
+            if isinstance(exc, ValueError):
+                # The engine refused the input (a token id beyond the vocabulary, ...): the client's fault.
+                run.error_code = "invalid_request"
             self.publisher.emit(run, PendingDelta(index, [], "", "error"))
         finally:
             run.engine_ids.discard(engine_id)

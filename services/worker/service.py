@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Coroutine
@@ -30,8 +31,9 @@ from opentelemetry.trace import Status, StatusCode
 from services.common.engine_spans import EngineSpanExporter
 from services.common.kafka import ensure_topic, make_consumer
 from services.common.settings import Settings
-from services.common.store import Store, connect_redis
-from services.worker import telemetry
+from services.common.store import REDIS_ERRORS, Store, connect_redis
+from services.common.wire import TERMINAL
+from services.worker import faults, telemetry
 from services.worker.commits import Committer, RebalanceListener
 from services.worker.control import Control
 from services.worker.engine_client import EngineClient
@@ -44,6 +46,8 @@ from services.worker.run import Outcome, Run
 from services.worker.runner import Runner
 
 log = logging.getLogger(__name__)
+
+_MAX_ATTEMPTS = 3  # a request the worker fails this often while Redis answers is failed for good
 
 
 class Worker:
@@ -66,6 +70,7 @@ class Worker:
         self.consumer: AIOKafkaConsumer | None = None
         self.started = False
         self._tasks: list[asyncio.Task[Any]] = []
+        self._consumer_tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget, referenced until done
         self._stopped = asyncio.Event()
 
@@ -75,15 +80,19 @@ class Worker:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        faults.install(self.engine)
         await self.engine.start()
         await ensure_topic(self.settings)
         consumer = self.consumer = self.committer.consumer = make_consumer(self.settings)
         consumer.subscribe([self.settings.kafka_topic], listener=RebalanceListener(self.committer))
         await consumer.start()
-        for coro in (self.publisher.run_forever(), self.intake.fetch_forever(consumer),
-                     self.committer.run_forever(), self.control.cancel_listener(),
-                     self.control.lease_keeper(),
-                     telemetry.report_lag_forever(consumer)):  # fmt: skip
+        # The tasks that use the consumer stop with it when the engine dies.
+        self._consumer_tasks = [asyncio.create_task(coro) for coro in (
+            self.intake.fetch_forever(consumer), self.committer.run_forever(),
+            telemetry.report_lag_forever(consumer))]  # fmt: skip
+        self._tasks.extend(self._consumer_tasks)
+        for coro in (self.publisher.run_forever(), self.control.cancel_listener(),
+                     self.control.lease_keeper(), self._watch_engine()):  # fmt: skip
             self._tasks.append(asyncio.create_task(coro))
         self.started = True
         log.info("worker %s consuming %s", self.settings.worker_id, self.settings.kafka_topic)
@@ -147,7 +156,7 @@ class Worker:
             run.span, end_on_exit=True, record_exception=False, set_status_on_exception=False
         ):
             try:
-                outcome = await self.runner.execute(run)
+                outcome = await self._until_settled(run)
             except asyncio.CancelledError:
                 outcome = Outcome.HANDED_BACK
                 raise
@@ -166,6 +175,92 @@ class Worker:
                 if outcome is Outcome.ERROR or run.errors:
                     run.span.set_status(Status(StatusCode.ERROR))
         return outcome
+
+    async def _until_settled(self, run: Run) -> Outcome:
+        """Run the request until Redis shows it terminal (or another worker holds it): only then may its
+        offset be committed. An attempt that ended in error or fenced (Redis unreachable when claiming,
+        or past ``redis_outage_s`` while running) left the record "queued" or "running": it runs again
+        from the log once Redis answers. On drain or engine death it is handed back instead."""
+        delay_s = 0.2
+        for attempt in itertools.count(1):
+            try:
+                outcome = await self.runner.execute(run)
+            except REDIS_ERRORS as exc:
+                log.warning("request %s: Redis unreachable (%s); retrying", run.id, exc)
+                outcome = Outcome.ERROR
+            if outcome not in (Outcome.ERROR, Outcome.FENCED):
+                return outcome
+            while not await self._settled(run.id):
+                if self.draining or self.engine.dead_error is not None:
+                    return Outcome.HANDED_BACK
+                if attempt >= _MAX_ATTEMPTS and self.publisher.healthy and outcome is Outcome.ERROR:
+                    # Redis answers and the worker keeps failing this one request: not Redis's fault.
+                    # Failing it is terminal (offset committed) rather than a partition stuck on it.
+                    run.errors.setdefault(0, "the worker failed this request repeatedly")
+                    run.error_code = "worker_error"
+                    break
+                await asyncio.sleep(delay_s)
+                delay_s = min(delay_s * 2, 2.0)
+                if await self._reachable():
+                    break
+            else:
+                return outcome  # terminal in Redis (or another worker's): the offset may move on
+            run = self._retry(run)
+        raise AssertionError("unreachable")
+
+    def _retry(self, old: Run) -> Run:
+        """A fresh run of the same delivery: it claims the request again and resumes from the log."""
+        run = Run(old.msg, deliveries=old.deliveries, prompt_token_ids=list(old.msg.prompt_token_ids))
+        run.tracing.span = old.tracing.span
+        run.errors, run.error_code = dict(old.errors), old.error_code
+        run.task = old.task
+        self.runs[run.id] = run
+        return run
+
+    async def _settled(self, request_id: str) -> bool:
+        """Terminal in Redis, or held by another live worker (whose own delivery will settle it)."""
+        try:
+            record = await self.store.get_record(request_id)
+            if record is not None and record.get("status") in TERMINAL:
+                return True
+            owner = await self.store.owner(request_id)
+        except REDIS_ERRORS:
+            return False
+        return owner is not None and owner != self.settings.worker_id
+
+    async def _reachable(self) -> bool:
+        try:
+            return bool(await self.store.client.ping())
+        except REDIS_ERRORS:
+            return False
+
+    async def _watch_engine(self) -> None:
+        """A dead engine fails every request it is given: stop taking any. Stop fetching, hand back what
+        is held (offsets uncommitted, leases released) and leave the group, so the partitions move to
+        live workers at once; /readyz says not ready, /healthz 500 gets the pod restarted."""
+        while self.engine.dead_error is None:
+            await asyncio.sleep(0.2)
+        log.error("the engine died (%r): handing back %d requests", self.engine.dead_error, len(self.runs))
+        self.intake.stopped = True
+        for run in list(self.runs.values()):
+            run.handed_back = True
+            with contextlib.suppress(Exception):
+                await self.control.abort(run)
+        pending = [r.task for r in self.runs.values() if r.task is not None]
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+        for task in self._consumer_tasks:
+            task.cancel()
+        await asyncio.gather(*self._consumer_tasks, return_exceptions=True)
+        await self.committer.commit_now()
+        if self.consumer is not None:
+            consumer, self.consumer = self.consumer, None  # stop() must not leave the group twice
+            try:
+                await leave_first_generation(consumer)
+                await consumer.stop()
+                log.info("left the consumer group: the engine is dead")
+            except (KafkaError, OSError) as exc:
+                log.warning("leaving the consumer group failed: %r", exc)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)

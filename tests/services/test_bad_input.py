@@ -78,6 +78,14 @@ def test_hostile_bodies_answer_4xx(stack: Stack, text_gateway: ServiceProcess, p
     _check(text_gateway.url, path, body)
 
 
+def test_a_token_id_beyond_the_vocabulary_is_the_inputs_fault(text_gateway: ServiceProcess) -> None:
+    # A gateway without the model cannot know the vocabulary: the worker's engine refuses the id, and
+    # that is answered as the input's fault (400), not an engine error (500).
+    resp = _post(text_gateway.url, "/v1/completions", f'{{{M}, "prompt": [1000000000], "max_tokens": 1}}')
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "invalid_value"
+
+
 def test_unhandled_errors_are_openai_shaped() -> None:
     # The catch-all as installed on the gateway: an error no handler foresaw is still OpenAI's JSON.
     app = FastAPI()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -73,7 +74,7 @@ def _message(params: SamplingParams, **fields: object) -> RequestMessage:
         "model": "tiny",
         "prompt_token_ids": [5, 6, 7, 8, 9],
         "params": WireSampling.from_params(params),
-        "created": 1.0,
+        "created": time.time(),  # a message older than its record's lifetime is skipped, never run
     }
     return RequestMessage(**{**base, **fields})  # type: ignore[arg-type]
 

@@ -1,0 +1,47 @@
+"""A cancel published while the worker's pub/sub connection is down still reaches the request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from services.common.servers import ServerProcess
+from tests.services.stack import MODEL_NAME, new_stack, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_cancel_during_a_pubsub_reconnect(
+    own_servers: tuple[ServerProcess, ServerProcess], model_path: Path, tmp_path: Path
+) -> None:
+    kafka, redis_server = own_servers
+    stack = new_stack(kafka, redis_server, model_path, tmp_path)
+    try:
+        body = {"model": MODEL_NAME, "prompt": "a long one", "max_tokens": 1800, "ignore_eos": True}
+        created = httpx.post(
+            f"{stack.url}/v1/jobs", json={"endpoint": "/v1/completions", "body": body}, timeout=30
+        )
+        job_url = f"{stack.url}/v1/jobs/{created.json()['id']}"
+
+        def running() -> Any:
+            return httpx.get(job_url, timeout=10).json()["status"] == "in_progress"
+
+        wait_for(running, 60, interval_s=0.2, message="the job to run")
+        r = stack.redis_client()
+        # Drop every pub/sub connection (the worker's cancel listener among them), then cancel at
+        # once: the cancel message is published while the listener is reconnecting.
+        assert r.execute_command("CLIENT", "KILL", "TYPE", "pubsub") >= 1
+        assert httpx.delete(job_url, timeout=10).json()["status"] in ("cancelling", "cancelled")
+        final = wait_for(
+            lambda: (job := httpx.get(job_url, timeout=10).json())["status"] != "in_progress" and job,
+            20,
+            interval_s=0.2,
+            message="the job to stop",
+        )
+        assert final["status"] == "cancelled", final["status"]
+        assert final["result"] is None or final["usage"]["completion_tokens"] < 1800
+    finally:
+        stack.close()
