@@ -14,9 +14,19 @@ offset n % block_size, so a tile may span several cache blocks. Online softmax r
 the log2 domain (exp2 is the native instruction; the scale absorbs log2(e)).
 
 Split-K (decode-only steps): with few requests and long contexts the grid above is too small to
-keep every SM streaming K/V. The context is then cut into NUM_SPLITS partitions; each program
-writes an unnormalised partial output with its running max and sum, and a second kernel merges
-the partitions of each (request, head).
+keep every SM streaming K/V. The grid then has NUM_SPLITS programs per (request, kv head), an upper
+bound; each request cuts its own context into as many partitions as its length fills (at least
+min_partition positions each, at most NUM_SPLITS), so a CUDA graph captured with NUM_SPLITS sized
+for max_model_len still gives a short request one partition. Worked example, NUM_SPLITS 8,
+min_partition 256, BLOCK_N 64:
+
+    seq_len   used splits              partition   programs with split >= used
+    100       max(1, 100 // 256) = 1   -           7 return at once; split 0 writes the output
+    700       700 // 256 = 2           384         6 return at once; splits 0, 1 write partials
+    9000      min(8, 35) = 8           1152        none
+
+A request with one used split writes its normalised output directly and the merge skips it; the
+merge reads only the used partitions of the others (never an empty one).
 """
 
 from __future__ import annotations
@@ -38,6 +48,15 @@ _MAX_SPLITS = 32
 
 
 @triton.jit
+def _request_splits(seq_len, min_partition, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(used splits, partition length) of one request: partitions of at least min_partition
+    positions, at most NUM_SPLITS of them, each a multiple of BLOCK_N; none starts past seq_len."""
+    wanted = tl.maximum(1, tl.minimum(NUM_SPLITS, seq_len // min_partition))
+    partition = tl.cdiv(tl.cdiv(seq_len, wanted), BLOCK_N) * BLOCK_N
+    return tl.cdiv(seq_len, partition), partition
+
+
+@triton.jit
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] float32, unnormalised partial outputs (split-K)
@@ -50,7 +69,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     seq_lens_ptr,  # [S] int32
     block_tables_ptr,  # [S, max_blocks] int32
     scale_log2,  # softmax scale * log2(e)
-    partition_size,  # KV positions per split, a multiple of BLOCK_N
+    min_partition,  # fewest KV positions per used split (split-K)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -102,9 +121,13 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     # Causality bounds the tile's KV range by its last token; split-K cuts it further.
     kv_stop = tl.minimum(seq_len, num_cached + (q_tile + 1) * BLOCK_Q)
     kv_start = 0
+    num_used = 1
     if NUM_SPLITS > 1:
-        kv_start = split * partition_size
-        kv_stop = tl.minimum(kv_stop, kv_start + partition_size)
+        num_used, partition = _request_splits(seq_len, min_partition, NUM_SPLITS, BLOCK_N)
+        if split >= num_used:  # this request's context is too short to need this partition
+            return
+        kv_start = split * partition
+        kv_stop = tl.minimum(kv_stop, kv_start + partition)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -137,7 +160,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if num_used == 1:  # the whole context in this program: the final output, no merge
         denom = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / denom[:, None]
         o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
@@ -158,11 +181,14 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     part_max_ptr,  # [T, Hq, NUM_SPLITS] float32
     part_sum_ptr,  # [T, Hq, NUM_SPLITS] float32
     query_start_loc_ptr,  # [S + 1] int32
+    seq_lens_ptr,  # [S] int32
+    min_partition,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
@@ -172,16 +198,19 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     q_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # a request with nothing scheduled
         return
+    num_used, _ = _request_splits(tl.load(seq_lens_ptr + seq), min_partition, NUM_SPLITS, BLOCK_N)
+    if num_used == 1:  # the attention kernel wrote the final output itself
+        return
     token = q_start.to(tl.int64)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
+    s_mask = offs_s < num_used  # only the partitions this request used were written
     row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
     m = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
     l_part = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
     m_all = tl.max(m, axis=0)
     m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.math.exp2(m - m_ref)  # rescales each partition to the global max; 0 for empty ones
+    w = tl.math.exp2(m - m_ref)  # rescales each partition to the global max
     a_mask = s_mask[:, None] & (offs_d[None, :] < HEAD_SIZE)
     acc = tl.load(part_acc_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], mask=a_mask, other=0.0)
     total = tl.sum(w * l_part, axis=0)
@@ -194,8 +223,11 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Split-K only when the plain grid leaves SMs idle and every partition stays long."""
+    """The most splits a request may use: split-K only when the plain grid (one program per request
+    and kv head) leaves SMs idle, and every partition stays long."""
     programs = num_seqs * num_kv_heads
+    if programs >= num_sms:  # every SM already has a program; a merge would only add work
+        return 1
     wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
     return max(1, min(wanted, max_seq_len // _MIN_PARTITION, _MAX_SPLITS))
 
@@ -209,7 +241,7 @@ def paged_attention(
     scale: float,
     *,
     max_query_len: int | None = None,  # pass it to avoid a device sync (the metadata has it)
-    max_seq_len: int | None = None,  # >= every seq_len; an upper bound only sizes split-K partitions
+    max_seq_len: int | None = None,  # >= every seq_len; an upper bound only caps the split count
     num_splits: int | None = None,  # None: heuristic; forced values apply to decode-only steps only
 ) -> torch.Tensor:  # [T, Hq, D] contiguous; rows outside every request are zero
     num_tokens, num_heads, head_size = query.shape
@@ -252,13 +284,14 @@ def paged_attention(
     num_warps = 8 if block_m >= 128 else 4
 
     splits = 1
+    min_partition = _MIN_PARTITION
     if decode_only:
         if num_splits is None:
             splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(query.device))
         else:
-            splits = min(max(1, num_splits), _MAX_SPLITS)
-    partition_size = triton.cdiv(triton.cdiv(max_seq_len, splits), block_n) * block_n
-    splits = max(1, triton.cdiv(max_seq_len, partition_size))  # no partition starts past the end
+            # A forced count is honoured down to one BLOCK_N tile per partition (tests use it).
+            min_partition = block_n
+            splits = max(1, min(num_splits, _MAX_SPLITS, triton.cdiv(max_seq_len, block_n)))
 
     if splits > 1:
         part_acc = torch.empty(
@@ -282,7 +315,7 @@ def paged_attention(
         seq_lens,
         block_tables,
         scale * math.log2(math.e),
-        partition_size,
+        min_partition,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -311,11 +344,14 @@ def paged_attention(
             part_max,
             part_sum,
             query_start_loc,
+            seq_lens,
+            min_partition,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=num_heads,
             HEAD_SIZE=head_size,
             BLOCK_D=block_d,
+            BLOCK_N=block_n,
             NUM_SPLITS=splits,
             SPLITS_PAD=triton.next_power_of_2(splits),
         )

@@ -9,8 +9,9 @@ rows are harmless by construction:
     seq_len     its context length       1: attends to one stale slot; the output row is dropped
 
 Kernel launch parameters must not change between replays, so the captured metadata fixes
-max_seq_len at max_model_len (the attention kernel only uses it as an upper bound) and every
-input lives in a persistent buffer that each step overwrites in place.
+max_seq_len at max_model_len and every input lives in a persistent buffer that each step overwrites
+in place. max_seq_len only caps the split-K count: each request sizes its partitions from its own
+length inside the kernel, so a short context at a large max_model_len runs no empty split.
 """
 
 from __future__ import annotations

@@ -106,8 +106,24 @@ def test_strided_query_view(paged_batch):
     torch.testing.assert_close(out, _reference(batch, 0.1), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_splits", [None, 6])
+def test_split_k_lengths_far_below_max_seq_len(paged_batch, num_splits):
+    # A captured CUDA graph launches with max_seq_len = max_model_len; each request still splits by
+    # its own length: 5 and 40 use one partition (written directly, not merged), 530 uses two (or six).
+    batch = paged_batch([1, 1, 1], [5, 40, 530], 4, 1, 64, 16)
+    out = _run(batch, 0.1, max_query_len=1, max_seq_len=4096, num_splits=num_splits)
+    torch.testing.assert_close(out, _reference(batch, 0.1), atol=2e-5, rtol=1e-5)
+    if num_splits is None:
+        # Same partitions as when the bound is the step's real maximum: graph and eager agree bitwise.
+        assert torch.equal(out, _run(batch, 0.1, max_query_len=1))
+        # A request that uses one partition gets exactly the unsplit kernel's result.
+        assert torch.equal(out[:2], _run(batch, 0.1, num_splits=1)[:2])
+
+
 def test_choose_num_splits():
-    assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 2
+    # 64 x 8 = 512 programs already cover 132 SMs: no split, no merge.
+    assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 1
+    assert choose_num_splits(num_seqs=16, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 5
     assert choose_num_splits(num_seqs=256, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 1
     assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 32
     assert choose_num_splits(num_seqs=1, num_kv_heads=1, max_seq_len=131072, num_sms=132) == 32  # capped
