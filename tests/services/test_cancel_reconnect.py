@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +33,21 @@ def test_cancel_during_a_pubsub_reconnect(
 
         wait_for(running, 60, interval_s=0.2, message="the job to run")
         r = stack.redis_client()
-        # Drop every pub/sub connection (the worker's cancel listener among them), then cancel at
-        # once: the cancel message is published while the listener is reconnecting.
-        assert r.execute_command("CLIENT", "KILL", "TYPE", "pubsub") >= 1
+
+        # Keep dropping every pub/sub connection (the worker's cancel listener among them) for a
+        # while, and cancel in the middle of it: the cancel message is published while the listener
+        # is between connections (redis-py reconnects within milliseconds, so one kill is a race).
+        def storm() -> None:
+            end = time.monotonic() + 1.5
+            while time.monotonic() < end:
+                r.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+                time.sleep(0.001)
+
+        killer = threading.Thread(target=storm)
+        killer.start()
+        time.sleep(0.5)
         assert httpx.delete(job_url, timeout=10).json()["status"] in ("cancelling", "cancelled")
+        killer.join()
         final = wait_for(
             lambda: (job := httpx.get(job_url, timeout=10).json())["status"] != "in_progress" and job,
             20,
