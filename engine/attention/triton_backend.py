@@ -1,4 +1,6 @@
-"""Attention through the Triton kernels: one launch stores K/V, one (two with split-K) attends."""
+"""Attention through the Triton kernels: one launch stores K/V, one (two with split-K) attends.
+
+No zero-fill of the output when the step has no padding tokens (every row is then written)."""
 
 from __future__ import annotations
 
@@ -38,4 +40,5 @@ class TritonAttentionBackend:
             scale,
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
+            all_rows_owned=metadata.query_start_loc_cpu[-1] == metadata.num_tokens,
         )

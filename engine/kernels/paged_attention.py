@@ -243,6 +243,7 @@ def paged_attention(
     max_query_len: int | None = None,  # pass it to avoid a device sync (the metadata has it)
     max_seq_len: int | None = None,  # >= every seq_len; an upper bound only caps the split count
     num_splits: int | None = None,  # None: heuristic; forced values apply to decode-only steps only
+    all_rows_owned: bool = False,  # query_start_loc[-1] == T (no padding tokens): skips a zero-fill
 ) -> torch.Tensor:  # [T, Hq, D] contiguous; rows outside every request are zero
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -257,7 +258,10 @@ def paged_attention(
     assert block_tables.stride(1) == 1, "block table rows must be contiguous"
     assert query.device == kv_cache.device == query_start_loc.device == seq_lens.device == block_tables.device
 
-    out = torch.zeros((num_tokens, num_heads, head_size), dtype=query.dtype, device=query.device)
+    # Every row of a request is written (by its program, or by the merge), so only rows past the last
+    # request need zeros: the caller says whether there are any (it knows without a device sync).
+    alloc = torch.empty if all_rows_owned else torch.zeros
+    out = alloc((num_tokens, num_heads, head_size), dtype=query.dtype, device=query.device)
     if num_seqs == 0 or num_tokens == 0:
         return out
     if max_query_len is None:

@@ -1,4 +1,9 @@
-"""Rotary position embedding, NeoX / HF ``rotate_half`` layout (Triton), out of place."""
+"""Rotary position embedding, NeoX / HF ``rotate_half`` layout (Triton), out of place or in place.
+
+In place, the model rotates q and k where the fused QKV projection wrote them (strided views), so
+no copy precedes rotary or the KV store. Each program reads a head's two halves before it writes
+them, so reading and writing the same memory is safe.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +14,13 @@ import triton.language as tl
 
 @triton.jit
 def _rotate_heads(  # type: ignore[no-untyped-def]
-    out_ptr,  # [T, H, D] contiguous
+    out_ptr,  # [T, H, D]; may be x_ptr itself (in place)
     x_ptr,  # [T, H, D]
     token,
     stride_xt,
     stride_xh,
+    stride_ot,
+    stride_oh,
     cos,  # [1, BLOCK_HALF] float32
     sin,  # [1, BLOCK_HALF] float32
     NUM_HEADS: tl.constexpr,
@@ -29,15 +36,15 @@ def _rotate_heads(  # type: ignore[no-untyped-def]
     src = x_ptr + token * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    dst = out_ptr + token * (NUM_HEADS * HEAD_SIZE) + offs_h[:, None] * HEAD_SIZE + offs_d[None, :]
+    dst = out_ptr + token * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
     tl.store(dst, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rotary_kernel(  # type: ignore[no-untyped-def]
-    q_out_ptr,  # [T, Hq, D] contiguous
-    k_out_ptr,  # [T, Hkv, D] contiguous
+    q_out_ptr,  # [T, Hq, D]; query_ptr itself when in place
+    k_out_ptr,  # [T, Hkv, D]; key_ptr itself when in place
     positions_ptr,  # [T] int64
     query_ptr,  # [T, Hq, D]
     key_ptr,  # [T, Hkv, D]
@@ -46,6 +53,10 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_qot,
+    stride_qoh,
+    stride_kot,
+    stride_koh,
     stride_cache,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -66,6 +77,8 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]
         token,
         stride_qt,
         stride_qh,
+        stride_qot,
+        stride_qoh,
         cos,
         sin,
         NUM_HEADS,
@@ -79,6 +92,8 @@ def _rotary_kernel(  # type: ignore[no-untyped-def]
         token,
         stride_kt,
         stride_kh,
+        stride_kot,
+        stride_koh,
         cos,
         sin,
         NUM_KV_HEADS,
@@ -93,7 +108,11 @@ def rotary_embedding(
     query: torch.Tensor,  # [T, Hq, D]
     key: torch.Tensor,  # [T, Hkv, D]
     cos_sin_cache: torch.Tensor,  # [max_pos, D] float32: cos in [:, :D/2], sin in [:, D/2:]
-) -> tuple[torch.Tensor, torch.Tensor]:  # new contiguous query [T, Hq, D], key [T, Hkv, D]
+    *,
+    inplace: bool = False,  # rotate query and key where they are (returned as they came)
+) -> tuple[
+    torch.Tensor, torch.Tensor
+]:  # query [T, Hq, D], key [T, Hkv, D]: new contiguous ones, or the inputs
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = key.shape[1]
     assert key.shape == (num_tokens, num_kv_heads, head_size), (tuple(key.shape), tuple(query.shape))
@@ -104,8 +123,11 @@ def rotary_embedding(
     assert cos_sin_cache.dim() == 2 and cos_sin_cache.shape[1] == head_size, tuple(cos_sin_cache.shape)
     assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(1) == 1
     assert query.device == key.device == positions.device == cos_sin_cache.device
-    q_out = torch.empty((num_tokens, num_heads, head_size), dtype=query.dtype, device=query.device)
-    k_out = torch.empty((num_tokens, num_kv_heads, head_size), dtype=key.dtype, device=key.device)
+    if inplace:
+        q_out, k_out = query, key
+    else:
+        q_out = torch.empty((num_tokens, num_heads, head_size), dtype=query.dtype, device=query.device)
+        k_out = torch.empty((num_tokens, num_kv_heads, head_size), dtype=key.dtype, device=key.device)
     if num_tokens == 0:
         return q_out, k_out
     _rotary_kernel[(num_tokens,)](
@@ -119,6 +141,10 @@ def rotary_embedding(
         query.stride(1),
         key.stride(0),
         key.stride(1),
+        q_out.stride(0),
+        q_out.stride(1),
+        k_out.stride(0),
+        k_out.stride(1),
         cos_sin_cache.stride(0),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,

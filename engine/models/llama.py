@@ -68,7 +68,8 @@ class ModelOps:
         if self.use_triton:
             from engine.kernels import rotary_embedding
 
-            return rotary_embedding(positions, q, k, cache)
+            # In place on the strided views of the fused qkv projection, as on the CPU: no copies.
+            return rotary_embedding(positions, q, k, cache, inplace=True)
         return apply_rotary(positions, q, k, cache)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -165,8 +166,8 @@ class LlamaForCausalLM:
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if not self.ops.use_cpu_kernels:
-            # The torch and Triton paths want dense inputs; the C++ kernels read the strided views.
+        if not (self.ops.use_cpu_kernels or self.ops.use_triton):
+            # The torch path wants dense inputs; the C++ and Triton kernels read the strided views.
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         q, k = self.ops.rotary(positions, q, k, self.rope_cache)
         # Store first: a request's own new tokens must be visible to its causal attention.

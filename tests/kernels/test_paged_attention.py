@@ -51,6 +51,25 @@ def test_matches_reference(paged_batch, query_lens, seq_lens, hq, hkv, head_size
     torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "num_splits"), [([1, 7, 1], [50, 7, 19], None), ([1, 1], [530, 77], 3)]
+)
+def test_every_row_written_without_zero_fill(paged_batch, query_lens, seq_lens, num_splits):
+    # No padding tokens: the output starts uninitialised (NaN here, so a missed row shows).
+    batch = paged_batch(query_lens, seq_lens, 8, 2, 64, 16)
+    real_empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(float("nan"))
+
+    torch.empty = nan_empty  # type: ignore[assignment]
+    try:
+        out = _run(batch, 0.1, num_splits=num_splits, all_rows_owned=True)
+    finally:
+        torch.empty = real_empty  # type: ignore[assignment]
+    torch.testing.assert_close(out, _reference(batch, 0.1), atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(("hkv", "dtype"), [(1, torch.float32), (2, torch.bfloat16)])
 def test_reference_matches_dense(paged_batch, dense_attention, hkv, dtype):
     batch = paged_batch([1, 6, 1], [29, 6, 40], 8, hkv, 64, 16, dtype)

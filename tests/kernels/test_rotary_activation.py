@@ -45,6 +45,28 @@ def test_rotary_matches_reference(device, num_heads, num_kv_heads, head_size, dt
     torch.testing.assert_close(k, want_k, **TOL[dtype])
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_size", "dtype"),
+    [(4, 2, 64, torch.float32), (8, 2, 128, torch.bfloat16)],
+)
+def test_rotary_in_place_on_strided_views(device, num_heads, num_kv_heads, head_size, dtype):
+    # The model's Triton path: q and k rotated where the fused QKV projection wrote them, no copies.
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, q_size, kv_size = 7, num_heads * head_size, num_kv_heads * head_size
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype).to(device)
+    before = qkv.clone()
+    query = qkv[:, :q_size].view(num_tokens, num_heads, head_size)
+    key = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_size)
+    positions = torch.tensor([4, 0, 9, 1, 33, 2, 8], device=device)
+    cache = _cos_sin_cache(64, head_size).to(device)
+    want_q, want_k = reference.rotary_embedding(positions, query.clone(), key.clone(), cache)
+    q, k = rotary_embedding(positions, query, key, cache, inplace=True)
+    assert q.data_ptr() == qkv.data_ptr() and k.data_ptr() == key.data_ptr() and not q.is_contiguous()
+    torch.testing.assert_close(qkv[:, :q_size].view_as(want_q), want_q, **TOL[dtype])
+    torch.testing.assert_close(qkv[:, q_size : q_size + kv_size].view_as(want_k), want_k, **TOL[dtype])
+    assert torch.equal(qkv[:, q_size + kv_size :], before[:, q_size + kv_size :])  # V untouched
+
+
 def test_rotary_reference_is_hf_rotate_half():
     gen = torch.Generator().manual_seed(1)
     query, key = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 1, 16, generator=gen)
