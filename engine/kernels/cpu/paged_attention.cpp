@@ -24,7 +24,12 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "vec.h"
 
@@ -62,6 +67,32 @@ __attribute__((always_inline)) inline vfloat reduce16(const vfloat* x) {
   for (int i = 0; i < 2; ++i) l3[i] = fold(l2[2 * i], l2[2 * i + 1], kLo3, kHi3);
   return fold(l3[0], l3[1], kLo4, kHi4);
 }
+
+#if defined(__x86_64__) && !defined(INFLIGHT_NO_CLONES)
+// bf16 caches on CPUs with AVX512_BF16: one query row against sixteen keys with VDPBF16PS (pairs of
+// exact bf16 products summed into float32 lanes), half the instructions of widening both sides
+// to float and no widened copy of K. ``pairs`` = D / 32. Writes the sixteen raw dot products.
+__attribute__((target("avx512f,avx512bf16"))) void dots16_bf16(const at::BFloat16* q,
+                                                               const at::BFloat16* const* keys, int64_t pairs,
+                                                               float* out) {
+  vfloat dots[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < pairs; ++c) {
+      const __m512i a = _mm512_loadu_si512(q + 32 * c);
+      const __m512i b = _mm512_loadu_si512(keys[j] + 32 * c);
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+    }
+    std::memcpy(&dots[j], &acc, sizeof(acc));
+  }
+  const vfloat s = reduce16(dots);
+  std::memcpy(out, &s, sizeof(s));
+}
+const bool kHasDpBf16 = __builtin_cpu_supports("avx512bf16");
+#else
+void dots16_bf16(const at::BFloat16*, const at::BFloat16* const*, int64_t, float*) {}
+const bool kHasDpBf16 = false;
+#endif
 
 // Pages are scattered, so the hardware prefetcher loses the stream at every block boundary: fetch a
 // key's row ahead of use, whole (D * sizeof(T) bytes, one to eight cache lines).
@@ -152,24 +183,41 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
     if (t0 + 2 * kLanes < ctx_pad) {
       for (int j = 0; j < kLanes; ++j) prefetch_row<T, C>(k_cache + offsets[t0 + 2 * kLanes + j]);
     }
-    for (int j = 0; j < kLanes; ++j) {
-      const T* k = k_cache + offsets[t0 + j];
-      for (int c = 0; c < C; ++c) {
-        const vfloat x = load16(k + c * kLanes);
-        std::memcpy(kbuf + j * D + c * kLanes, &x, sizeof(x));
+    constexpr bool kDpEligible = std::is_same_v<T, at::BFloat16> && C % 2 == 0;
+    const bool dp = kDpEligible && kHasDpBf16;
+    const T* keys[kLanes];
+    for (int j = 0; j < kLanes; ++j) keys[j] = k_cache + offsets[t0 + j];
+    if (!dp) {
+      for (int j = 0; j < kLanes; ++j) {
+        for (int c = 0; c < C; ++c) {
+          const vfloat x = load16(keys[j] + c * kLanes);
+          std::memcpy(kbuf + j * D + c * kLanes, &x, sizeof(x));
+        }
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t limit = first_pos + it.q_begin + r / g.group + 1;  // keys this row sees
       if (t0 >= limit) continue;  // an earlier query token of a prefill tile
-      const float* qr = qf + r * D;
-      vfloat dots[kLanes];
-      for (int j = 0; j < kLanes; ++j) {
-        vfloat acc = load16(qr) * load16(kbuf + j * D);
-        for (int c = 1; c < C; ++c) acc += load16(qr + c * kLanes) * load16(kbuf + j * D + c * kLanes);
-        dots[j] = acc;
+      vfloat sv;
+      if constexpr (kDpEligible) {
+        if (dp) {
+          const T* q_row = query + (q0 + it.q_begin + r / g.group) * g.q_stride_t +
+                           (it.kv_head * g.group + r % g.group) * g.q_stride_h;
+          alignas(64) float raw[kLanes];
+          dots16_bf16(q_row, keys, C / 2, raw);
+          sv = load16(raw) * g.scale;
+        }
       }
-      vfloat sv = reduce16(dots);
+      if (!dp) {
+        const float* qr = qf + r * D;
+        vfloat dots[kLanes];
+        for (int j = 0; j < kLanes; ++j) {
+          vfloat acc = load16(qr) * load16(kbuf + j * D);
+          for (int c = 1; c < C; ++c) acc += load16(qr + c * kLanes) * load16(kbuf + j * D + c * kLanes);
+          dots[j] = acc;
+        }
+        sv = reduce16(dots);
+      }
       if (t0 + kLanes > limit) {  // the row's last group: keys past its limit do not exist for it
         for (int j = 0; j < kLanes; ++j) {
           if (t0 + j >= limit) sv[j] = -std::numeric_limits<float>::infinity();
