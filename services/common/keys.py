@@ -10,6 +10,8 @@ Redis Cluster, where a script may only touch keys of one slot.
     inflight:events:{id}       channel token events, live (pub/sub)
     inflight:cancel            channel request ids to cancel, heard by every worker
     inflight:pending           zset    admitted, not yet taken by an engine: member id, score expiry ms
+    inflight:gateway:{id}      string  a gateway's liveness, renewed every second (TTL): the origin of
+                                       a synchronous request (its record's "origin") is gone without it
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ from __future__ import annotations
 PREFIX = "inflight"
 PENDING = f"{PREFIX}:pending"
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
+
+
+def gateway_alive(instance_id: str) -> str:
+    return f"{PREFIX}:gateway:{instance_id}"
 
 
 def record(request_id: str) -> str:

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 1.0
 _MAX_PRODUCE_ATTEMPTS = 3
+_HEARTBEAT_S = 1.0
+GATEWAY_ALIVE_TTL_S = 4.0  # a few missed heartbeats before the workers give this gateway's requests up
 
 
 @dataclass
@@ -58,18 +60,23 @@ class Dispatcher:
         self._probe = AIOKafkaConsumer(**client_kwargs(settings), enable_auto_commit=False)
         self._queued: dict[str, _Queued] = {}
         self._task: asyncio.Task[None] | None = None
+        self._beat: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self.producer.start()
         await self._probe.start()
         self._task = asyncio.create_task(self._watch())
+        self._beat = asyncio.create_task(self._heartbeat())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._beat):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self.store.client.delete(keys.gateway_alive(self.settings.instance_id))
         for client in (self.producer, self._probe):
             with contextlib.suppress(Exception):
                 await client.stop()
@@ -191,6 +198,15 @@ class Dispatcher:
     async def cancel(self, request_id: str) -> str:
         self._queued.pop(request_id, None)
         return await self.store.cancel(request_id, max(self.settings.job_ttl_s, 60))
+
+    async def _heartbeat(self) -> None:
+        """This gateway's liveness key: workers abort the synchronous requests of a gateway whose key
+        has lapsed (SIGKILLed, or cut off from Redis), instead of generating for nobody."""
+        name = keys.gateway_alive(self.settings.instance_id)
+        while True:
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self.store.client.set(name, "1", px=int(GATEWAY_ALIVE_TTL_S * 1000))
+            await asyncio.sleep(_HEARTBEAT_S)
 
     # ---- watch -----------------------------------------------------------------------------
     async def _watch(self) -> None:

@@ -68,6 +68,9 @@ class Gateway:
             "n": prepared.params.n,
             "prompt_tokens": len(prepared.prompt_token_ids),
             "logprobs": "" if prepared.params.logprobs is None else prepared.params.logprobs,
+            # A synchronous request lives only as long as this gateway's connection to its client:
+            # workers abort it once this gateway's liveness key lapses (it died without cancelling).
+            **({} if job else {"origin": self.settings.instance_id}),
             **(extra or {}),
         }
         text = prepared.text or "".join(str(m.get("content") or "") for m in prepared.messages or [])

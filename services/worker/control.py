@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -17,6 +18,8 @@ from services.worker.telemetry import count_cancelled
 
 log = logging.getLogger(__name__)
 
+_ORIGIN_GRACE_S = 3.0
+
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]  # runs a coroutine in the background
 
 
@@ -29,6 +32,8 @@ class Control:
         self.engine = engine
         self.runs = runs  # the worker's: request id -> run, for requests held here
         self._spawn = spawn
+        self._origins: dict[str, str] = {}  # request id -> the gateway whose client awaits it
+        self._strikes: dict[str, float] = {}  # request id -> when its origin was first seen gone
 
     async def cancel_listener(self) -> None:
         pubsub = self.store.client.pubsub()
@@ -96,6 +101,45 @@ class Control:
                 if run is not None:
                     log.warning("lost the lease of %s to another worker; stopping it here", request_id)
                     self.fence(run)
+            try:
+                await self._cancel_orphans()
+            except REDIS_ERRORS as exc:
+                log.warning("origin check failed: %s", exc)
+
+    async def _cancel_orphans(self) -> None:
+        """Cancel synchronous requests whose origin gateway died: nobody reads their tokens any more.
+
+        A gateway renews its liveness key every second; a key missing for ``_ORIGIN_GRACE_S`` on end
+        (never just the moment of a Redis restart, which loses every key) means that gateway is gone.
+        """
+        held = [r for r in self.runs.values() if not r.msg.job and not r.cancelled and r.holds_lease]
+        for gone in set(self._origins) - {r.id for r in held}:
+            self._origins.pop(gone, None)
+            self._strikes.pop(gone, None)
+        unknown = [r.id for r in held if r.id not in self._origins]
+        if unknown:
+            async with self.store.client.pipeline(transaction=False) as pipe:
+                for request_id in unknown:
+                    pipe.hget(keys.record(request_id), "origin")
+                for request_id, origin in zip(unknown, await pipe.execute(), strict=True):
+                    if origin:
+                        self._origins[request_id] = str(origin)
+        origins = sorted({self._origins[r.id] for r in held if r.id in self._origins})
+        if not origins:
+            return
+        async with self.store.client.pipeline(transaction=False) as pipe:
+            for origin in origins:
+                pipe.exists(keys.gateway_alive(origin))
+            alive = {o for o, n in zip(origins, await pipe.execute(), strict=True) if n}
+        for run in held:
+            origin = self._origins.get(run.id)
+            if origin is None or origin in alive:
+                self._strikes.pop(run.id, None)
+                continue
+            first_miss = self._strikes.setdefault(run.id, time.monotonic())
+            if time.monotonic() - first_miss >= _ORIGIN_GRACE_S:
+                log.warning("cancelling %s: its gateway %s is gone", run.id, origin)
+                await self._cancel(run)
 
     def fence(self, run: Run) -> None:
         """Another worker owns ``run`` now (or its events cannot be delivered): stop it here, silently."""
