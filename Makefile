@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test lint typecheck pytest bench bench-service bench-peers clean
+.PHONY: setup run test browser lint typecheck pytest bench bench-service bench-peers clean
 
 setup: $(STAMP)
 
@@ -29,7 +29,19 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/inflight dev $(RUN_ARGS)
 
-test: setup lint typecheck pytest
+test: setup browser lint typecheck pytest
+
+# The live page's browser test drives Debian's chromium through playwright (PyPI); nothing downloads a
+# browser of its own. Installed here when missing and root can apt-get; otherwise that test skips, saying so.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing chromium for the live page's browser test (apt-get)"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null \
+				|| echo "WARNING: chromium could not be installed: the live page's browser test will skip"; \
+		else \
+			echo "WARNING: no chromium and no root apt-get: the live page's browser test will skip"; \
+		fi; }
 
 lint: setup
 	$(BIN)/ruff check engine services bench inflight tests

@@ -19,7 +19,7 @@ from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.telemetry import metrics_payload
-from services.gateway import errors, jobs_routes, openai_routes
+from services.gateway import errors, jobs_routes, live_routes, openai_routes
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import APIError
 from services.gateway.prompts import load_model_info
@@ -73,6 +73,8 @@ def create_app(settings: Settings) -> FastAPI:
     guarded = [Depends(require_key)]
     app.include_router(openai_routes.router, dependencies=guarded)
     app.include_router(jobs_routes.router, dependencies=guarded)
+    app.include_router(live_routes.router, dependencies=guarded)
+    app.include_router(live_routes.page_router)
 
     @app.get("/healthz", include_in_schema=False)
     async def healthz() -> dict[str, str]:

@@ -24,7 +24,10 @@ def resolve_model(settings: Settings) -> str:
 
 async def serve(settings: Settings) -> None:
     from engine.async_engine import AsyncLLMEngine  # torch: imported only by the worker
+    from services.common.store import connect_redis
     from services.worker.http import make_server
+    from services.worker.live import LivePublisher
+    from services.worker.live import stop as stop_live
     from services.worker.service import Worker
     from services.worker.telemetry import instrument_engine
 
@@ -37,6 +40,9 @@ async def serve(settings: Settings) -> None:
     engine = AsyncLLMEngine.from_engine_args(model=model, **settings.engine_args)
     log.info("loaded %s in %.1fs", model, time.monotonic() - began)
     spans = instrument_engine(engine.engine, settings)  # before the engine loop starts
+    live = LivePublisher(settings.worker_id)  # the gateway's live page: recent steps, rate-limited
+    live.attach(engine.engine)
+    live_task = asyncio.create_task(live.run_forever(connect_redis(settings)))
     worker = Worker(settings, engine, spans)
     server = make_server(worker, settings.bind_host, settings.worker_port)
     http = asyncio.create_task(server.serve())
@@ -47,6 +53,7 @@ async def serve(settings: Settings) -> None:
     await worker.wait_stopped()
     server.should_exit = True
     await http
+    await stop_live(live_task)
 
 
 def main(settings: Settings) -> None:
