@@ -17,7 +17,7 @@ from typing import Any
 
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
-from services.worker.run import Final, PendingDelta, Run
+from services.worker.run import Final, PendingDelta, Run, record
 from services.worker.telemetry import trace_publish
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class Publisher:
     def emit(self, run: Run, delta: PendingDelta, *, last: bool = False) -> None:
         """Queue a delta. ``last``: the request's final delta; it waits for ``finish`` so that it and the
         done event reach Redis in one round trip (the response's last hop is the slowest)."""
-        run.output.record(delta)
+        record(run.output, delta)
         run.outbox.pending.append(delta)
         self._dirty[run.id] = run
         if not last:

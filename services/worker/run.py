@@ -16,6 +16,7 @@ from aiokafka.structs import TopicPartition
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from engine.outputs import ChoiceAccumulator
 from services.common.wire import DeltaEvent, DoneEvent, RequestMessage, encode_event
 
 
@@ -56,25 +57,13 @@ class Final:
     fields: dict[str, str | int | float] = field(default_factory=dict)
 
 
-@dataclass
-class Output:
-    """Everything the request has emitted, per completion index (resumed tokens included)."""
+# Everything the request has emitted, per completion index (resumed tokens included): the one
+# accumulator the final record is built from. Logprobs are not kept: the record has none.
+Output = ChoiceAccumulator[list[list[float]]]
 
-    tokens: dict[int, list[int]] = field(default_factory=dict)
-    texts: dict[int, list[str]] = field(default_factory=dict)
-    finish: dict[int, str | None] = field(default_factory=dict)
-    stop_reasons: dict[int, int | str | None] = field(default_factory=dict)
 
-    def record(self, delta: PendingDelta) -> None:
-        self.tokens.setdefault(delta.index, []).extend(delta.token_ids)
-        self.texts.setdefault(delta.index, []).append(delta.text)
-        if delta.finish_reason is not None:
-            self.finish[delta.index] = delta.finish_reason
-            self.stop_reasons[delta.index] = delta.stop_reason
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(t) for t in self.tokens.values())
+def record(output: Output, delta: PendingDelta) -> None:
+    output.add(delta.index, delta.token_ids, delta.text, delta.finish_reason, delta.stop_reason)
 
 
 @dataclass

@@ -20,7 +20,6 @@ from typing import Any
 from opentelemetry import trace
 
 from engine.inputs import check_context_length
-from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
 from services.common.engine_spans import EngineSpanExporter
 from services.common.settings import Settings
@@ -28,7 +27,7 @@ from services.common.store import Store
 from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
 from services.worker.engine_client import EngineClient
 from services.worker.publisher import Publisher
-from services.worker.run import Final, Outcome, PendingDelta, Run
+from services.worker.run import Final, Outcome, PendingDelta, Run, record
 from services.worker.telemetry import count_cancelled, engine_attributes
 
 log = logging.getLogger(__name__)
@@ -97,7 +96,7 @@ class Runner:
             return await self._finish(run)
         seed = params.seed if params.seed is not None else start.seed
         assert seed is not None
-        todo = [i for i in range(params.n) if run.output.finish.get(i) is None]
+        todo = [i for i in range(params.n) if not run.output.finished(i)]
         await asyncio.gather(*(self._generate(run, params, seed, i) for i in todo))
         if run.handed_back or run.fenced:
             if run.handed_back and run.holds_lease:
@@ -132,8 +131,11 @@ class Runner:
                 continue  # a duplicate (a retried publish)
             assert isinstance(event, DeltaEvent)
             run.outbox.seq = event.seq
-            run.output.record(
-                PendingDelta(event.index, event.token_ids, event.text, event.finish_reason, event.stop_reason)
+            record(
+                run.output,
+                PendingDelta(
+                    event.index, event.token_ids, event.text, event.finish_reason, event.stop_reason
+                ),
             )
         run.resumed_from = run.output.num_tokens
         if run.resumed_from:
@@ -141,11 +143,11 @@ class Runner:
 
     async def _generate(self, run: Run, params: SamplingParams, seed: int, index: int) -> None:
         engine_id = f"{run.id}#{index}"
-        resumed = list(run.output.tokens.get(index, []))
+        resumed = list(run.output.choice(index).token_ids)
         one = dataclasses.replace(params, n=1, seed=seed + index)
-        detok = self._replay_detokenizer(run, params, resumed)
         if params.max_tokens is not None and len(resumed) >= params.max_tokens:
-            self.publisher.emit(run, PendingDelta(index, [], detok.flush() if detok else "", "length"))
+            # The earlier worker published the last token but died before its finish: finish it here.
+            self.publisher.emit(run, PendingDelta(index, [], "", "length"))
             return
         if run.stopping:
             return
@@ -170,23 +172,14 @@ class Runner:
                 c = out.outputs[0]
                 if run.first_token is None and c.token_ids:
                     run.first_token = time.monotonic()
+                # The text is the engine's: for a resumed stream it has replayed the earlier tokens through
+                # its detokenizer, so text and stop strings continue as one uninterrupted run would.
                 finish, stop_reason, text = c.finish_reason, c.stop_reason, c.text
                 if finish == "abort" and (run.handed_back or run.fenced):
                     return  # no event: whoever resumes continues from the log as it is
-                if detok is not None:
-                    # A resumed stream: this worker's detokenizer has replayed the earlier tokens, so
-                    # text (and stop strings) continue exactly as one uninterrupted run would.
-                    delta = detok.update(c.token_ids)
-                    text = delta.text
-                    if delta.stop_str is not None and finish is None:
-                        finish, stop_reason = "stop", delta.stop_str
-                    elif finish is not None and delta.stop_str is None:
-                        text += detok.flush()
-                    if finish is not None and c.finish_reason is None:
-                        await self.engine.abort(engine_id)
                 logprobs = _logprobs(c.logprobs) if params.logprobs is not None else None
                 pending = PendingDelta(index, list(c.token_ids), text, finish, stop_reason, logprobs)
-                others_done = all(run.output.finish.get(i) is not None for i in range(params.n) if i != index)
+                others_done = all(run.output.finished(i) for i in range(params.n) if i != index)
                 self.publisher.emit(run, pending, last=finish is not None and others_done)
                 if finish is not None:
                     if finish == "error":
@@ -217,22 +210,6 @@ class Runner:
         finally:
             run.engine_ids.discard(engine_id)
 
-    def _replay_detokenizer(
-        self, run: Run, params: SamplingParams, resumed: list[int]
-    ) -> IncrementalDetokenizer | None:
-        if not resumed or self.engine.tokenizer is None:
-            return None
-        detok = IncrementalDetokenizer(
-            self.engine.tokenizer,
-            run.prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-        )
-        for token in resumed:
-            detok.update([token])
-        return detok
-
     async def _finish(self, run: Run) -> Outcome:
         if run.cancelled:
             final = Final(CANCELLED, "cancelled by the client", "cancelled")
@@ -250,16 +227,17 @@ class Runner:
 
     def _record_fields(self, run: Run, final: Final) -> dict[str, str | int | float]:
         out = run.output
-        n = max(len(out.tokens), run.msg.params.n)
+        n = max(len(out.choices), run.msg.params.n)
         choices = [
             {
                 "index": i,
-                "text": "".join(out.texts.get(i, [])),
-                "finish_reason": out.finish.get(i),
-                "stop_reason": out.stop_reasons.get(i),
-                "num_tokens": len(out.tokens.get(i, [])),
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+                "num_tokens": len(c.token_ids),
             }
             for i in range(n)
+            for c in [out.choice(i)]
         ]
         completion_tokens = out.num_tokens
         usage = {

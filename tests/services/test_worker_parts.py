@@ -111,7 +111,8 @@ async def test_publisher_merges_numbers_and_finishes_in_order(parts: Parts) -> N
     record = await p.store.get_record(run.id)
     assert record is not None and record["status"] == COMPLETED
     assert await p.store.owner(run.id) is None and not run.holds_lease
-    assert run.output.tokens == {0: [11, 12, 13, 14]} and p.fenced == []
+    assert list(run.output.choices) == [0] and run.output.choice(0).token_ids == [11, 12, 13, 14]
+    assert p.fenced == []
 
 
 async def test_publisher_fences_a_run_whose_lease_moved(parts: Parts) -> None:
@@ -142,7 +143,7 @@ async def test_runner_generates_every_index_as_the_engine_would(parts: Parts, en
         one = dataclasses.replace(params, n=1, seed=7 + index)
         direct = [t async for o in engine.generate([5, 6, 7, 8, 9], one, f"direct-{run.id}-{index}")
                   for t in o.outputs[0].token_ids]  # fmt: skip
-        assert run.output.tokens[index] == direct
+        assert run.output.choice(index).token_ids == direct
     log = await p.store.read_log(run.id)
     assert [e.seq for e in log] == list(range(1, len(log) + 1))
     done = log[-1]
@@ -172,7 +173,7 @@ async def test_runner_resumes_a_dead_workers_stream(parts: Parts, engine: AsyncL
     await p.store.client.delete(keys.owner(run.id))
     assert await Runner(engine, p.store, p.publisher, p.settings).execute(run) is Outcome.DONE
     assert run.resumed_from == 3
-    assert run.output.tokens[0] == whole  # the continuation is the uninterrupted run's
+    assert run.output.choice(0).token_ids == whole  # the continuation is the uninterrupted run's
     log = await p.store.read_log(run.id)
     assert [e.seq for e in log] == list(range(1, len(log) + 1))
     assert all(e.worker == p.settings.worker_id for e in log[1:])
