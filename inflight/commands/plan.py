@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
 
 NAME = "plan"
 HELP = "capacity planning: calibrate a step-cost model, simulate a fleet, size it for an SLO"
@@ -21,6 +23,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--block-size", type=int, default=16)
     cal.add_argument("--num-blocks", type=int, default=None)
     cal.add_argument("--quick", action="store_true", help="a few-second grid (tests, smoke checks)")
+
+    sim = sub.add_parser("simulate", help="simulate a fleet on a trace with the cost model's step times")
+    sim.add_argument("--trace", required=True, help="the benchmark's JSONL trace (bench/workload.py)")
+    sim.add_argument("--model", default=None, help="checkpoint whose vocabulary/tokenizer reads the trace")
+    _fleet_arguments(sim)
+    sim.add_argument("--workers", type=int, required=True)
+    sim.add_argument("--partitions", type=int, default=None, help="Kafka partitions (default: one a worker)")
+    sim.add_argument("--max-pending", type=int, default=None, help="gateway admission bound (default: none)")
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+
+    size = sub.add_parser("size", help="the smallest fleet meeting an SLO at P99")
+    size.add_argument("--rate", type=float, required=True, help="requests per second")
+    size.add_argument("--slo", nargs="+", required=True, help="ttft:MS tpot:MS")
+    size.add_argument("--trace", default=None, help="a JSONL trace, replayed at --rate")
+    size.add_argument("--model", default=None)
+    size.add_argument("--workload", choices=("poisson", "gamma"), default="poisson")
+    size.add_argument("--cv", type=float, default=1.0, help="gamma arrivals: coefficient of variation")
+    size.add_argument("--duration", type=float, default=600.0, help="seconds of synthetic traffic")
+    size.add_argument("--seed", type=int, default=0)
+    size.add_argument("--plot", default="plan_size.png", help="where to write P99 vs workers (PNG)")
+    size.add_argument("--max-workers", type=int, default=4096)
+    _fleet_arguments(size)
+
+
+def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cost", required=True, help="COST.json from inflight plan calibrate")
+    parser.add_argument(
+        "--max-waiting", type=int, default=16, help="worker fetch bound (INFLIGHT_MAX_WAITING)"
+    )
+    parser.add_argument("--policy", choices=("fcfs", "priority", "slo"), default=None)
+    parser.add_argument(
+        "--sample-workers",
+        type=int,
+        default=None,
+        help="simulate only this many workers and their partitions' traffic (workers interact only "
+        "through the gateway bound, which is scaled to their share): fleets of thousands in seconds",
+    )
 
 
 def _model_path(model: str | None) -> str:
@@ -60,7 +99,104 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {} if args.policy is None else {"scheduling_policy": args.policy}
+
+
+def _trace(path: str, model: str | None, time_scale: float = 1.0) -> list[Any]:
+    from bench.workload import load_trace
+    from inflight.plan.simulate import from_specs
+
+    vocab, encode = 1 << 30, None
+    if model:
+        from engine.config import ModelConfig
+        from engine.models.gguf import local_checkpoint
+
+        vocab = ModelConfig.from_path(model).vocab_size
+        if (local_checkpoint(model) / "tokenizer.json").is_file():
+            from engine.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(model)
+            encode = None if tokenizer is None else tokenizer.encode
+    return from_specs(load_trace(path, vocab, encode=encode, time_scale=time_scale))
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from engine.cost_model import StepCostModel
+    from inflight.plan.simulate import FleetConfig, simulate
+
+    cost = StepCostModel.load(args.cost)
+    fleet = FleetConfig(
+        workers=args.workers,
+        partitions=args.partitions,
+        max_pending=args.max_pending,
+        max_waiting=args.max_waiting,
+        engine=_engine_overrides(args),
+        sample_workers=args.sample_workers,
+    )
+    result = simulate(_trace(args.trace, args.model), cost, fleet)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>22}: {value:.4g}" if isinstance(value, float) else f"{key:>22}: {value}")
+    return 0
+
+
+def _size(args: argparse.Namespace) -> int:
+    from bench.stats import parse_slo
+    from engine.cost_model import StepCostModel
+    from inflight.plan.simulate import FleetConfig, SimRequest, sampled_partitions, synthetic
+    from inflight.plan.size import Target, plot, search, table
+
+    slo = parse_slo(args.slo)
+    if slo.ttft_s is None or slo.tpot_s is None:
+        raise SystemExit("--slo needs both ttft:MS and tpot:MS")
+    target = Target(slo.ttft_s, slo.tpot_s)
+    cost = StepCostModel.load(args.cost)
+    fixed: list[SimRequest] | None = None
+    if args.trace:
+        raw = _trace(args.trace, args.model)
+        span = max(r.arrival for r in raw) or 1.0
+        # Replayed at the asked rate: the trace's own rate is len / span.
+        fixed = _trace(args.trace, args.model, time_scale=(len(raw) / span) / args.rate)
+
+    def workload(fleet: FleetConfig) -> list[SimRequest]:
+        if fixed is not None:
+            return fixed
+        parts = sampled_partitions(fleet) if fleet.sample_workers else None
+        return synthetic(
+            args.rate, args.duration, process=args.workload, cv=args.cv, seed=args.seed, partitions=parts
+        )
+
+    best, points = search(
+        workload,
+        cost,
+        args.rate,
+        target,
+        sample=args.sample_workers,
+        engine=_engine_overrides(args),
+        max_workers=args.max_workers,
+        max_waiting=args.max_waiting,
+    )
+    print(table(points))
+    plot(points, target, args.plot)
+    if best is None:
+        print(f"no fleet of up to {args.max_workers} workers meets {slo.describe()} at P99")
+        return 1
+    chosen = next(p for p in points if p["workers"] == best)
+    print(
+        f"smallest fleet meeting {slo.describe()} at P99 for {args.rate:g} req/s: {best} workers, "
+        f"{chosen['partitions']} partitions, gateway bound {chosen['max_pending']} (plot: {args.plot})"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plan_command == "calibrate":
         return _calibrate(args)
+    if args.plan_command == "simulate":
+        return _simulate(args)
+    if args.plan_command == "size":
+        return _size(args)
     raise AssertionError(args.plan_command)

@@ -1,0 +1,383 @@
+"""Discrete-event simulation of a fleet: the real scheduler and KV manager per worker, steps timed by
+the step-cost model, no model compute.
+
+The path a request takes, as the service runs it:
+
+    arrival -> gateway admission (max_pending requests admitted and not yet taken by an engine; over
+    it: 429) -> Kafka partition (hash of the key; partition p belongs to worker p % workers) -> the
+    worker fetches, oldest first, while its engine's waiting queue is below max_waiting -> the
+    engine's Scheduler admits, chunks and preempts -> each step takes cost.step_time(tokens, seqs,
+    context) -> tokens "sampled" at the step's end (outputs are fixed-length: EOS ignored, as in the
+    benchmark).
+
+Workers share nothing but the gateway's bound, so the event loop is a heap of workers' next step
+ends merged with the arrival stream. Fast path: while a worker's batch is all decodes and nothing can
+join it (its waiting queue is empty or every seat is taken), its next k steps differ only in context,
+so they are applied at once (closed-form time, one block allocation per request), up to the first
+finish or the next arrival it could fetch. A saturated worker thus costs one event per finish, not one
+per token.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.cost_model import StepCostModel
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.sched.scheduler import Scheduler
+
+_TOKEN = 7  # every simulated sample: its value never matters (EOS is ignored)
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival: float
+    prompt_len: int
+    output_len: int
+    partition_key: int  # hashed to a partition (the real key is the session or prefix)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    workers: int
+    partitions: int | None = None  # None: one per worker
+    max_pending: int | None = None  # gateway admission bound (None: unbounded)
+    max_waiting: int | None = 16  # worker fetch bound: engine waiting queue
+    engine: dict[str, Any] = field(default_factory=dict)  # overrides of the cost model's settings
+    sample_workers: int | None = None  # simulate only workers 0..k-1 (see simulate())
+    fast_path: bool = True  # apply runs of identical decode steps at once (off: step by step)
+
+    @property
+    def num_partitions(self) -> int:
+        return self.partitions or self.workers
+
+
+@dataclass
+class _Worker:
+    index: int
+    sched: Scheduler
+    queue: deque[tuple[int, Request]]  # fetched from Kafka in arrival order across its partitions
+    next_arrival: deque[float]  # arrival times of requests routed here, for the fast path's horizon
+    now: float = 0.0
+    busy: bool = False
+    steps: int = 0
+    fast_steps: int = 0
+    in_flight: Any = None  # the SchedulerOutput of the step now running (None: a fast-forward)
+
+
+def engine_config(cost: StepCostModel, overrides: dict[str, Any]) -> Any:
+    """An EngineConfig for the scheduler alone, from the settings the cost model was measured with."""
+    import torch
+
+    from engine.config import EngineConfig, ModelConfig
+
+    s = {**cost.engine, **overrides}
+    model = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 32,
+            "hidden_size": 8,
+            "intermediate_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 1,
+            "max_position_embeddings": int(s.get("max_model_len", 2048)),
+        }
+    )
+    return EngineConfig(
+        model_path="<simulated>",
+        model=model,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+        max_model_len=int(s.get("max_model_len", 2048)),
+        max_num_seqs=int(s.get("max_num_seqs", 64)),
+        max_num_batched_tokens=int(s.get("max_num_batched_tokens", 512)),
+        block_size=int(s.get("block_size", 16)),
+        # Trace prompts are random token ids: no prefix is ever shared, so the index would only cost time.
+        enable_prefix_caching=False,
+        enable_chunked_prefill=bool(s.get("enable_chunked_prefill", True)),
+        scheduling_policy=str(s.get("scheduling_policy", "fcfs")),
+        batching="continuous",
+        attention_backend="torch",
+        seed=0,
+        load_format="dummy",
+        max_waiting=None,
+        enable_cuda_graph=False,
+        num_blocks=int(s.get("num_blocks", 4096)),
+        slo_ttft_s=s.get("slo_ttft_s"),
+        slo_tpot_s=s.get("slo_tpot_s"),
+        slo_reject=bool(s.get("slo_reject", False)),
+        slo_starvation_s=float(s.get("slo_starvation_s", 30.0)),
+    )
+
+
+def _clock_of(worker: _Worker) -> Callable[[], float]:
+    """The worker's simulated time, as its scheduler reads the clock."""
+    return lambda: worker.now
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return math.nan
+    values = sorted(values)
+    k = (len(values) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def simulate(requests: Sequence[SimRequest], cost: StepCostModel, fleet: FleetConfig) -> dict[str, Any]:
+    """Run the fleet over ``requests`` (sorted by arrival) and summarise it.
+
+    With ``sample_workers = k`` only workers 0..k-1 and the requests routed to their partitions are
+    simulated, and the gateway bound is scaled to their share: workers never interact except through
+    that bound, so their latencies are the fleet's, and a thousand-worker fleet costs what k workers
+    cost. The summary's throughput is then scaled back up to the whole fleet.
+    """
+    from engine.kv_cache.manager import KVCacheManager
+
+    wall0 = time.perf_counter()
+    cfg = engine_config(cost, fleet.engine)
+    n_part = fleet.num_partitions
+    simulated = min(fleet.workers, fleet.sample_workers or fleet.workers)
+    share = simulated / fleet.workers
+    max_pending = None if fleet.max_pending is None else max(1, round(fleet.max_pending * share))
+    workers: list[_Worker] = []
+    for w in range(simulated):
+        kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=False)
+        worker = _Worker(w, None, deque(), deque())  # type: ignore[arg-type]
+        worker.sched = Scheduler(cfg, kv, {-1}, cost=cost, clock=_clock_of(worker))
+        workers.append(worker)
+    owner = [p % fleet.workers for p in range(n_part)]
+    routed = [(i, r, owner[r.partition_key % n_part]) for i, r in enumerate(requests)]
+    routed = [x for x in routed if x[2] < simulated]
+    for _, r, w in routed:
+        workers[w].next_arrival.append(r.arrival)
+
+    pending = 0
+    rejected = 0
+    slo_rejected = 0
+    ttft: list[float] = []
+    tpot: list[float] = []
+    out_tokens = 0
+    last_end = 0.0
+    heap: list[tuple[float, int]] = []  # (step end, worker)
+
+    def record(req: Request) -> None:
+        nonlocal out_tokens, last_end, slo_rejected
+        t = req.timeline
+        if req.status == RequestStatus.FINISHED_ERROR or t.first_token is None:
+            slo_rejected += 1
+            return
+        ttft.append(t.first_token - t.arrival)
+        n = req.num_output_tokens
+        out_tokens += n
+        if n > 1 and t.last_token is not None:
+            tpot.append((t.last_token - t.first_token) / (n - 1))
+        last_end = max(last_end, t.finished or t.first_token)
+
+    def fetch(wk: _Worker) -> None:
+        nonlocal pending
+        while wk.queue and (fleet.max_waiting is None or wk.sched.num_waiting < fleet.max_waiting):
+            _, req = wk.queue.popleft()
+            pending -= 1
+            wk.sched.add_request(req)
+
+    def start_step(wk: _Worker) -> None:
+        sched = wk.sched
+        end = _fast_forward(wk, cost, fleet.max_waiting, record) if fleet.fast_path else None
+        if end is not None:
+            wk.busy, wk.in_flight = True, None
+            heapq.heappush(heap, (end, wk.index))
+            return
+        out = sched.schedule()
+        for r in sched.rejected:
+            record(r)
+        sched.rejected.clear()
+        if out.is_empty:
+            wk.busy = False
+            return
+        context = 0
+        for rid, n in out.num_scheduled_tokens.items():
+            context += sched.requests[rid].num_computed_tokens + n
+        dt = cost.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
+        wk.busy = True
+        wk.steps += 1
+        heapq.heappush(heap, (wk.now + dt, wk.index))
+        wk.in_flight = out
+
+    def end_step(wk: _Worker, t: float) -> None:
+        wk.now = t
+        sched = wk.sched
+        out, wk.in_flight = wk.in_flight, None
+        if out is not None:
+            sampled = {}
+            for rid, n in out.num_scheduled_tokens.items():
+                req = sched.requests.get(rid)
+                if req is not None and req.num_computed_tokens + n >= req.num_tokens:
+                    sampled[rid] = _TOKEN
+            for req in sched.update_from_output(out, sampled):
+                if req.finished:
+                    record(req)
+        fetch(wk)
+        start_step(wk)
+
+    i = 0
+    while i < len(routed) or heap:
+        if heap and (i >= len(routed) or heap[0][0] <= routed[i][1].arrival):
+            t, w = heapq.heappop(heap)
+            end_step(workers[w], t)
+            continue
+        idx, r, w = routed[i]
+        i += 1
+        wk = workers[w]
+        wk.next_arrival.popleft()
+        if max_pending is not None and pending >= max_pending:
+            rejected += 1
+            continue
+        pending += 1
+        rid = f"r{idx}"
+        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        wk.queue.append((idx, Request(rid, [_TOKEN] * r.prompt_len, params, None, arrival_time=r.arrival)))
+        if not wk.busy:
+            wk.now = max(wk.now, r.arrival)
+            fetch(wk)
+            start_step(wk)
+
+    num_steps = sum(wk.steps for wk in workers)
+    span = max(last_end, requests[-1].arrival if requests else 0.0)
+    return {
+        "workers": fleet.workers,
+        "simulated_workers": simulated,
+        "partitions": n_part,
+        "max_pending": fleet.max_pending,
+        "num_requests": len(routed),
+        "num_completed": len(ttft),
+        "num_rejected_gateway": rejected,
+        "num_rejected_slo": slo_rejected,
+        "ttft_p50_s": _percentile(ttft, 50),
+        "ttft_p99_s": _percentile(ttft, 99),
+        "tpot_p50_s": _percentile(tpot, 50),
+        "tpot_p99_s": _percentile(tpot, 99),
+        "output_tok_s": out_tokens / span / share if span > 0 else math.nan,
+        "duration_s": span,
+        "steps": num_steps,
+        "fast_forwarded_steps": sum(wk.fast_steps for wk in workers),
+        "sim_wall_s": time.perf_counter() - wall0,
+    }
+
+
+def _fast_forward(wk: _Worker, cost: StepCostModel, max_waiting: int | None, record: Any) -> float | None:
+    """Apply k > 1 decode-only steps at once when nothing could change the batch sooner; returns when
+    they end (the worker's clock is already there: what finished has finished), None if not."""
+    sched = wk.sched
+    running = sched.running
+    if not running or sched.config.scheduling_policy == "priority":
+        return None
+    seats_full = len(running) >= sched.config.max_num_seqs
+    if sched.num_waiting and not seats_full:
+        return None
+    # All decodes: one token left each and a token already out (one token left and none out is the
+    # last token of a prefill, whose step samples the first token).
+    if any(r.num_tokens - r.num_computed_tokens != 1 or r.timeline.first_token is None for r in running):
+        return None
+    max_len = sched.config.max_model_len
+    k = min(
+        min(r.max_tokens or max_len, max_len - r.num_prompt_tokens) - r.num_output_tokens for r in running
+    )
+    num_seqs = len(running)
+    context = sum(r.num_tokens for r in running)
+    room = max_waiting is None or sched.num_waiting < max_waiting
+    if room and wk.next_arrival:
+        # Steps 1..k-1 must end before the next arrival: one arriving during step m joins step m + 1.
+        horizon = wk.next_arrival[0] - wk.now
+        lo, hi = 1, k
+        while lo < hi:  # the largest m <= k with the first m - 1 steps ending before the horizon
+            mid = (lo + hi + 1) // 2
+            if cost.decode_run_time(num_seqs, context, mid - 1) < horizon:
+                lo = mid
+            else:
+                hi = mid - 1
+        k = lo
+    if k < 2:
+        return None
+    kv = sched.kv
+    need = sum(
+        max(0, kv.blocks_needed(r.num_computed_tokens + k) - len(kv.req_blocks.get(r.request_id, ())))
+        for r in running
+    )
+    if need > kv.num_free_blocks:
+        return None
+    end = wk.now + cost.decode_run_time(num_seqs, context, k)
+    for r in list(running):
+        kv.allocate_slots(r, k)
+        r.num_computed_tokens += k
+        new = [_TOKEN] * k
+        r.output_token_ids.extend(new)
+        r.all_token_ids.extend(new)
+        r.timeline.last_token = end
+    wk.now = end
+    for r in list(running):
+        if r.num_output_tokens >= (r.max_tokens or max_len) or r.num_tokens >= max_len:
+            sched.finish_request(r.request_id, RequestStatus.FINISHED_LENGTH)
+            record(r)
+    wk.steps += k
+    wk.fast_steps += k
+    return end
+
+
+def from_specs(specs: Sequence[Any], seed: int = 0) -> list[SimRequest]:
+    """Benchmark ``RequestSpec``s (a loaded JSONL trace) as simulated requests, keys drawn at random."""
+    import random
+
+    rng = random.Random(seed)
+    return [SimRequest(s.arrival, s.num_prompt_tokens, s.max_tokens, rng.getrandbits(32)) for s in specs]
+
+
+def synthetic(
+    rate: float,
+    duration_s: float,
+    *,
+    process: str = "poisson",
+    cv: float = 1.0,
+    seed: int = 0,
+    mix: Any = None,
+    partitions: tuple[list[int], int] | None = None,
+) -> list[SimRequest]:
+    """The benchmark's synthetic workload (bench/workload.py: arrival process, length mix) as lengths
+    only: an hour of a thousand pods' traffic is millions of requests, and no token id is needed.
+
+    ``partitions = (kept, total)``: only requests whose key lands on a kept partition are built (each
+    arrival of the whole stream lands on a uniformly random partition, as hashed keys do), so a
+    sampled simulation does not pay for the requests it would drop."""
+    import random
+
+    from bench.workload import LengthMix, arrival_times
+
+    mix = mix or LengthMix()
+    times = arrival_times(max(1, round(rate * duration_s * 1.2)), rate, process=process, cv=cv, seed=seed)
+    rng = random.Random(seed + 1_000_003)
+    kept, total = partitions if partitions is not None else (list(range(1)), 1)
+    keep = len(kept) / total
+    out = []
+    for t in times:
+        if t > duration_s:
+            break
+        if keep < 1.0 and rng.random() >= keep:
+            continue
+        key = rng.choice(kept) + total * rng.getrandbits(20)
+        out.append(SimRequest(t, mix.prompt_len(rng), mix.output_len(rng), key))
+    return out
+
+
+def sampled_partitions(fleet: FleetConfig) -> tuple[list[int], int]:
+    """The partitions of the workers simulate() runs, and the total."""
+    n = fleet.num_partitions
+    simulated = min(fleet.workers, fleet.sample_workers or fleet.workers)
+    return [p for p in range(n) if p % fleet.workers < simulated], n

@@ -1,0 +1,88 @@
+"""The fleet simulator: exact step arithmetic on a hand-built case, the fast path equal to stepping,
+the gateway's bound and the partition assignment, and the plan CLI end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.cost_model import StepCostModel
+from inflight.cli import main
+from inflight.plan.simulate import FleetConfig, SimRequest, simulate, synthetic
+
+# 10 ms a step, 0.1 ms a token, 0.2 ms a row, 1 us a context token.
+COST = StepCostModel(
+    0.010,
+    1e-4,
+    2e-4,
+    1e-6,
+    engine={"max_num_seqs": 8, "max_num_batched_tokens": 256, "block_size": 16, "num_blocks": 512},
+)
+
+
+def test_one_request_takes_exactly_the_cost_models_steps() -> None:
+    r = simulate([SimRequest(1.0, 100, 5, 0)], COST, FleetConfig(workers=1))
+    prefill = COST.step_time(100, 1, 100)  # samples the first token
+    decodes = [COST.step_time(1, 1, 101 + k) for k in range(4)]
+    assert r["ttft_p50_s"] == pytest.approx(prefill, rel=1e-12)
+    assert r["tpot_p50_s"] == pytest.approx(sum(decodes) / 4, rel=1e-12)
+    assert r["duration_s"] == pytest.approx(1.0 + prefill + sum(decodes), rel=1e-12)
+    assert r["steps"] == 5 and r["fast_forwarded_steps"] == 4  # four decodes applied at once
+
+
+def test_fast_path_equals_step_by_step() -> None:
+    reqs = synthetic(6.0, 60.0, seed=5)
+    fleet = FleetConfig(workers=2, max_pending=64)
+    fast = simulate(reqs, COST, fleet)
+    slow = simulate(reqs, COST, FleetConfig(workers=2, max_pending=64, fast_path=False))
+    assert fast["fast_forwarded_steps"] > fast["steps"] // 2 and slow["fast_forwarded_steps"] == 0
+    for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "output_tok_s", "steps"):
+        assert fast[key] == pytest.approx(slow[key], rel=1e-9), key
+
+
+def test_gateway_bound_turns_away_the_excess() -> None:
+    # Ten at once, one worker fetching while fewer than 2 wait: the first is fetched at once, three
+    # more fill the bound of 3 pending, six are told 429.
+    reqs = [SimRequest(0.0, 32, 4, i) for i in range(10)]
+    r = simulate(reqs, COST, FleetConfig(workers=1, max_pending=3, max_waiting=2))
+    assert r["num_rejected_gateway"] == 6 and r["num_completed"] == 4
+
+
+def test_a_worker_without_a_partition_does_nothing() -> None:
+    reqs = synthetic(8.0, 30.0, seed=2)
+    one = simulate(reqs, COST, FleetConfig(workers=1))
+    two_one_partition = simulate(reqs, COST, FleetConfig(workers=2, partitions=1))
+    two = simulate(reqs, COST, FleetConfig(workers=2))
+    assert two_one_partition["ttft_p99_s"] == one["ttft_p99_s"]
+    assert two["ttft_p99_s"] < one["ttft_p99_s"]
+
+
+def test_cli_simulate_and_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cost = tmp_path / "cost.json"
+    COST.save(cost)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        "".join(
+            json.dumps({"arrival": i * 0.05, "prompt_len": 64, "output_len": 16}) + "\n" for i in range(200)
+        )
+    )
+    assert (
+        main(["plan", "simulate", "--trace", str(trace), "--cost", str(cost), "--workers", "2", "--json"])
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "output_tok_s"):
+        assert result[key] > 0
+    assert result["num_completed"] == 200
+    png = tmp_path / "size.png"
+    args = ["plan", "size", "--rate", "40", "--slo", "ttft:300", "tpot:40", "--cost", str(cost)]
+    assert main([*args, "--duration", "60", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "smallest fleet meeting ttft:300 tpot:40" in out and png.stat().st_size > 1000
+    best = int(out.split("req/s: ")[1].split(" workers")[0])
+    rows = {
+        int(line.split()[0]): line.split()[-1] for line in out.splitlines()[1:] if line.split()[0].isdigit()
+    }
+    assert rows[best] == "yes" and rows.get(best - 1, "no") == "no"
