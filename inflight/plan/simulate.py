@@ -358,22 +358,41 @@ def synthetic(
     sampled simulation does not pay for the requests it would drop."""
     import random
 
-    from bench.workload import LengthMix, arrival_times
+    from bench.workload import LengthMix
 
     mix = mix or LengthMix()
-    times = arrival_times(max(1, round(rate * duration_s * 1.2)), rate, process=process, cv=cv, seed=seed)
+    kept, total = partitions if partitions is not None else ([0], 1)
+    times = _thinned_arrivals(rate, duration_s, process, cv, len(kept) / total, random.Random(seed))
     rng = random.Random(seed + 1_000_003)
-    kept, total = partitions if partitions is not None else (list(range(1)), 1)
-    keep = len(kept) / total
-    out = []
-    for t in times:
+    return [
+        SimRequest(
+            t, mix.prompt_len(rng), mix.output_len(rng), rng.choice(kept) + total * rng.getrandbits(20)
+        )
+        for t in times
+    ]
+
+
+def _thinned_arrivals(
+    rate: float, duration_s: float, process: str, cv: float, keep: float, rng: Any
+) -> list[float]:
+    """Arrivals of a renewal process (poisson, or gamma gaps of the given CV) with each arrival kept
+    with probability ``keep``, generated in O(kept): the gap between kept arrivals is a sum of G gaps,
+    G ~ Geometric(keep), and a sum of G gamma(k, theta) gaps is one gamma(G * k, theta) draw."""
+    if process == "poisson":
+        shape = 1.0
+    elif process == "gamma":
+        shape = 1.0 / (cv * cv)
+    else:
+        raise ValueError(f"unknown arrival process {process!r}; use poisson or gamma")
+    scale = 1.0 / (rate * shape)
+    log_miss = math.log1p(-keep) if keep < 1.0 else None
+    times, t = [], 0.0
+    while True:
+        skipped = 1 if log_miss is None else 1 + int(math.log(1.0 - rng.random()) / log_miss)
+        t += rng.gammavariate(shape * skipped, scale)
         if t > duration_s:
-            break
-        if keep < 1.0 and rng.random() >= keep:
-            continue
-        key = rng.choice(kept) + total * rng.getrandbits(20)
-        out.append(SimRequest(t, mix.prompt_len(rng), mix.output_len(rng), key))
-    return out
+            return times
+        times.append(t)
 
 
 def sampled_partitions(fleet: FleetConfig) -> tuple[list[int], int]:

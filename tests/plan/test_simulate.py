@@ -10,7 +10,7 @@ import pytest
 
 from engine.cost_model import StepCostModel
 from inflight.cli import main
-from inflight.plan.simulate import FleetConfig, SimRequest, simulate, synthetic
+from inflight.plan.simulate import FleetConfig, SimRequest, sampled_partitions, simulate, synthetic
 
 # 10 ms a step, 0.1 ms a token, 0.2 ms a row, 1 us a context token.
 COST = StepCostModel(
@@ -86,3 +86,19 @@ def test_cli_simulate_and_size(tmp_path: Path, capsys: pytest.CaptureFixture[str
         int(line.split()[0]): line.split()[-1] for line in out.splitlines()[1:] if line.split()[0].isdigit()
     }
     assert rows[best] == "yes" and rows.get(best - 1, "no") == "no"
+
+
+@pytest.mark.parametrize(("process", "cv"), [("poisson", 1.0), ("gamma", 2.0)])
+def test_thinned_arrivals_keep_the_rate_of_the_kept_share(process: str, cv: float) -> None:
+    kept = synthetic(100.0, 600.0, process=process, cv=cv, seed=1, partitions=([0, 1], 8))
+    assert len(kept) == pytest.approx(100.0 * 600.0 * 2 / 8, rel=0.05)
+    assert {r.partition_key % 8 for r in kept} == {0, 1}
+
+
+def test_sampled_workers_see_the_fleets_latencies() -> None:
+    fleet = FleetConfig(workers=12, sample_workers=4)
+    full = simulate(synthetic(36.0, 120.0, seed=4), COST, FleetConfig(workers=12))
+    part = simulate(synthetic(36.0, 120.0, seed=4, partitions=sampled_partitions(fleet)), COST, fleet)
+    assert part["simulated_workers"] == 4 and part["num_requests"] < full["num_requests"] / 2
+    for key in ("ttft_p50_s", "tpot_p50_s", "output_tok_s"):
+        assert part[key] == pytest.approx(full[key], rel=0.1), key
