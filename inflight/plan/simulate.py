@@ -386,7 +386,8 @@ def _thinned_arrivals(
         raise ValueError(f"unknown arrival process {process!r}; use poisson or gamma")
     scale = 1.0 / (rate * shape)
     log_miss = math.log1p(-keep) if keep < 1.0 else None
-    times, t = [], 0.0
+    times: list[float] = []
+    t = 0.0
     while True:
         skipped = 1 if log_miss is None else 1 + int(math.log(1.0 - rng.random()) / log_miss)
         t += rng.gammavariate(shape * skipped, scale)
