@@ -8,6 +8,7 @@ DELETE /v1/jobs/{id}         cancel wherever the job is (queued, running); a fin
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -35,12 +36,12 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
             completion = CompletionRequest.model_validate(body.body)
             check_model(gw, completion.model)
             kind: Kind = "completion"
-            prepared = prepare_completion(completion, gw.info)
+            prepared = await asyncio.to_thread(prepare_completion, completion, gw.info)
         else:
             chat = ChatCompletionRequest.model_validate(body.body)
             check_model(gw, chat.model)
             kind = "chat"
-            prepared = prepare_chat(chat, gw.info)
+            prepared = await asyncio.to_thread(prepare_chat, chat, gw.info)
     except ValidationError as exc:
         first = exc.errors()[0]
         message = f"body.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.wire import CANCELLED, COMPLETED, DeltaEvent, DoneEvent, Kind
 from services.gateway.errors import APIError, error_body
@@ -57,14 +57,16 @@ def _model_card(gw: Gateway) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     gw = gateway(request)
     check_model(gw, body.model)
-    return await _serve(gw, request, "completion", body, prepare_completion(body, gw.info), body.logprobs)
+    # Off the event loop: tokenizing a body of megabytes takes seconds (probes and streams wait on the loop).
+    prepared = await asyncio.to_thread(prepare_completion, body, gw.info)
+    return await _serve(gw, request, "completion", body, prepared, body.logprobs)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     gw = gateway(request)
     check_model(gw, body.model)
-    prepared = prepare_chat(body, gw.info)
+    prepared = await asyncio.to_thread(prepare_chat, body, gw.info)
     return await _serve(gw, request, "chat", body, prepared, prepared.params.logprobs)
 
 
@@ -90,7 +92,14 @@ async def _serve(
         await gw.hub.unsubscribe(sub)
     if done.status != COMPLETED:
         raise _done_error(done)
-    return builder.response(done)
+    # n x tokens x top logprobs can be a large body: build and serialize it off the event loop.
+    payload = await asyncio.to_thread(_render, builder, done)
+    return Response(payload, media_type="application/json")
+
+
+def _render(builder: ResponseBuilder, done: DoneEvent) -> bytes:
+    body = builder.response(done)
+    return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 async def _collect(gw: Gateway, sub: Subscription, builder: ResponseBuilder) -> DoneEvent:

@@ -6,6 +6,7 @@ model's context before anything is enqueued, and so the Kafka key can be the pro
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,10 +82,35 @@ def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
             if not prompt:
                 raise _bad("the prompt is empty", "prompt")
             return _finish(req, info, [], req.max_tokens, req.logprobs, text=prompt)
+        _refuse_clearly_too_long(len(prompt), info)
         ids = info.tokenizer.encode(prompt, add_special_tokens=True)
     else:
         ids = [int(t) for t in prompt]
     return _finish(req, info, ids, req.max_tokens, req.logprobs)
+
+
+def _refuse_clearly_too_long(num_chars: int, info: ModelInfo) -> None:
+    """Refuse text that cannot fit the context before paying to tokenize it (megabytes take seconds).
+
+    No token is longer than the vocabulary's longest token string, so the text has at least
+    num_chars / that many tokens; when even that exceeds the context, the answer is known already.
+    """
+    if info.tokenizer is None or info.max_model_len is None:
+        return
+    per_token = _max_token_chars(info.tokenizer)
+    if num_chars > info.max_model_len * per_token:
+        raise _bad(
+            f"This model's maximum context length is {info.max_model_len} tokens; this prompt's "
+            f"{num_chars} characters are at least {num_chars // per_token} tokens. Shorten the prompt.",
+            "prompt",
+        )
+
+
+@functools.cache
+def _max_token_chars(tokenizer: Tokenizer) -> int:
+    # Byte-level token strings spell each byte as one character: an over-estimate, which is safe here.
+    tokens = tokenizer.convert_ids_to_tokens(list(range(tokenizer.vocab_size)))
+    return max(1, max((len(t) for t in tokens if t), default=1))
 
 
 def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
@@ -113,6 +139,7 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
             messages=messages,
             add_generation_prompt=req.add_generation_prompt,
         )
+    _refuse_clearly_too_long(sum(len(str(m.get("content") or "")) for m in messages), info)
     try:
         text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
     except Exception as exc:  # template code is the checkpoint's: any failure is the input's fault

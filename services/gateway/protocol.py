@@ -16,6 +16,9 @@ _MAX_INT = 2**31 - 1
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=_MAX_INT)]
+# Bounded: the detokenizer checks every step whether the output's tail could begin a stop string, a
+# scan that grows with the square of a stop string's length.
+StopStr = Annotated[str, Field(min_length=1, max_length=1024)]
 
 
 def reject_unencodable(data: Any) -> Any:
@@ -64,7 +67,7 @@ class _Sampling(_Checked):
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: NonEmptyStr | list[NonEmptyStr] | None = Field(None, max_length=16)
+    stop: StopStr | list[StopStr] | None = Field(None, max_length=16)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=_MAX_SEED)
