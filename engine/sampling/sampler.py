@@ -216,9 +216,55 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def _draw_fused(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The torch path's draw in one Triton launch; per-row settings travel in one host-to-device copy."""
+    from engine.kernels.sampling import sample
+
+    vocab = logits.shape[1]
+    params = [r.params for r in rows]
+    top_k = [p.effective_top_k if p.effective_top_k < vocab else 0 for p in params]
+    keys = row_keys([r.seed for r in rows], [len(r.output_token_ids) for r in rows])
+    # One float64 table carries every setting (exact for the keys, which are < 2**32).
+    table = torch.tensor(
+        [
+            [p.temperature, k, p.top_p, p.min_p, k1, k2]
+            for p, k, (k1, k2) in zip(params, top_k, keys, strict=True)
+        ],
+        dtype=torch.float64,
+    )
+    table = table.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else table
+    return sample(
+        logits.contiguous(),
+        table[:, 0].float(),
+        table[:, 1].int(),
+        table[:, 2].float(),
+        table[:, 3].float(),
+        table[:, 4:].long().contiguous(),
+        use_top_k=any(top_k),
+        use_top_p=any(p.top_p < 1.0 for p in params),
+        use_min_p=any(p.min_p > 0.0 for p in params),
+    )
+
+
 # ---- the sampler ----------------------------------------------------------------------------------
 class Sampler:
-    """Chooses one token per row; see the module docstring for the order of operations."""
+    """Chooses one token per row; see the module docstring for the order of operations.
+
+    fused: draw the random rows with the Triton kernel (engine/kernels/sampling.py: same noise, no
+    sort, no host sync); None = on CUDA when triton is installed. The CPU stays on torch ops.
+    """
+
+    def __init__(self, fused: bool | None = None) -> None:
+        self.fused = fused
+
+    def _use_fused(self, device: torch.device) -> bool:
+        if self.fused is not None:
+            return self.fused
+        if device.type != "cuda":
+            return False
+        from engine.kernels import triton_available
+
+        return triton_available()
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         n, vocab = logits.shape
@@ -243,12 +289,13 @@ class Sampler:
         token_ids: list[int] = tokens.tolist()
         return SamplerOutput(token_ids, self._logprobs(logits, rows, tokens, token_ids))
 
-    @staticmethod
-    def _draw(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Sample one token per row of ``logits`` [m, V] (penalised, masked)."""
         vocab = logits.shape[1]
         device = logits.device
         params = [r.params for r in rows]
+        if self._use_fused(device):
+            return _draw_fused(logits, rows)
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
         logits = logits / temps[:, None]
         # Fast path: no top-k / top-p work unless some row asks; the sort covers only top-p rows.
