@@ -145,6 +145,12 @@ async function followEngines() {
   for (;;) {
     try {
       const response = await fetch("/v1/live/events", { headers: authHeaders() });
+      if (response.status === 401) {
+        // The gateway wants an API key: wait for one rather than retry (and log a 401) every second.
+        setFeed(false, "engine feed: enter the API key");
+        await new Promise((resolve) => $("apikey").addEventListener("change", resolve, { once: true }));
+        continue;
+      }
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       setFeed(true, "engine feed: live");
       await readSSE(response, (data) => onLive(JSON.parse(data)));
