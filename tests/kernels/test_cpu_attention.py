@@ -26,12 +26,29 @@ EXTRA_CASES = [
 ]
 
 
-def _op(batch, scale, out=None):
+def _op(batch, scale, out=None, max_query_len=2**31):
     out = torch.empty_like(batch.query) if out is None else out
     torch.ops.inflight_cpu.paged_attention(
-        out, batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+        out,
+        batch.query,
+        batch.kv_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
+        max_query_len,
     )
     return out
+
+
+def test_kernel_leaves_longer_requests_to_the_caller(paged_batch):
+    batch = paged_batch([1, 40, 3], [50, 60, 3], 4, 2, 64, 16, torch.float32, device=torch.device("cpu"))
+    out = torch.full_like(batch.query, 7.0)
+    _op(batch, 0.125, out=out, max_query_len=31)
+    assert torch.all(out[1:41] == 7.0)  # the 40-token chunk: untouched
+    full = _op(batch, 0.125)
+    torch.testing.assert_close(out[:1], full[:1], atol=0, rtol=0)
+    torch.testing.assert_close(out[41:], full[41:], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -76,8 +93,16 @@ def test_kernel_rejects_bad_input(paged_batch):
         )
 
 
+LONG_CHUNK_CASES = [
+    # long chunks go through SDPA: a whole prompt (is_causal) and a later chunk (bottom-right mask)
+    ([1, 70, 1, 33], [90, 70, 5, 100], 9, 3, 64, 16, torch.float32),
+    ([48, 1], [48, 200], 8, 2, 64, 16, torch.bfloat16),
+]
+
+
 @pytest.mark.parametrize(
-    ("query_lens", "seq_lens", "hq", "hkv", "head_size", "block_size", "dtype"), BACKEND_CASES
+    ("query_lens", "seq_lens", "hq", "hkv", "head_size", "block_size", "dtype"),
+    BACKEND_CASES + LONG_CHUNK_CASES,
 )
 def test_backend_store_then_attend_matches_dense(
     paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype

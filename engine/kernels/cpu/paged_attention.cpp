@@ -331,7 +331,7 @@ void check_common(const at::Tensor& kv_cache) {
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                     double scale) {
+                     double scale, int64_t max_query_len) {
   check_common(kv_cache);
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, Hq, D]");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == kv_cache.scalar_type(),
@@ -373,6 +373,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t query_len = qsl[s + 1] - qsl[s];
     TORCH_CHECK(query_len <= lens[s], "a request has more query tokens than context");
+    if (query_len > max_query_len) continue;  // the caller attends this one another way; rows untouched
     for (int64_t begin = 0; begin < query_len; begin += kTileQ) {
       for (int64_t h = 0; h < g.num_kv_heads; ++h) {
         items.push_back({s, h, begin, std::min(begin + kTileQ, query_len)});
@@ -438,7 +439,7 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
 
 TORCH_LIBRARY(inflight_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, "
-        "Tensor seq_lens, Tensor block_tables, float scale) -> ()");
+        "Tensor seq_lens, Tensor block_tables, float scale, int max_query_len) -> ()");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 

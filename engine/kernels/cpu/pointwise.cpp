@@ -72,9 +72,7 @@ INFLIGHT_CLONES void norm_rows(T* out, int64_t out_stride, const T* x, int64_t x
     const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
     for (int64_t i = 0; i < nv; i += kLanes) {
       // Round the normalised value to T (a no-op for float), then scale by the weight and round.
-      alignas(64) T tmp[kLanes];
-      store16(tmp, load16(src + i) * inv);
-      store16(o + i, load16(tmp) * load16(weight + i));
+      store16(o + i, round_to(T{}, load16(src + i) * inv) * load16(weight + i));
     }
     for (int64_t i = nv; i < n; ++i) {
       const T normed = static_cast<T>(static_cast<float>(src[i]) * inv);
@@ -176,9 +174,7 @@ INFLIGHT_CLONES void silu_rows(T* out, int64_t out_stride, const T* x, int64_t x
       const vfloat neg = -g;
       // exp(-g) overflows float past 88.7: clamp, the quotient is -0 either way.
       const vfloat e = vexp(neg > 88.f ? vfloat{} + 88.f : neg);
-      alignas(64) T tmp[kLanes];
-      store16(tmp, g / (1.f + e));
-      store16(o + i, load16(tmp) * load16(up + i));
+      store16(o + i, round_to(T{}, g / (1.f + e)) * load16(up + i));
     }
     for (int64_t i = nv; i < inter; ++i) {
       const float g = static_cast<float>(gate[i]);

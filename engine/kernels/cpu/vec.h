@@ -50,6 +50,20 @@ __attribute__((always_inline)) inline void store16(at::BFloat16* p, vfloat v) {
   std::memcpy(p, &h, sizeof(h));
 }
 
+// v rounded to T's precision and widened back, in registers: the rounding a store to T and a load
+// back would do (bf16: to nearest even, NaN stays NaN; float: nothing).
+__attribute__((always_inline)) inline vfloat round_to(float, vfloat v) { return v; }
+__attribute__((always_inline)) inline vfloat round_to(at::BFloat16, vfloat v) {
+  vu32 bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const vu32 rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) & 0xffff0000u;
+  const vu32 nan = (bits | 0x400000u) & 0xffff0000u;
+  const vu32 out = v != v ? nan : rounded;
+  vfloat r;
+  std::memcpy(&r, &out, sizeof(r));
+  return r;
+}
+
 // exp, to about 2 ulp, for x <= 88 (larger x would overflow; callers stay below): 2^n * p(r) with x = n ln2 + r,
 // |r| <= ln2 / 2, p a degree-6 Taylor polynomial; below -87 the result flushes to 0.
 __attribute__((always_inline)) inline vfloat vexp(vfloat x) {
