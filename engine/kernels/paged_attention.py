@@ -45,6 +45,8 @@ _MIN_PARTITION = 256
 _PROGRAMS_PER_SM = 4
 # The merge holds every partition's [D] partial in registers.
 _MAX_SPLITS = 32
+# The heuristic's split counts: powers of two, so a server compiles (and warms up) six variants.
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
 
 
 @triton.jit
@@ -56,7 +58,9 @@ def _request_splits(seq_len, min_partition, NUM_SPLITS: tl.constexpr, BLOCK_N: t
     return tl.cdiv(seq_len, partition), partition
 
 
-@triton.jit
+# stride_bt is the block table's width, which follows the step's longest context in eager steps:
+# specialising on it (divisibility by 16) would compile new variants mid-serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] float32, unnormalised partial outputs (split-K)
@@ -228,8 +232,10 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     programs = num_seqs * num_kv_heads
     if programs >= num_sms:  # every SM already has a program; a merge would only add work
         return 1
-    wanted = triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs)
-    return max(1, min(wanted, max_seq_len // _MIN_PARTITION, _MAX_SPLITS))
+    wanted = min(
+        triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs), max_seq_len // _MIN_PARTITION, _MAX_SPLITS
+    )
+    return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1  # rounded down to SPLIT_CHOICES
 
 
 def paged_attention(

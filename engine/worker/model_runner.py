@@ -74,6 +74,19 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
         self.sampler = Sampler()
+        if use_triton_ops:
+            # Every Triton variant a step can pick compiles now, not in the middle of serving.
+            from engine.kernels.warmup import warm_up
+
+            warm_up(
+                mc.num_attention_heads,
+                mc.num_key_value_heads,
+                mc.head_dim,
+                config.block_size,
+                config.dtype,
+                mc.vocab_size,
+                self.device,
+            )
         self.graphs: GraphedDecode | None = None
         if config.enable_cuda_graph and self.device.type == "cuda":
             self.graphs = GraphedDecode(

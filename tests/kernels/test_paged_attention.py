@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kernels import reference
-from engine.kernels.paged_attention import choose_num_splits, paged_attention
+from engine.kernels.paged_attention import SPLIT_CHOICES, choose_num_splits, paged_attention
 
 TOL = {torch.float32: {"atol": 2e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 1e-2}}
 
@@ -139,10 +139,20 @@ def test_split_k_lengths_far_below_max_seq_len(paged_batch, num_splits):
         assert torch.equal(out[:2], _run(batch, 0.1, num_splits=1)[:2])
 
 
+def test_heuristic_splits_are_the_warmed_up_choices():
+    # The warm-up compiles SPLIT_CHOICES; the heuristic must never ask for another count.
+    for num_seqs in (1, 2, 3, 5, 7, 16, 24, 33, 64, 128):
+        for max_seq_len in (1, 200, 300, 700, 1500, 5000, 8192, 131072):
+            for num_sms in (8, 78, 132):
+                assert choose_num_splits(num_seqs, 8, max_seq_len, num_sms) in SPLIT_CHOICES
+
+
 def test_choose_num_splits():
     # 64 x 8 = 512 programs already cover 132 SMs: no split, no merge.
     assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 1
-    assert choose_num_splits(num_seqs=16, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 5
+    assert (
+        choose_num_splits(num_seqs=16, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 4
+    )  # 5, rounded down
     assert choose_num_splits(num_seqs=256, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 1
     assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=8192, num_sms=132) == 32
     assert choose_num_splits(num_seqs=1, num_kv_heads=1, max_seq_len=131072, num_sms=132) == 32  # capped
