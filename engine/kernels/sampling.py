@@ -233,5 +233,6 @@ def sample(
         BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)),
         PASSES=_SEARCH_PASSES,
         NUM_CAND=_NUM_CAND,
+        num_warps=8,  # the search tiles are [BLOCK_V, NUM_CAND]: 16k elements
     )
     return out
