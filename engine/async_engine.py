@@ -39,7 +39,7 @@ class AsyncLLMEngine:
     def from_engine_args(cls, model: str, **kwargs: Any) -> AsyncLLMEngine:
         return cls(LLMEngine.from_engine_args(model, **kwargs))
 
-    # ---- properties read from the event loop (plain int reads; no lock needed) -------------
+    # ---- read from the event loop: the engine's last published load, never its live state ---
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -50,22 +50,22 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return self.engine.scheduler.num_waiting
+        return self.engine.load.num_waiting
 
     @property
     def num_running(self) -> int:
-        return self.engine.scheduler.num_running
+        return self.engine.load.num_running
 
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
 
     def kv_stats(self) -> dict[str, float]:
-        kv = self.engine.kv
+        load = self.engine.load
         return {
-            "num_free_blocks": kv.num_free_blocks,
-            "num_total_blocks": kv.num_total_blocks,
-            "usage": kv.usage,
+            "num_free_blocks": load.num_free_blocks,
+            "num_total_blocks": load.num_total_blocks,
+            "usage": load.kv_usage,
         }
 
     # ---- lifecycle -------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from engine.sched.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler, SchedulerStats
 from engine.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -76,6 +76,10 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs produced between steps (aborts)
         self._rng = random.Random(config.seed)
         self._step = 0
+        # The engine's load as of its last change (a step, an arrival, an abort): an immutable snapshot
+        # replaced whole, so other threads (the worker's event loop, a metrics scrape) read it instead
+        # of the live scheduler and KV cache.
+        self.load: SchedulerStats = self.scheduler.stats()
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
@@ -159,6 +163,7 @@ class LLMEngine:
             for detok in detoks:
                 detok.update(resumed)
         self._groups[request_id] = _Group(request_id, text, ids, children, detoks)
+        self.load = self.scheduler.stats()
 
     def _validate(self, ids: list[int], resumed: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -179,6 +184,7 @@ class LLMEngine:
             if self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED):
                 self.metrics.on_finished(child)
         self._pending.extend(self._collect([group], {}))
+        self.load = self.scheduler.stats()
 
     # ---- the loop --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -193,6 +199,7 @@ class LLMEngine:
             outputs.extend(self._report_rejected())
         if out.is_empty:
             self.runner.update_rows(out)  # still drop the rows of requests finished since last step
+            self.load = self.scheduler.stats()  # the slo policy may have finished requests
             return outputs
         batch = list(out.batch())
         try:
@@ -202,7 +209,9 @@ class LLMEngine:
             failed = [
                 self.scheduler.requests[i] for i in out.num_scheduled_tokens if i in self.scheduler.requests
             ]
-            return outputs + self._fail(failed, f"{type(exc).__name__}: {exc}")
+            outputs += self._fail(failed, f"{type(exc).__name__}: {exc}")
+            self.load = self.scheduler.stats()
+            return outputs
         executed_at = time.monotonic()
         got_token = self.scheduler.update_from_output(out, result.sampled)
         touched: dict[str, _Group] = {}
@@ -227,13 +236,14 @@ class LLMEngine:
             deltas[request.request_id] = (text, token, lp)
         outputs.extend(self._collect(list(touched.values()), deltas))
         self._step += 1
+        self.load = self.scheduler.stats(out)
         self.metrics.on_step(
             StepRecord(
                 step=self._step,
                 start=start,
                 schedule_time=scheduled_at - start,
                 execute_time=executed_at - scheduled_at,
-                stats=self.scheduler.stats(out),
+                stats=self.load,
                 batch=batch,
                 prepare_time=result.prepare_time,
             )

@@ -42,6 +42,7 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     step_preemptions: int
     num_allocation_failures: int = 0  # cumulative: times the pool said "no room"
+    num_total_blocks: int = 0
 
 
 class Scheduler:
@@ -393,7 +394,9 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def stats(self, out: SchedulerOutput) -> SchedulerStats:
+    def stats(self, out: SchedulerOutput | None = None) -> SchedulerStats:
+        """The scheduler's state now; ``out``: the step just run (None between steps)."""
+        out = out or SchedulerOutput()
         pool = self.kv.pool
         return SchedulerStats(
             num_running=len(self.running),
@@ -407,4 +410,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             step_preemptions=self._step_preemptions,
             num_allocation_failures=self.num_allocation_failures,
+            num_total_blocks=self.kv.num_total_blocks,
         )

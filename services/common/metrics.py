@@ -13,7 +13,8 @@ unit, ``model_name`` label), so a vLLM dashboard or alert translates by swapping
 
 Token counters and request histograms move when a request finishes (or is cancelled): the engine reports
 a request once, from its finished record, so a rate over a window longer than a request is exact.
-Gauges are read from the engine when scraped, not at its last step, so they fall to zero when it idles.
+Gauges read the engine's published load (``LLMEngine.load``: replaced after every step, arrival and abort)
+when scraped, never its live scheduler or KV cache; it falls to zero when the engine idles.
 """
 
 from __future__ import annotations
@@ -188,11 +189,11 @@ class EngineMetricsExporter:
             st = history[-1].stats
             self._last_queries, self._last_hits = st.prefix_cache_queries, st.prefix_cache_hits
             self._last_preemptions = st.num_preemptions
-        sched, kv = engine.scheduler, engine.kv
-        # Read at scrape time: plain length and counter reads, safe from the scraping thread.
-        self._running.set_function(lambda: sched.num_running)
-        self._waiting.set_function(lambda: sched.num_waiting)
-        self._kv_usage.set_function(lambda: kv.usage)
+        # Read at scrape time from the engine's last published snapshot (an attribute read, safe from
+        # the scraping thread): the same numbers its steps report.
+        self._running.set_function(lambda: engine.load.num_running)
+        self._waiting.set_function(lambda: engine.load.num_waiting)
+        self._kv_usage.set_function(lambda: engine.load.kv_usage)
         engine.metrics.step_listeners.append(self.on_step)
         engine.metrics.request_listeners.append(self.on_request)
 

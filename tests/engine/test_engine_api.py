@@ -224,3 +224,26 @@ def test_aborts_followed_by_an_idle_step_release_runner_rows(tiny_llama_path: Pa
         assert not engine.has_unfinished_requests()
         assert not engine.runner.input_batch.row_of
     engine.kv.check_integrity()
+
+
+def test_published_load_follows_arrivals_steps_and_aborts(tiny_llama_path: Path) -> None:
+    """Other threads read ``engine.load``, a snapshot replaced at every change, never the live scheduler."""
+    engine = LLMEngine.from_engine_args(str(tiny_llama_path), max_num_seqs=4, block_size=8)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    assert (engine.load.num_waiting, engine.load.num_running, engine.load.kv_usage) == (0, 0, 0.0)
+    engine.add_request("a", [3, 4, 5], params)
+    engine.add_request("b", [6, 7, 8], params)
+    assert (engine.load.num_waiting, engine.load.num_running) == (2, 0)
+    before = engine.load
+    engine.step()
+    assert (engine.load.num_waiting, engine.load.num_running) == (0, 2)
+    assert engine.load.kv_usage == engine.kv.usage > 0
+    assert engine.load.num_total_blocks == engine.kv.num_total_blocks
+    assert before.num_waiting == 2  # a snapshot a reader holds never changes under it
+    engine.abort_request("a")
+    assert engine.load.num_running == 1
+    engine.abort_request("b")
+    assert (engine.load.num_running, engine.load.kv_usage) == (0, 0.0)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_clean(engine)
