@@ -129,6 +129,29 @@ struct Scratch {
   std::vector<int64_t> offsets;  // cache offset of each key position's row for this item's kv head
 };
 
+constexpr int64_t kVAhead = 24;  // keys of V prefetched ahead of the accumulation (~ one memory trip)
+
+// acc[i] = sum over t < limit of p[i * p_stride + t] * V[t] for NR rows; written to out [NR, D].
+template <typename T, int C, int NR>
+__attribute__((always_inline)) inline void weighted_v(const T* v_cache, const int64_t* offsets, const float* p,
+                                                      int64_t p_stride, int64_t limit, float* out) {
+  vfloat acc[NR][C];
+  for (int i = 0; i < NR; ++i) {
+    for (int c = 0; c < C; ++c) acc[i][c] = vfloat{};
+  }
+  for (int64_t t = 0; t < limit; ++t) {
+    prefetch_row<T, C>(v_cache + offsets[t + kVAhead < limit ? t + kVAhead : limit - 1]);
+    const T* v = v_cache + offsets[t];
+    for (int c = 0; c < C; ++c) {
+      const vfloat x = load16(v + c * kLanes);
+      for (int i = 0; i < NR; ++i) acc[i][c] += p[i * p_stride + t] * x;
+    }
+  }
+  for (int i = 0; i < NR; ++i) {
+    for (int c = 0; c < C; ++c) std::memcpy(out + i * C * kLanes + c * kLanes, &acc[i][c], sizeof(vfloat));
+  }
+}
+
 // One item: rows = (query tokens of the tile) x (heads of the group). Row r = token i * G + g, its
 // query sits at position seq_len - query_len + i and sees keys 0..that position. C = D / 16, a
 // compile-time constant so that a row's query and accumulator live in registers.
@@ -251,43 +274,27 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
     inv_sum[r] = 1.f / sum;
   }
   // Pass 2, weighted sum of V: up to kRowsPerPass rows at once share each V load, with their
-  // accumulators (kRowsPerPass x C vectors) in registers; a zero probability adds nothing.
+  // accumulators (NR x C vectors) in registers; a zero probability adds nothing. NR is a
+  // compile-time constant (a GQA group of 3 runs as one pass of 3, not a pass of 4 with a
+  // runtime bound, which would leave the accumulators in memory).
   constexpr int64_t kRowsPerPass = C <= 4 ? 4 : (C <= 8 ? 2 : 1);
-  constexpr int64_t kAhead = 24;  // keys of V prefetched ahead of the accumulation (~ one memory trip)
-  for (int64_t t = 0; t < std::min(kAhead, ctx); ++t) prefetch_row<T, C>(v_cache + offsets[t]);
+  for (int64_t t = 0; t < std::min(kVAhead, ctx); ++t) prefetch_row<T, C>(v_cache + offsets[t]);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
     const int64_t nr = std::min(kRowsPerPass, rows - r0);
     const int64_t limit = first_pos + it.q_begin + (r0 + nr - 1) / g.group + 1;  // of the last row
-    vfloat acc[kRowsPerPass][C];
-    for (int64_t i = 0; i < kRowsPerPass; ++i) {
-      for (int c = 0; c < C; ++c) acc[i][c] = vfloat{};
-    }
+    float* acc_out = qf + r0 * D;  // the scaled queries of these rows are no longer needed
     const float* p = scores + r0 * ctx_pad;
-    if (nr == kRowsPerPass) {
-      for (int64_t t = 0; t < limit; ++t) {
-        prefetch_row<T, C>(v_cache + offsets[t + kAhead < ctx_pad ? t + kAhead : ctx_pad - 1]);
-        const T* v = v_cache + offsets[t];
-        for (int c = 0; c < C; ++c) {
-          const vfloat x = load16(v + c * kLanes);
-          for (int64_t i = 0; i < kRowsPerPass; ++i) acc[i][c] += p[i * ctx_pad + t] * x;
-        }
-      }
-    } else {
-      for (int64_t t = 0; t < limit; ++t) {
-        const T* v = v_cache + offsets[t];
-        for (int c = 0; c < C; ++c) {
-          const vfloat x = load16(v + c * kLanes);
-          for (int64_t i = 0; i < nr; ++i) acc[i][c] += p[i * ctx_pad + t] * x;
-        }
-      }
+    switch (nr) {
+      case 4: weighted_v<T, C, (kRowsPerPass >= 4 ? 4 : 1)>(v_cache, offsets, p, ctx_pad, limit, acc_out); break;
+      case 3: weighted_v<T, C, (kRowsPerPass >= 3 ? 3 : 1)>(v_cache, offsets, p, ctx_pad, limit, acc_out); break;
+      case 2: weighted_v<T, C, (kRowsPerPass >= 2 ? 2 : 1)>(v_cache, offsets, p, ctx_pad, limit, acc_out); break;
+      default: weighted_v<T, C, 1>(v_cache, offsets, p, ctx_pad, limit, acc_out); break;
     }
     for (int64_t i = 0; i < nr; ++i) {
       const int64_t r = r0 + i;
-      float o[D];
-      for (int c = 0; c < C; ++c) std::memcpy(o + c * kLanes, &acc[i][c], sizeof(vfloat));
       const int64_t tok = r / g.group, h = r % g.group;
       T* dst = out + (q0 + it.q_begin + tok) * g.o_stride_t + (it.kv_head * g.group + h) * g.o_stride_h;
-      store_row(dst, o, D, inv_sum[r]);
+      store_row(dst, acc_out + i * D, D, inv_sum[r]);
     }
   }
 }
