@@ -130,7 +130,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         num_used, partition = _request_splits(seq_len, min_partition, NUM_SPLITS, BLOCK_N)
         kv_start = split * partition
         kv_stop = tl.minimum(kv_stop, kv_start + partition)
-    # Top level, not inside the static if above: Triton compiles early returns only at top level.
     if split >= num_used:  # this request's context is too short to need this partition
         return
 
