@@ -9,7 +9,11 @@ unit, ``model_name`` label), so a vLLM dashboard or alert translates by swapping
                       request_decode_time_seconds, iteration_tokens_total, request_prompt_tokens,
                       request_generation_tokens
     service           inflight:admission_rejections_total{reason} (gateway),
-                      inflight:requests_cancelled_total{stage}, inflight:kafka_consumer_lag{topic,partition}
+                      inflight:requests_cancelled_total{stage}, inflight:kafka_consumer_lag{topic,partition},
+                      inflight:gateway_responses_total{route,status}, inflight:worker_requests,
+                      inflight:worker_outcomes_total{outcome}
+
+One prefix for every family, defined here only: the services export nothing of their own.
 
 Token counters and request histograms move when a request finishes (or is cancelled): the engine reports
 a request once, from its finished record, so a rate over a window longer than a request is exact.
@@ -129,6 +133,23 @@ class ServiceFamilies:
             registry=registry,
         )
         self._lag_labels: set[tuple[str, str]] = set()
+        self.gateway_responses = Counter(
+            PREFIX + "gateway_responses",
+            "Responses by route and status",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.worker_requests = Gauge(
+            PREFIX + "worker_requests",
+            "Requests this worker holds (in the engine or about to be)",
+            registry=registry,
+        )
+        self.worker_outcomes = Counter(
+            PREFIX + "worker_outcomes",
+            "Requests this worker let go of, by outcome",
+            ["outcome"],
+            registry=registry,
+        )
 
     def set_consumer_lag(self, lags: dict[tuple[str, int], int]) -> None:
         """Publish the lag of the partitions assigned now; partitions no longer assigned disappear,

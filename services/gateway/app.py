@@ -10,7 +10,6 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.http_tracing import TracingMiddleware, fastapi_native_tracing_off
@@ -28,7 +27,7 @@ from services.gateway.streams import Hub
 
 log = logging.getLogger(__name__)
 
-RESPONSES = Counter("inflight_gateway_responses_total", "Responses by route and status", ["route", "status"])
+RESPONSES = service_families().gateway_responses
 
 
 def create_app(settings: Settings) -> FastAPI:

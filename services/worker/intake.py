@@ -16,8 +16,8 @@ from collections.abc import Callable
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
-from prometheus_client import Counter
 
+from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import Store
 from services.common.wire import RequestMessage, WireError
@@ -29,9 +29,7 @@ from services.worker.run import Outcome, Run
 
 log = logging.getLogger(__name__)
 
-OUTCOMES = Counter(
-    "inflight_worker_outcomes_total", "Requests this worker let go of, by outcome", ["outcome"]
-)
+OUTCOMES = service_families().worker_outcomes
 
 
 class Intake:

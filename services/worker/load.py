@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from prometheus_client import Gauge
-
+from services.common.metrics import service_families
 from services.worker.control import Spawn
 
 if TYPE_CHECKING:
@@ -19,7 +18,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-INFLIGHT = Gauge("inflight_worker_requests", "Requests this worker holds (in the engine or about to be)")
+INFLIGHT = service_families().worker_requests
 
 
 class LoadReporter:

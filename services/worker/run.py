@@ -21,7 +21,7 @@ from services.common.wire import DeltaEvent, DoneEvent, RequestMessage, encode_e
 
 
 class Outcome(StrEnum):
-    """How the worker let go of a request (the ``outcome`` label of ``inflight_worker_outcomes_total``)."""
+    """How the worker let go of a request (the ``outcome`` label of ``inflight:worker_outcomes_total``)."""
 
     DONE = "done"  # finished here: its terminal event and record are in Redis
     SKIPPED = "skipped"  # already terminal when consumed (a redelivery, or cancelled while in Kafka)

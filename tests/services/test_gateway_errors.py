@@ -73,7 +73,7 @@ def test_probes_and_metrics(stack: Stack) -> None:
     ready = httpx.get(f"{stack.url}/readyz", timeout=10)
     assert ready.status_code == 200 and ready.json() == {"ready": True, "redis": True, "kafka": True}
     metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
-    assert "inflight_gateway_responses_total" in metrics
+    assert "inflight:gateway_responses_total" in metrics
     worker = stack.workers[0]
     assert httpx.get(f"{worker.url}/readyz", timeout=10).status_code == 200
     worker_metrics = httpx.get(f"{worker.url}/metrics", timeout=10).text

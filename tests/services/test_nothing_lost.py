@@ -94,7 +94,7 @@ def test_a_replay_older_than_its_record_is_not_run(servers: Any, model_path: Pat
         # A new consumer group reads the topic from the start: every message is delivered again.
         replayer = stack.add_worker(INFLIGHT_KAFKA_CONSUMER_GROUP="replay-group")
         wait_for(
-            lambda: 'inflight_worker_outcomes_total{outcome="skipped"} 3.0' in _metrics(replayer),
+            lambda: 'inflight:worker_outcomes_total{outcome="skipped"} 3.0' in _metrics(replayer),
             60,
             interval_s=0.5,
             message="the replayed messages to be skipped",
