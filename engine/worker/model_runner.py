@@ -22,6 +22,7 @@ from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sched.output import SchedulerOutput
 from engine.worker.cuda_graph import GraphedDecode
 from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.staging import InputStaging
 
 # Without an explicit size, the CPU cache holds every sequence at full length, capped at this.
 _DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -74,6 +75,8 @@ class ModelRunner:
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
         self.sampler = Sampler()
+        # On CUDA, inputs go through persistent pinned mirrors of persistent device buffers.
+        self.staging = self._make_staging(pin=True) if self.device.type == "cuda" else None
         if use_triton_ops:
             # Every Triton variant a step can pick compiles now, not in the middle of serving.
             from engine.kernels.warmup import warm_up
@@ -97,6 +100,20 @@ class ModelRunner:
                 config.max_model_len,
                 self.device,
             )
+
+    def _make_staging(self, pin: bool) -> InputStaging:
+        tokens, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
+        i32, i64 = torch.int32, torch.int64
+        sizes = {
+            "input_ids": (tokens, i64),
+            "positions": (tokens, i64),
+            "slot_mapping": (tokens, i64),
+            "query_start_loc": (seqs + 1, i32),
+            "seq_lens": (seqs, i32),
+            "block_tables": (seqs * self.max_blocks_per_req, i32),
+            "logits_indices": (seqs, i64),
+        }
+        return InputStaging(sizes, self.device, pin)
 
     # ---- KV cache sizing -------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -172,8 +189,13 @@ class ModelRunner:
         dev = self.device
 
         pin = dev.type == "cuda"
+        staging = self.staging
+        if staging is not None:
+            staging.begin()
 
-        def to_dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        def to_dev(a: np.ndarray, dtype: torch.dtype, name: str) -> torch.Tensor:
+            if staging is not None and staging.fits(name, a.size):
+                return staging.stage(name, a)  # persistent pinned mirror -> persistent device buffer
             host = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
             # From pinned memory the copy is truly asynchronous; the step's kernels queue behind it.
             return host.pin_memory().to(dev, non_blocking=True) if pin else host
@@ -183,21 +205,24 @@ class ModelRunner:
             num_seqs=num_seqs,
             max_query_len=int(num_sched.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=to_dev(query_start_loc, torch.int32),
-            seq_lens=to_dev(seq_lens, torch.int32),
-            block_tables=to_dev(block_tables, torch.int32),
-            slot_mapping=to_dev(slot_mapping, torch.int64),
+            query_start_loc=to_dev(query_start_loc, torch.int32, "query_start_loc"),
+            seq_lens=to_dev(seq_lens, torch.int32, "seq_lens"),
+            block_tables=to_dev(block_tables, torch.int32, "block_tables"),
+            slot_mapping=to_dev(slot_mapping, torch.int64, "slot_mapping"),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             decode_only=bool((num_sched == 1).all()),
         )
-        return PreparedInputs(
-            input_ids=to_dev(input_ids, torch.int64),
-            positions=to_dev(positions, torch.int64),
+        prepared = PreparedInputs(
+            input_ids=to_dev(input_ids, torch.int64, "input_ids"),
+            positions=to_dev(positions, torch.int64, "positions"),
             metadata=metadata,
-            logits_indices=to_dev(logits_indices, torch.int64),
+            logits_indices=to_dev(logits_indices, torch.int64, "logits_indices"),
             sampling_requests=sampling_requests,
         )
+        if staging is not None:
+            staging.end()
+        return prepared
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
