@@ -29,6 +29,15 @@ _DEFAULT_CPU_KV_BYTES = 2 << 30
 _GPU_MEMORY_UTILIZATION = 0.9
 
 
+def _can_prepack(dtype: torch.dtype) -> bool:
+    """bf16 weights pack into oneDNN's layout where torch was built with oneDNN (x86 CPU wheels)."""
+    return (
+        dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
 @dataclass
 class PreparedInputs:
     input_ids: torch.Tensor  # [T] int64
@@ -64,7 +73,11 @@ class ModelRunner:
             mc,
             weights,
             self.backend,
-            ModelOps(use_triton=use_triton_ops, use_cpu_kernels=use_cpu_kernels),
+            ModelOps(
+                use_triton=use_triton_ops,
+                use_cpu_kernels=use_cpu_kernels,
+                prepack_rows=config.max_num_seqs if use_cpu_kernels and _can_prepack(config.dtype) else 0,
+            ),
             config.max_model_len,
         )
         self.num_blocks = self._decide_num_blocks()
