@@ -18,8 +18,8 @@ from engine.config import EngineArgs, EngineConfig
 from engine.cost_model import StepCostModel
 from engine.inputs import check_context_length
 from engine.kv_cache.manager import KVCacheManager
-from engine.metrics import EngineMetrics, StepRecord
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.metrics import EngineMetrics, RequestRecord, StepRecord
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
@@ -300,7 +300,7 @@ class LLMEngine:
                     prompt_token_ids=group.prompt_token_ids,
                     outputs=completions,
                     finished=finished,
-                    metrics=_metrics(group.children[0]) if finished else None,
+                    metrics=RequestRecord.from_request(group.children[0]) if finished else None,
                     error=error,
                 )
             )
@@ -319,18 +319,3 @@ def _load_tokenizer(path: str) -> Tokenizer | None:
     from engine.tokenizer import load_tokenizer
 
     return load_tokenizer(path)
-
-
-def _metrics(request: Request) -> RequestMetrics:
-    t = request.timeline
-    return RequestMetrics(
-        arrival_time=t.arrival,
-        first_scheduled_time=t.first_scheduled,
-        first_token_time=t.first_token,
-        finished_time=t.finished,
-        queue_time=t.queue_time,
-        ttft=t.ttft,
-        tpot=t.tpot(request.num_new_output_tokens),
-        num_preemptions=t.num_preemptions,
-        num_cached_tokens=request.num_cached_tokens,
-    )

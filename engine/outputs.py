@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from engine.metrics import RequestRecord
 
 L = TypeVar("L")  # one token's logprobs: a dict in the engine, [token id, logprob] pairs on the wire
 
@@ -31,26 +34,14 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    queue_time: float | None = None
-    ttft: float | None = None
-    tpot: float | None = None
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    metrics: RequestMetrics | None = None
+    # The finished request's timings and counts: the same record the engine's exporters get.
+    metrics: RequestRecord | None = None
     error: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
 
