@@ -32,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--partitions", type=int, default=None, help="Kafka partitions (default: one a worker)")
     sim.add_argument("--max-pending", type=int, default=None, help="gateway admission bound (default: none)")
     sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.add_argument("--slo", nargs="+", default=None, help="ttft:MS tpot:MS: report goodput against it")
 
     size = sub.add_parser("size", help="the smallest fleet meeting an SLO at P99")
     size.add_argument("--rate", type=float, required=True, help="requests per second")
@@ -52,7 +53,15 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-waiting", type=int, default=16, help="worker fetch bound (INFLIGHT_MAX_WAITING)"
     )
-    parser.add_argument("--policy", choices=("fcfs", "priority", "slo"), default=None)
+    parser.add_argument(
+        "--policy",
+        choices=("fcfs", "priority", "slo"),
+        default=None,
+        help="scheduling policy (default: the calibrated engine's); slo schedules by the --slo deadlines",
+    )
+    parser.add_argument(
+        "--slo-reject", action="store_true", help="slo policy: reject requests whose TTFT is lost"
+    )
     parser.add_argument(
         "--sample-workers",
         type=int,
@@ -99,8 +108,23 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slo(args: argparse.Namespace) -> tuple[float | None, float | None]:
+    if not args.slo:
+        return None, None
+    from bench.stats import parse_slo
+
+    slo = parse_slo(args.slo)
+    return slo.ttft_s, slo.tpot_s
+
+
 def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    return {} if args.policy is None else {"scheduling_policy": args.policy}
+    if args.policy is None:
+        return {}
+    out: dict[str, Any] = {"scheduling_policy": args.policy}
+    if args.policy == "slo":
+        out["slo_ttft_s"], out["slo_tpot_s"] = _slo(args)
+        out["slo_reject"] = args.slo_reject
+    return out
 
 
 def _trace(path: str, model: str | None, time_scale: float = 1.0) -> list[Any]:
@@ -134,7 +158,7 @@ def _simulate(args: argparse.Namespace) -> int:
         engine=_engine_overrides(args),
         sample_workers=args.sample_workers,
     )
-    result = simulate(_trace(args.trace, args.model), cost, fleet)
+    result = simulate(_trace(args.trace, args.model), cost, fleet, _slo(args))
     if args.json:
         print(json.dumps(result))
     else:

@@ -42,6 +42,7 @@ class SimRequest:
     prompt_len: int
     output_len: int
     partition_key: int  # hashed to a partition (the real key is the session or prefix)
+    priority: int = 0  # the priority policy's order (smaller first)
 
 
 @dataclass(frozen=True)
@@ -132,13 +133,19 @@ def _percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
-def simulate(requests: Sequence[SimRequest], cost: StepCostModel, fleet: FleetConfig) -> dict[str, Any]:
+def simulate(
+    requests: Sequence[SimRequest],
+    cost: StepCostModel,
+    fleet: FleetConfig,
+    slo: tuple[float | None, float | None] = (None, None),
+) -> dict[str, Any]:
     """Run the fleet over ``requests`` (sorted by arrival) and summarise it.
 
     With ``sample_workers = k`` only workers 0..k-1 and the requests routed to their partitions are
     simulated, and the gateway bound is scaled to their share: workers never interact except through
     that bound, so their latencies are the fleet's, and a thousand-worker fleet costs what k workers
-    cost. The summary's throughput is then scaled back up to the whole fleet.
+    cost. The summary's throughput is then scaled back up to the whole fleet. With ``slo`` (TTFT,
+    TPOT seconds) it also reports goodput: completed requests meeting both, per second.
     """
     from engine.kv_cache.manager import KVCacheManager
 
@@ -167,10 +174,11 @@ def simulate(requests: Sequence[SimRequest], cost: StepCostModel, fleet: FleetCo
     tpot: list[float] = []
     out_tokens = 0
     last_end = 0.0
+    num_good = 0
     heap: list[tuple[float, int]] = []  # (step end, worker)
 
     def record(req: Request) -> None:
-        nonlocal out_tokens, last_end, slo_rejected
+        nonlocal out_tokens, last_end, slo_rejected, num_good
         t = req.timeline
         if req.status == RequestStatus.FINISHED_ERROR or t.first_token is None:
             slo_rejected += 1
@@ -178,8 +186,14 @@ def simulate(requests: Sequence[SimRequest], cost: StepCostModel, fleet: FleetCo
         ttft.append(t.first_token - t.arrival)
         n = req.num_output_tokens
         out_tokens += n
+        per_token = None
         if n > 1 and t.last_token is not None:
-            tpot.append((t.last_token - t.first_token) / (n - 1))
+            per_token = (t.last_token - t.first_token) / (n - 1)
+            tpot.append(per_token)
+        if (slo[0] is None or ttft[-1] <= slo[0]) and (
+            slo[1] is None or per_token is None or per_token <= slo[1]
+        ):
+            num_good += 1
         last_end = max(last_end, t.finished or t.first_token)
 
     def fetch(wk: _Worker) -> None:
@@ -244,7 +258,17 @@ def simulate(requests: Sequence[SimRequest], cost: StepCostModel, fleet: FleetCo
         pending += 1
         rid = f"r{idx}"
         params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
-        wk.queue.append((idx, Request(rid, [_TOKEN] * r.prompt_len, params, None, arrival_time=r.arrival)))
+        req = Request(
+            rid,
+            [_TOKEN] * r.prompt_len,
+            params,
+            None,
+            arrival_time=r.arrival,
+            priority=r.priority,
+            slo_ttft_s=cfg.slo_ttft_s,
+            slo_tpot_s=cfg.slo_tpot_s,
+        )
+        wk.queue.append((idx, req))
         if not wk.busy:
             wk.now = max(wk.now, r.arrival)
             fetch(wk)
@@ -266,6 +290,7 @@ def simulate(requests: Sequence[SimRequest], cost: StepCostModel, fleet: FleetCo
         "tpot_p50_s": _percentile(tpot, 50),
         "tpot_p99_s": _percentile(tpot, 99),
         "output_tok_s": out_tokens / span / share if span > 0 else math.nan,
+        "goodput_req_s": num_good / span / share if span > 0 else math.nan,
         "duration_s": span,
         "steps": num_steps,
         "fast_forwarded_steps": sum(wk.fast_steps for wk in workers),
