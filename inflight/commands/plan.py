@@ -129,7 +129,7 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _trace(path: str, model: str | None, time_scale: float = 1.0) -> list[Any]:
     from bench.workload import load_trace
-    from inflight.plan.simulate import from_specs
+    from inflight.plan.traffic import from_specs
 
     vocab, encode = 1 << 30, None
     if model:
@@ -170,8 +170,9 @@ def _simulate(args: argparse.Namespace) -> int:
 def _size(args: argparse.Namespace) -> int:
     from bench.stats import parse_slo
     from engine.cost_model import StepCostModel
-    from inflight.plan.simulate import FleetConfig, SimRequest, sampled_partitions, synthetic
+    from inflight.plan.simulate import FleetConfig, SimRequest
     from inflight.plan.size import Target, plot, search, table
+    from inflight.plan.traffic import sampled_partitions, synthetic
 
     slo = parse_slo(args.slo)
     if slo.ttft_s is None or slo.tpot_s is None:

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.cost_model import StepCostModel, StepSample
-from inflight.plan.simulate import FleetConfig, from_specs, simulate
+from inflight.plan.simulate import FleetConfig, simulate
+from inflight.plan.traffic import from_specs
 
 FIGURES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "output_tok_s")
 

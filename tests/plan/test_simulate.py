@@ -10,7 +10,8 @@ import pytest
 
 from engine.cost_model import StepCostModel
 from inflight.cli import main
-from inflight.plan.simulate import FleetConfig, SimRequest, sampled_partitions, simulate, synthetic
+from inflight.plan.simulate import FleetConfig, SimRequest, simulate
+from inflight.plan.traffic import sampled_partitions, synthetic
 
 # 10 ms a step, 0.1 ms a token, 0.2 ms a row, 1 us a context token.
 COST = StepCostModel(
