@@ -47,6 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--max-workers", type=int, default=4096)
     _fleet_arguments(size)
 
+    pol = sub.add_parser("policies", help="simulated fcfs vs priority vs slo on bursty arrivals (goodput)")
+    pol.add_argument("--cost", required=True, help="COST.json from inflight plan calibrate")
+    pol.add_argument("--slo", nargs="+", required=True, help="ttft:MS tpot:MS")
+    pol.add_argument("--cvs", default="2,4", help="gamma arrival CVs")
+    pol.add_argument("--loads", default="0.8,1,1.2", help="offered load as fractions of capacity")
+    pol.add_argument("--num-requests", type=int, default=1500)
+    pol.add_argument("--out", default="plan-policies", help="directory for policies.json and policies.png")
+
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost", required=True, help="COST.json from inflight plan calibrate")
@@ -217,6 +225,31 @@ def _size(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policies(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from engine.cost_model import StepCostModel
+    from inflight.plan.policies import compare, plot, table
+
+    ttft, tpot = _slo(args)
+    if ttft is None or tpot is None:
+        raise SystemExit("--slo needs both ttft:MS and tpot:MS")
+    result = compare(
+        StepCostModel.load(args.cost),
+        (ttft, tpot),
+        cvs=tuple(float(x) for x in args.cvs.split(",")),
+        loads=tuple(float(x) for x in args.loads.split(",")),
+        num_requests=args.num_requests,
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "policies.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out / "policies.png")
+    print(table(result))
+    print(f"wrote {out / 'policies.json'} and {out / 'policies.png'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plan_command == "calibrate":
         return _calibrate(args)
@@ -224,4 +257,6 @@ def run(args: argparse.Namespace) -> int:
         return _simulate(args)
     if args.plan_command == "size":
         return _size(args)
+    if args.plan_command == "policies":
+        return _policies(args)
     raise AssertionError(args.plan_command)

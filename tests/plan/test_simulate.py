@@ -117,3 +117,17 @@ def test_slo_policy_with_reject_raises_goodput_over_fcfs_when_overloaded() -> No
     assert slo_run["num_rejected_slo"] > 0 and slo_run["ttft_p99_s"] < fcfs["ttft_p99_s"]
     assert slo_run["goodput_req_s"] >= 1.3 * fcfs["goodput_req_s"]
     assert slo_run["tpot_p99_s"] <= 0.1 * 1.1  # chunks sized to the TPOT deadline
+
+
+def test_cli_policies_writes_the_comparison(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cost = tmp_path / "cost.json"
+    COST.save(cost)
+    out = tmp_path / "pol"
+    args = ["plan", "policies", "--cost", str(cost), "--slo", "ttft:1000", "tpot:100", "--out", str(out)]
+    assert main([*args, "--cvs", "3", "--loads", "1.2", "--num-requests", "300"]) == 0
+    result = json.loads((out / "policies.json").read_text())
+    assert [r["policy"] for r in result["rows"]] == ["fcfs", "priority", "slo", "slo+reject"]
+    assert result["capacity_req_s"] > 0 and (out / "policies.png").stat().st_size > 1000
+    goodput = {r["policy"]: r["goodput_req_s"] for r in result["rows"]}
+    assert goodput["slo+reject"] > goodput["fcfs"]
+    assert "slo+reject" in capsys.readouterr().out
