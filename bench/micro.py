@@ -170,8 +170,10 @@ def decode_probe(
         scheds.append(rec.schedule_time)
         preps.append(rec.prepare_time)
         bs = engine.config.block_size
-        used = sum(len(engine.kv.req_blocks[r.request_id]) * bs for r in running)
-        empties.append((used - sum(r.num_computed_tokens for r in running)) / used)
+        # A request may finish in the measured step (its blocks are freed then): count those that remain.
+        held = [r for r in running if engine.kv.block_ids(r.request_id)]
+        used = sum(len(engine.kv.block_ids(r.request_id)) * bs for r in held)
+        empties.append((used - sum(r.num_computed_tokens for r in held)) / max(used, 1))
         flops.append(probe.flops + attention_flops(mc, contexts))
     med = statistics.median
     matmul_rate = probe.flops / med(mm)
