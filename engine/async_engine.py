@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -134,6 +134,8 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         resume_token_ids: list[int] | None = None,
+        resume_by_index: Mapping[int, Sequence[int]] | None = None,
+        indexes: Sequence[int] | None = None,
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
@@ -153,6 +155,8 @@ class AsyncLLMEngine:
                     params,
                     priority=priority,
                     resume_token_ids=resume_token_ids,
+                    resume_by_index=resume_by_index,
+                    indexes=indexes,
                     slo_ttft_s=slo_ttft_s,
                     slo_tpot_s=slo_tpot_s,
                 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,17 +37,17 @@ Prompt = str | list[int]
 
 @dataclass
 class _Group:
-    """A caller's request: n sibling sequences sharing one prompt."""
+    """A caller's request: its n sibling sequences sharing one prompt (or the subset still to run)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
-    detoks: list[IncrementalDetokenizer]
-    reported_finished: list[bool] = field(default_factory=list)
+    detoks: dict[int, IncrementalDetokenizer]  # by completion index
+    reported_finished: dict[int, bool] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.reported_finished = [False] * len(self.children)
+        self.reported_finished = {child.index: False for child in self.children}
 
 
 class LLMEngine:
@@ -104,10 +105,18 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         resume_token_ids: list[int] | None = None,
+        resume_by_index: Mapping[int, Sequence[int]] | None = None,
+        indexes: Sequence[int] | None = None,
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
     ) -> None:
-        """``slo_ttft_s`` / ``slo_tpot_s`` override the engine's default deadlines (slo policy)."""
+        """Add a request; with ``params.n`` > 1 it fans out here, into n sequences seeded seed + i.
+
+        ``resume_token_ids``: tokens already streamed (every index); ``resume_by_index``: per index,
+        for a stream whose completions stopped at different points; ``indexes``: run only these
+        completions (the others finished before a resume). ``slo_ttft_s`` / ``slo_tpot_s`` override the
+        engine's default deadlines (slo policy).
+        """
         params = params or SamplingParams()
         for name, value in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
             if value is not None and not value > 0:
@@ -115,8 +124,17 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in flight")
         text, ids = self.tokenize(prompt)
-        resumed = list(resume_token_ids or [])
-        self._validate(ids, resumed, params)
+        indexes = list(range(params.n)) if indexes is None else sorted(set(indexes))
+        if not indexes or not all(0 <= i < params.n for i in indexes):
+            raise ValueError(f"indexes must be a non-empty subset of range({params.n}), got {indexes}")
+        if resume_token_ids is not None and resume_by_index is not None:
+            raise ValueError("give resume_token_ids (every index) or resume_by_index, not both")
+        resumed = {
+            i: list(resume_by_index.get(i, ()) if resume_by_index is not None else resume_token_ids or ())
+            for i in indexes
+        }
+        for i in indexes:
+            self._validate(ids, resumed[i], params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         if eos is None and self.config.model.eos_token_ids:
@@ -131,12 +149,12 @@ class LLMEngine:
                 priority=priority,
                 parent_id=request_id,
                 index=i,
-                resumed_output_token_ids=resumed,
+                resumed_output_token_ids=resumed[i],
                 seed=seed + i,
                 slo_ttft_s=self.config.slo_ttft_s if slo_ttft_s is None else slo_ttft_s,
                 slo_tpot_s=self.config.slo_tpot_s if slo_tpot_s is None else slo_tpot_s,
             )
-            for i in range(params.n)
+            for i in indexes
         ]
         added: list[Request] = []
         try:
@@ -147,21 +165,21 @@ class LLMEngine:
             for child in added:
                 self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
             raise
-        detoks = [
-            IncrementalDetokenizer(
+        detoks = {
+            i: IncrementalDetokenizer(
                 self.tokenizer,
                 ids,
                 skip_special_tokens=params.skip_special_tokens,
                 stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
-            for _ in children
-        ]
-        if resumed:
-            # Replay the tokens another engine already streamed, discarding their text, so the
-            # detokenizer (held-back bytes, stop-string prefixes) continues exactly where it left off.
-            for detok in detoks:
-                detok.update(resumed)
+            for i in indexes
+        }
+        for i, detok in detoks.items():
+            if resumed[i]:
+                # Replay the tokens another engine already streamed, discarding their text, so the
+                # detokenizer (held-back bytes, stop-string prefixes) continues exactly where it left off.
+                detok.update(resumed[i])
         self._groups[request_id] = _Group(request_id, text, ids, children, detoks)
         self.load = self.scheduler.stats()
 
@@ -291,7 +309,7 @@ class LLMEngine:
                         num_output_tokens=child.num_output_tokens,
                     )
                 )
-            finished = all(group.reported_finished)
+            finished = all(group.reported_finished.values())
             error = next((c.error for c in group.children if c.error), None)
             outputs.append(
                 RequestOutput(

@@ -6,7 +6,7 @@ engine core in another process can stand behind the same calls later).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the gateway image has no torch; these are types only
@@ -46,6 +46,8 @@ class EngineClient(Protocol):
         *,
         priority: int = 0,
         resume_token_ids: list[int] | None = None,
+        resume_by_index: Mapping[int, Sequence[int]] | None = None,
+        indexes: Sequence[int] | None = None,
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]: ...

@@ -3,8 +3,8 @@
     take (no longer pending) -> start (lease, seed, the log so far) -> generate each completion index
     -> finish (last event + record, lease dropped), or hand back / stop when fenced.
 
-A request with n completions runs as n engine requests with seeds seed+i (the engine's own rule for
-n > 1), so each index can resume on its own after a crash.
+A request with n completions is one engine request: the engine fans it out (seeds seed + i); after a
+crash each index resumes from its own tokens in the log, and indexes already finished are not run.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 from opentelemetry import trace
 
 from engine.inputs import check_context_length
+from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from services.common.engine_spans import EngineSpanExporter
 from services.common.settings import Settings
@@ -96,8 +97,7 @@ class Runner:
             return await self._finish(run)
         seed = params.seed if params.seed is not None else start.seed
         assert seed is not None
-        todo = [i for i in range(params.n) if not run.output.finished(i)]
-        await asyncio.gather(*(self._generate(run, params, seed, i) for i in todo))
+        await self._generate(run, params, seed)
         if run.handed_back or run.fenced:
             if run.handed_back and run.holds_lease:
                 await self.store.release(run.id, s.worker_id)
@@ -141,74 +141,93 @@ class Runner:
         if run.resumed_from:
             log.info("resuming %s after %d tokens (seq %d)", run.id, run.resumed_from, run.outbox.seq)
 
-    async def _generate(self, run: Run, params: SamplingParams, seed: int, index: int) -> None:
-        engine_id = f"{run.id}#{index}"
-        resumed = list(run.output.choice(index).token_ids)
-        one = dataclasses.replace(params, n=1, seed=seed + index)
-        if params.max_tokens is not None and len(resumed) >= params.max_tokens:
-            # The earlier worker published the last token but died before its finish: finish it here.
-            self.publisher.emit(run, PendingDelta(index, [], "", "length"))
+    async def _generate(self, run: Run, params: SamplingParams, seed: int) -> None:
+        """One engine request for every completion still to run: the engine fans out (seeds seed + i),
+        each index resuming from its own tokens in the log."""
+        todo = []
+        for index in range(params.n):
+            done = run.output.choice(index).token_ids
+            if run.output.finished(index):
+                continue
+            if params.max_tokens is not None and len(done) >= params.max_tokens:
+                # The earlier worker published the last token but died before its finish: finish it here.
+                self.publisher.emit(run, PendingDelta(index, [], "", "length"))
+                continue
+            todo.append(index)
+        if not todo or run.stopping:
             return
-        if run.stopping:
-            return
+        resumed = {i: list(run.output.choice(i).token_ids) for i in todo}
+        engine_id = run.id
         run.engine_ids.add(engine_id)
+        # The engine names a child "<id>#<index>" when n > 1 (its records and spans use that name).
+        child_ids = {i: engine_id if params.n == 1 else f"{engine_id}#{i}" for i in todo}
         if self.spans is not None:
-            # Opened before the engine sees the request; the engine's finished record completes it.
-            attrs = engine_attributes(run.msg, one, index, len(resumed))
-            span = self.spans.start(engine_id, trace.set_span_in_context(run.span), attrs)
-            if run.tracing.publish_parent is None:
-                run.tracing.publish_parent = trace.set_span_in_context(span)
+            # Opened before the engine sees the request; the engine's finished records complete them.
+            for i in todo:
+                one = dataclasses.replace(params, n=1, seed=seed + i)
+                attrs = engine_attributes(run.msg, one, i, len(resumed[i]))
+                span = self.spans.start(child_ids[i], trace.set_span_in_context(run.span), attrs)
+                if run.tracing.publish_parent is None:
+                    run.tracing.publish_parent = trace.set_span_in_context(span)
         try:
             stream = self.engine.generate(
                 run.prompt_token_ids,
-                one,
+                dataclasses.replace(params, seed=seed),
                 engine_id,
                 priority=run.msg.priority,
-                resume_token_ids=resumed or None,
+                resume_by_index=resumed if any(resumed.values()) else None,
+                indexes=todo if len(todo) < params.n else None,
                 slo_ttft_s=None if run.msg.slo_ttft_ms is None else run.msg.slo_ttft_ms / 1e3,
                 slo_tpot_s=None if run.msg.slo_tpot_ms is None else run.msg.slo_tpot_ms / 1e3,
             )
             async for out in stream:
-                c = out.outputs[0]
-                if run.first_token is None and c.token_ids:
-                    run.first_token = time.monotonic()
-                # The text is the engine's: for a resumed stream it has replayed the earlier tokens through
-                # its detokenizer, so text and stop strings continue as one uninterrupted run would.
-                finish, stop_reason, text = c.finish_reason, c.stop_reason, c.text
-                if finish == "abort" and (run.handed_back or run.fenced):
-                    return  # no event: whoever resumes continues from the log as it is
-                logprobs = _logprobs(c.logprobs) if params.logprobs is not None else None
-                pending = PendingDelta(index, list(c.token_ids), text, finish, stop_reason, logprobs)
-                others_done = all(run.output.finished(i) for i in range(params.n) if i != index)
-                self.publisher.emit(run, pending, last=finish is not None and others_done)
-                if finish is not None:
-                    if finish == "error":
-                        run.errors[index] = out.error or "the engine failed this request"
-                        if (out.error or "").startswith("slo_ttft_unmet"):  # the slo policy gave up on it
-                            run.error_code = "slo_ttft_unmet"
-                    return
-                if run.stopping:
+                for c in out.outputs:
+                    self._on_completion(run, params, c, out.error)
+                if run.stopping and not out.finished:
                     await self.engine.abort(engine_id)
         except Exception as exc:
-            # The engine will never report this request, so its span ends here.
+            # The engine will never report this request, so its spans end here.
             if self.spans is not None:
-                self.spans.abandon(engine_id, str(exc))
+                for i in todo:
+                    self.spans.abandon(child_ids[i], str(exc))
             if self.engine.dead_error is not None:
                 # The engine died, not the request: no error event; it is handed back (offset left
                 # uncommitted) and another worker resumes it from the log once this one leaves.
-                log.warning("request %s index %d handed back: the engine died", run.id, index)
+                log.warning("request %s handed back: the engine died", run.id)
                 run.handed_back = True
                 return
             if not isinstance(exc, ValueError | RuntimeError):
                 raise
-            log.warning("request %s index %d failed: %s", run.id, index, exc)
-            run.errors[index] = str(exc)
+            log.warning("request %s failed: %s", run.id, exc)
             if isinstance(exc, ValueError):
                 # The engine refused the input (a token id beyond the vocabulary, ...): the client's fault.
                 run.error_code = "invalid_request"
-            self.publisher.emit(run, PendingDelta(index, [], "", "error"))
+            for i in todo:
+                if not run.output.finished(i):
+                    run.errors[i] = str(exc)
+                    self.publisher.emit(run, PendingDelta(i, [], "", "error"))
         finally:
             run.engine_ids.discard(engine_id)
+
+    def _on_completion(
+        self, run: Run, params: SamplingParams, c: CompletionOutput, error: str | None
+    ) -> None:
+        """One index's delta from the engine, onto the run's stream."""
+        if run.first_token is None and c.token_ids:
+            run.first_token = time.monotonic()
+        # The text is the engine's: for a resumed stream it has replayed the earlier tokens through its
+        # detokenizer, so text and stop strings continue as one uninterrupted run would.
+        finish, stop_reason, text = c.finish_reason, c.stop_reason, c.text
+        if finish == "abort" and (run.handed_back or run.fenced):
+            return  # no event: whoever resumes continues from the log as it is
+        logprobs = _logprobs(c.logprobs) if params.logprobs is not None else None
+        pending = PendingDelta(c.index, list(c.token_ids), text, finish, stop_reason, logprobs)
+        others_done = all(run.output.finished(i) for i in range(params.n) if i != c.index)
+        self.publisher.emit(run, pending, last=finish is not None and others_done)
+        if finish == "error":
+            run.errors[c.index] = error or "the engine failed this request"
+            if (error or "").startswith("slo_ttft_unmet"):  # the slo policy gave up on it
+                run.error_code = "slo_ttft_unmet"
 
     async def _finish(self, run: Run) -> Outcome:
         if run.cancelled:

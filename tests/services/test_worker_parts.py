@@ -212,3 +212,44 @@ async def test_runner_renders_chat_as_the_client_asked(
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     assert run.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
     assert rendered.endswith("<|im_start|>assistant\n") is add_generation_prompt
+
+
+async def test_runner_resumes_n_completions_each_from_its_own_point(
+    parts: Parts, engine: AsyncLLMEngine
+) -> None:
+    """n > 1 is one engine request (the engine fans out); a resume hands it each index's tokens and
+    leaves out the indexes that had finished."""
+    p = parts
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=6, ignore_eos=True)
+    whole = await _admitted(p, _message(params))
+    assert await Runner(engine, p.store, p.publisher, p.settings).execute(whole) is Outcome.DONE
+    expected = {i: whole.output.choice(i).token_ids for i in range(3)}
+    run = await _admitted(p, _message(params))
+    # A dead worker's log: index 1 finished, index 0 three tokens in, index 2 not started.
+    await p.store.start(run.id, "dead-worker", lease_s=5, seed=99, ttl_s=60)
+    early = [
+        DeltaEvent(run.id, 1, 1, expected[1], "", "length", worker="dead-worker"),
+        DeltaEvent(run.id, 2, 0, expected[0][:3], "", worker="dead-worker"),
+    ]
+    await p.store.eval_many(
+        [p.store.publish_call(run.id, "dead-worker", 5, 60, [encode_event(e) for e in early])]
+    )
+    await p.store.client.delete(keys.owner(run.id))
+    seen: list[tuple[str, list[int] | None]] = []
+    real_generate = engine.generate
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append((args[2], kwargs.get("indexes")))
+        return real_generate(*args, **kwargs)
+
+    engine.generate = spy  # type: ignore[method-assign]
+    try:
+        assert await Runner(engine, p.store, p.publisher, p.settings).execute(run) is Outcome.DONE
+    finally:
+        engine.generate = real_generate  # type: ignore[method-assign]
+    assert seen == [(run.id, [0, 2])]  # one engine request, the finished index left out
+    assert {i: run.output.choice(i).token_ids for i in range(3)} == expected
+    log = await p.store.read_log(run.id)
+    assert [e.seq for e in log] == list(range(1, len(log) + 1))
+    done = log[-1]
+    assert isinstance(done, DoneEvent) and done.completion_tokens == 18
