@@ -33,7 +33,7 @@ class Grid:
 # About a minute on a quiet 2-core host with the bench preset (several when other work shares the
 # cores); --quick is a few seconds, for tests.
 DEFAULT_GRID = Grid((16, 128, 512), (1, 8, 32), (32, 256, 1024), 8192, 5, 1)
-QUICK_GRID = Grid((16, 128), (1, 8), (32, 192), 2048, 3, 1)
+QUICK_GRID = Grid((16, 128), (1, 4, 8, 16), (32, 192), 4096, 8, 2)
 
 
 def host_info(threads: int) -> dict[str, Any]:
@@ -63,13 +63,25 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
     samples: list[StepSample] = []
     counter = 0
 
-    def run(prompts: list[int], max_tokens: int, keep: bool) -> None:
+    def add(n: int, params: SamplingParams) -> None:
         nonlocal counter
+        counter += 1
+        eng.add_request(f"cal-{counter}", [rng.randrange(4, vocab) for _ in range(n)], params)
+
+    def run(prompts: list[int], max_tokens: int, keep: bool, join: int = 0) -> None:
+        """Serve ``prompts``; with ``join``, a prompt of that many tokens arrives once they all decode,
+        so steps that mix a prefill chunk into decodes (what a served batch mostly is) are timed too."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for n in prompts:
-            counter += 1
-            eng.add_request(f"cal-{counter}", [rng.randrange(4, vocab) for _ in range(n)], params)
+            add(n, params)
         while eng.has_unfinished_requests():
+            if (
+                join
+                and all(r.num_output_tokens > 0 for r in eng.scheduler.running)
+                and not eng.scheduler.waiting
+            ):
+                add(join, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+                join = 0
             before = eng.metrics.num_steps
             t0 = time.perf_counter()
             eng.step()
@@ -98,7 +110,8 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
                     and s * c <= grid.max_sum_context
                     and c + grid.decode_steps < max_len
                 ):
-                    run([c] * s, grid.decode_steps + 1, keep=True)
+                    join = max((p for p in grid.prefill_tokens if p <= min(budget, max_len - 2)), default=0)
+                    run([c] * s, grid.decode_steps + 1, keep=True, join=join)
     log(f"{len(samples)} steps timed")
     settings = {
         "model": model,
