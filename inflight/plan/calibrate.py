@@ -32,7 +32,7 @@ class Grid:
 
 # About a minute on a quiet 2-core host with the bench preset (several when other work shares the
 # cores); --quick is a few seconds, for tests.
-DEFAULT_GRID = Grid((16, 128, 512), (1, 8, 32), (32, 256, 1024), 8192, 5, 1)
+DEFAULT_GRID = Grid((16, 128, 512), (1, 4, 16, 48), (32, 256, 1024), 12288, 8, 2)
 QUICK_GRID = Grid((16, 128), (1, 4, 8, 16), (32, 192), 4096, 8, 2)
 
 
