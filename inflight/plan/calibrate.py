@@ -30,8 +30,8 @@ class Grid:
     repeats: int
 
 
-# About a minute on a quiet 2-core host with the bench preset (several when other work shares the
-# cores); --quick is a few seconds, for tests.
+# About 15 s on a quiet 2-core host with the bench preset, a minute or more when other work shares the
+# cores; --quick is a few seconds, for tests.
 DEFAULT_GRID = Grid((16, 128, 512), (1, 4, 16, 48), (32, 256, 1024), 12288, 8, 2)
 QUICK_GRID = Grid((16, 128), (1, 4, 8, 16), (32, 192), 4096, 8, 2)
 
