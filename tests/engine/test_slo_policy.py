@@ -165,3 +165,29 @@ def test_engine_serves_per_request_deadlines_and_rejects_lost_ones(tiny_llama_pa
     assert kept.error is None and kept.outputs[0].num_output_tokens == 4
     assert eng.metrics.num_finished == 2
     assert not eng.scheduler.requests and eng.kv.num_free_blocks == eng.kv.num_total_blocks
+
+
+def test_engine_loads_the_cost_model_and_holds_tpot_with_it(tiny_llama_path: Path, tmp_path: Path) -> None:
+    # 1 ms a step plus 1 ms a token: a 20 ms TPOT leaves room for chunks of at most 18 tokens beside a
+    # decode, so a 100-token prompt that arrives while another request streams is prefilled in pieces.
+    cost_path = tmp_path / "cost.json"
+    StepCostModel(0.001, 0.001, 0.0, 0.0).save(cost_path)
+    eng = LLMEngine.from_engine_args(
+        str(tiny_llama_path),
+        scheduling_policy="slo",
+        slo_tpot_s=0.02,
+        slo_cost_model=str(cost_path),
+        max_model_len=256,
+        num_blocks=64,
+    )
+    assert eng.scheduler.cost == StepCostModel.load(cost_path)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eng.add_request("stream", [5, 6, 7], params)
+    eng.step()  # prefilled: it streams from now on
+    eng.add_request(
+        "doc", list(range(10, 110)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    )
+    while eng.has_unfinished_requests():
+        eng.step()
+    chunks = [n for rec in eng.metrics.steps for rid, n, _ in rec.batch if rid == "doc" and n > 1]
+    assert sum(chunks) == 100 and max(chunks) == 18
