@@ -17,6 +17,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
+from services.common import keys
 from services.common.wire import TERMINAL, DoneEvent, Kind
 from services.gateway.errors import APIError, error_body
 from services.gateway.openai_routes import SSE_HEADERS, _data, _sse, check_model
@@ -61,7 +62,11 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
 @router.get("/v1/jobs/{job_id}")
 async def get_job(job_id: str, request: Request) -> dict[str, Any]:
     gw = gateway(request)
-    return _job_view(job_id, await _job_record(gw, job_id, request))
+    view = _job_view(job_id, await _job_record(gw, job_id, request))
+    # A cancel the worker has not acted on yet: say so, as DELETE did, rather than "in_progress".
+    if view["status"] not in TERMINAL and await gw.store.client.exists(keys.cancel(job_id)):
+        view["status"] = "cancelling"
+    return view
 
 
 @router.delete("/v1/jobs/{job_id}")
