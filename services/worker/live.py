@@ -3,8 +3,11 @@
 The engine calls ``on_step`` on its own thread after every step; that only appends a compact row to a
 bounded deque (thread-safe for one producer and one consumer), so a slow or absent Redis never slows a
 step. An asyncio task drains the deque every ``interval_s`` and publishes one ``LiveSteps`` message:
-at most ``max_steps`` steps in it (the newest; the rest are counted as dropped), and while the engine
-is idle one heartbeat a second, so the page shows "idle" rather than the last busy step forever.
+at most ``max_steps`` steps in it, the rest counted as dropped, and while the engine is idle one
+heartbeat a second, so the page shows "idle" rather than the last busy step forever. A fast engine
+runs far more steps than that in an interval (a tiny model: about a hundred), so the steps where
+the batch changed (a request joined or left) are kept first and the newest fill the rest: those
+are what the page exists to show.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class LivePublisher:
         self.max_steps = max_steps
         # Engine thread appends, the publishing task pops: a bounded buffer between them.
         self._pending: deque[tuple[LiveStep, int, int, float]] = deque(maxlen=max_steps)
+        self._changes: deque[tuple[LiveStep, int, int, float]] = deque(maxlen=max_steps)
+        self._members: frozenset[str] = frozenset()  # the last step's requests (engine thread)
         self._num_steps = 0  # written by the engine thread only
         self._num_seen = 0  # steps the publisher has accounted for
 
@@ -51,20 +56,34 @@ class LivePublisher:
             tokens=stats.num_scheduled_tokens,
             batch=[(short_id(rid), scheduled, computed) for rid, scheduled, computed in record.batch],
         )
-        self._pending.append((step, stats.num_running, stats.num_waiting, stats.kv_usage))
+        entry = (step, stats.num_running, stats.num_waiting, stats.kv_usage)
+        self._pending.append(entry)
+        members = frozenset(rid for rid, _, _ in step.batch)
+        if members != self._members:
+            self._changes.append(entry)
+            self._members = members
         self._num_steps += 1
 
     def take(self) -> LiveSteps | None:
         """The message for the steps since the last call; None when there were none."""
-        taken = []
+        newest, changes = [], []
         while self._pending:
-            taken.append(self._pending.popleft())
+            newest.append(self._pending.popleft())
+        while self._changes:
+            changes.append(self._changes.popleft())
+        # Batch changes first (up to half the message), then the newest steps, in step order.
+        keep = {e[0].n: e for e in changes[-(self.max_steps // 2) :]}
+        for e in reversed(newest):
+            if len(keep) >= self.max_steps:
+                break
+            keep.setdefault(e[0].n, e)
+        taken = [keep[n] for n in sorted(keep)]
         total = self._num_steps
         new = total - self._num_seen
         self._num_seen = total
         if not taken:
             return None
-        _, running, waiting, kv_usage = taken[-1]
+        _, running, waiting, kv_usage = newest[-1] if newest else taken[-1]
         return LiveSteps(
             worker=self.worker_id,
             t=time.time(),

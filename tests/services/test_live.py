@@ -80,9 +80,9 @@ async def test_published_to_redis_with_an_idle_heartbeat(
             assert asyncio.get_running_loop().time() < deadline, received
             # None also for the (ignored) subscribe confirmation: keep reading until the deadline.
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-            if message is not None:
-                received.append(LiveSteps.decode(message["data"]))
-        assert {m.worker for m in received} == {"w-redis"}
+            # The session's Redis is shared: workers other tests left running publish here too.
+            if message is not None and (decoded := LiveSteps.decode(message["data"])).worker == "w-redis":
+                received.append(decoded)
         assert [s.n for m in received for s in m.steps] == [1, 2, 3, 4]  # a prefill and 3 decodes
         assert received[-1].running == 0 and received[-1].kv_usage == 0.0
     finally:

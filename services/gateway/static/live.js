@@ -96,7 +96,8 @@ function renderGauges(newest) {
 }
 
 function isMine(id) {
-  for (const short of live.mine) if (id.startsWith(`${short}#`)) return true;
+  // One completion: the engine's id is the request's; n > 1: the request's id + "#index".
+  for (const short of live.mine) if (id === short || id.startsWith(`${short}#`)) return true;
   return false;
 }
 
