@@ -14,10 +14,11 @@ from bench.targets.engine import EngineTarget
 from bench.timeline import ABSENT, DECODE, PREFILL, WAITING, batch_matrix, chrome_trace, request_timelines
 from bench.workload import RequestSpec
 
-# Two requests at once, then three more while they run; 6-9 output tokens each.
+# Two requests at once, then three more while they run. The first two generate long enough (tens of
+# steps) that the others arrive while they run even where a tiny-model step takes a millisecond.
 SPECS = [
-    RequestSpec("r0", 0.0, tuple(range(10, 40)), 8),
-    RequestSpec("r1", 0.0, tuple(range(50, 62)), 6),
+    RequestSpec("r0", 0.0, tuple(range(10, 40)), 48),
+    RequestSpec("r1", 0.0, tuple(range(50, 62)), 40),
     RequestSpec("r2", 0.01, tuple(range(70, 90)), 7),
     RequestSpec("r3", 0.02, tuple(range(100, 105)), 9),
     RequestSpec("r4", 0.03, tuple(range(200, 248)), 6),
