@@ -68,7 +68,9 @@ def _quiet(stack: Stack, problems: list[str], timeout_s: float = 30.0) -> tuple[
             s is not None and not s["requests"] and s["kv"]["num_free_blocks"] == s["kv"]["num_total_blocks"]
             for s in stats
         )
-        pending = int(stack.redis_client().zcard(keys.PENDING))
+        # Live reservations only, as admission counts them (store.num_pending): a SIGKILLed gateway's
+        # entries stop being refreshed and lapse after pending_ttl_s; the next admit trims them.
+        pending = int(stack.redis_client().zcount(keys.PENDING, int(time.time() * 1000), "+inf"))
         if kv_free and pending == 0:
             break
         time.sleep(0.5)
