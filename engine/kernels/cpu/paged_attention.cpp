@@ -318,16 +318,6 @@ ItemFn<T> item_fn(int64_t chunks) {
   }
 }
 
-// The two cache dtypes the CPU engine uses; check_common has refused any other.
-template <typename F>
-void dispatch(at::ScalarType dtype, F&& f) {
-  if (dtype == at::kBFloat16) {
-    f(at::BFloat16{});
-  } else {
-    f(float{});
-  }
-}
-
 void check_common(const at::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.device().is_cpu(), "inflight_cpu ops run on CPU tensors");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, Hkv, D]");

@@ -29,15 +29,6 @@ using namespace inflight_cpu;
 
 constexpr int64_t kRowGrain = 8;  // rows per parallel chunk: small steps stay on one thread
 
-template <typename F>
-void dispatch(at::ScalarType dtype, F&& f) {
-  if (dtype == at::kBFloat16) {
-    f(at::BFloat16{});
-  } else {
-    f(float{});
-  }
-}
-
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,

@@ -17,6 +17,16 @@ namespace inflight_cpu {
 
 constexpr int kLanes = 16;
 
+// The two dtypes the CPU kernels take (each op checks its inputs first): f gets a value of the type.
+template <typename F>
+void dispatch(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kBFloat16) {
+    f(at::BFloat16{});
+  } else {
+    f(float{});
+  }
+}
+
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint16_t vu16 __attribute__((vector_size(kLanes * sizeof(uint16_t))));
 typedef uint32_t vu32 __attribute__((vector_size(kLanes * sizeof(uint32_t))));
