@@ -179,7 +179,7 @@ class LLMEngine:
             if resumed[i]:
                 # Replay the tokens another engine already streamed, discarding their text, so the
                 # detokenizer (held-back bytes, stop-string prefixes) continues exactly where it left off.
-                detok.update(resumed[i])
+                detok.replay(resumed[i])
         self._groups[request_id] = _Group(request_id, text, ids, children, detoks)
         self.load = self.scheduler.stats()
 

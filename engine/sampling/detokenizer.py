@@ -86,6 +86,15 @@ class IncrementalDetokenizer:
             return DetokenizerDelta("")
         return self._release(self._held + text, final=False)
 
+    def replay(self, token_ids: list[int]) -> None:
+        """Catch up with a stream another engine produced (a resume), discarding the text.
+
+        One token at a time, as that stream was produced: fed at once, tokens ending mid-character
+        would keep the whole replay in the window and release it again with the next token.
+        """
+        for token_id in token_ids:
+            self.update([token_id])
+
     def flush(self) -> str:
         """At the end of a request (length, eos, abort): release everything still held back.
 

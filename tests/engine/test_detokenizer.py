@@ -169,3 +169,20 @@ def test_no_tokenizer_means_no_text() -> None:
     detok = IncrementalDetokenizer(None, [1, 2, 3], stop=["x"])
     assert detok.update([4, 5]) == DetokenizerDelta("", None)
     assert detok.flush() == "" and detok.output_text == "" and detok.stop_str is None
+
+
+def test_replay_continues_where_an_uninterrupted_stream_was(tok: Tokenizer) -> None:
+    """A resumed stream: the new engine replays what the dead one streamed, then continues.
+
+    Whatever the cut (mid-character included: the dead engine held those bytes back), the text the
+    first stream released plus the continuation's is the whole text, with nothing repeated.
+    """
+    prompt = tok.encode(PROMPT)
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
+    for cut in range(1, len(ids)):
+        first = IncrementalDetokenizer(tok, prompt)
+        released = "".join(d.text for d in stream(first, ids[:cut]))  # then the worker died: no flush
+        second = IncrementalDetokenizer(tok, prompt)
+        second.replay(ids[:cut])
+        rest = "".join(d.text for d in stream(second, ids[cut:])) + second.flush()
+        assert released + rest == MULTIBYTE, f"cut at {cut}"
