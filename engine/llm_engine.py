@@ -19,12 +19,12 @@ from engine.config import EngineArgs, EngineConfig
 from engine.cost_model import StepCostModel
 from engine.inputs import check_context_length
 from engine.kv_cache.manager import KVCacheManager
-from engine.metrics import EngineMetrics, RequestRecord, StepRecord
+from engine.metrics import EngineMetrics, RequestRecord, SchedulerStats, StepRecord
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
-from engine.sched.scheduler import Scheduler, SchedulerStats
+from engine.sched.scheduler import Scheduler
 from engine.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:

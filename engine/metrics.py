@@ -8,9 +8,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch-free at run time: the gateway's span and metric code imports this module
+if TYPE_CHECKING:  # torch-free at run time: the gateway's span and metric code imports this module,
+    # and the worker's side of an engine core in another process unpickles these records
     from engine.request import Request
-    from engine.sched.scheduler import SchedulerStats
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's counts after a step (or an arrival / abort): the engine's load, as exported."""
+
+    num_running: int
+    num_waiting: int
+    num_scheduled_tokens: int
+    num_scheduled_seqs: int
+    kv_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int  # cumulative, tokens
+    prefix_cache_hits: int  # cumulative, tokens
+    num_preemptions: int  # cumulative
+    step_preemptions: int
+    num_allocation_failures: int = 0  # cumulative: times the pool said "no room"
+    num_total_blocks: int = 0
 
 
 @dataclass

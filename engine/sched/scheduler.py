@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.cost_model import StepCostModel
 from engine.kv_cache.block_pool import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
+from engine.metrics import SchedulerStats
 from engine.request import Request, RequestStatus
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.policy import WaitingQueue, make_waiting_queue, priority_key
@@ -27,22 +27,6 @@ from engine.sched.slo import SLOQueue, is_lost, lost_message, step_time_cap
 
 class EngineQueueFull(RuntimeError):
     """The waiting queue is at its bound (``max_waiting``): shed load instead of growing."""
-
-
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_scheduled_tokens: int
-    num_scheduled_seqs: int
-    kv_usage: float
-    num_free_blocks: int
-    prefix_cache_queries: int  # cumulative, tokens
-    prefix_cache_hits: int  # cumulative, tokens
-    num_preemptions: int  # cumulative
-    step_preemptions: int
-    num_allocation_failures: int = 0  # cumulative: times the pool said "no room"
-    num_total_blocks: int = 0
 
 
 class Scheduler:
