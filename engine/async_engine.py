@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine.llm_engine import LLMEngine, Prompt
+from engine.metrics import EngineMetrics, SchedulerStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -47,6 +48,18 @@ class AsyncLLMEngine:
     @property
     def config(self) -> Any:
         return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.max_model_len
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self.engine.metrics
+
+    @property
+    def load(self) -> SchedulerStats:
+        return self.engine.load
 
     @property
     def num_waiting(self) -> int:

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # torch-free at run time: the gateway's span and metric code imports this module,
     # and the worker's side of an engine core in another process unpickles these records
@@ -90,6 +90,17 @@ class RequestRecord:
         )
 
 
+class EngineStatsSource(Protocol):
+    """What exporters attach to: ``LLMEngine``, ``AsyncLLMEngine`` or ``EngineCoreClient`` (whose
+    records arrive from the core process with each step's outputs)."""
+
+    @property
+    def metrics(self) -> EngineMetrics: ...
+
+    @property
+    def load(self) -> SchedulerStats: ...
+
+
 class EngineMetrics:
     """Keeps the last ``history`` steps and calls listeners; exporters subscribe, nothing polls."""
 
@@ -108,8 +119,13 @@ class EngineMetrics:
             listener(record)
 
     def on_finished(self, request: Request) -> None:
-        self.num_finished += 1
         if self.request_listeners:
-            record = RequestRecord.from_request(request)
-            for listener in self.request_listeners:
-                listener(record)
+            self.on_request_record(RequestRecord.from_request(request))
+        else:
+            self.num_finished += 1
+
+    def on_request_record(self, record: RequestRecord) -> None:
+        """A finished request's record, built here or received from an engine core in another process."""
+        self.num_finished += 1
+        for listener in self.request_listeners:
+            listener(record)

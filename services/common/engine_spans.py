@@ -30,7 +30,7 @@ from engine.metrics import RequestRecord, StepRecord
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from engine.metrics import EngineStatsSource
 
 Attributes = dict[str, AttributeValue]
 
@@ -168,12 +168,12 @@ class EngineSpanExporter:
         return len(self._live)
 
     # ---- engine side --------------------------------------------------------------------------
-    def attach(self, engine: LLMEngine) -> None:
+    def attach(self, engine: EngineStatsSource) -> None:
         engine.metrics.request_listeners.append(self.on_request)
         if self.step_sample_every:
             engine.metrics.step_listeners.append(self.on_step)
 
-    def detach(self, engine: LLMEngine) -> None:
+    def detach(self, engine: EngineStatsSource) -> None:
         if self.on_request in engine.metrics.request_listeners:
             engine.metrics.request_listeners.remove(self.on_request)
         if self.on_step in engine.metrics.step_listeners:

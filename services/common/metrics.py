@@ -32,7 +32,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from engine.metrics import RequestRecord, StepRecord
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from engine.metrics import EngineStatsSource
 
 PREFIX = "inflight:"
 MODEL_LABEL = "model_name"
@@ -204,7 +204,7 @@ class EngineMetricsExporter:
         # The scheduler reports these as running totals; the counters take the difference.
         self._last_queries = self._last_hits = self._last_preemptions = 0
 
-    def attach(self, engine: LLMEngine) -> None:
+    def attach(self, engine: EngineStatsSource) -> None:
         history = engine.metrics.steps
         if history:  # attached after some steps (a warm-up): count from here on
             st = history[-1].stats
@@ -218,7 +218,7 @@ class EngineMetricsExporter:
         engine.metrics.step_listeners.append(self.on_step)
         engine.metrics.request_listeners.append(self.on_request)
 
-    def detach(self, engine: LLMEngine) -> None:
+    def detach(self, engine: EngineStatsSource) -> None:
         _remove(engine.metrics.step_listeners, self.on_step)
         _remove(engine.metrics.request_listeners, self.on_request)
         for gauge in (self._running, self._waiting, self._kv_usage):

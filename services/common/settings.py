@@ -77,6 +77,10 @@ class Settings:
     # small host the broker, Redis and the gateway need cores too, and oversubscribed OpenMP threads
     # spin: fewer threads can be faster.
     torch_threads: int | None = None
+    # The engine core in its own process (vLLM v1's EngineCore): the worker's Kafka, Redis and HTTP work
+    # then shares no interpreter with the model step (it cost the step +13% to +77% on one CPU core,
+    # bench/step_overhead.py). false: the engine loop on a thread of the worker process.
+    engine_process: bool = True
     # Tracing: one engine-step span (batch composition) every this many steps; 0 = none. Steps are
     # many and shared by every request's trace, so they are sampled on their own, not per request.
     trace_step_sample_every: int = 0
@@ -192,6 +196,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_LEASE_TTL_S": ("lease_ttl_s", "float"),
     "INFLIGHT_WORKER_PORT": ("worker_port", "int"),
     "INFLIGHT_TORCH_THREADS": ("torch_threads", "int"),
+    "INFLIGHT_ENGINE_PROCESS": ("engine_process", "bool"),
     "INFLIGHT_TRACE_STEP_SAMPLE_EVERY": ("trace_step_sample_every", "int"),
     "INFLIGHT_BIND_HOST": ("bind_host", "str"),
     "INFLIGHT_LOG_LEVEL": ("log_level", "str"),

@@ -1,7 +1,8 @@
-"""What the worker needs from an engine: ``engine.async_engine.AsyncLLMEngine`` is the one that runs.
+"""What the worker needs from an engine, as a Protocol: two classes answer it.
 
-A Protocol, not the class, so the worker's modules say exactly which engine calls they rely on (and an
-engine core in another process can stand behind the same calls later).
+``engine.core.client.EngineCoreClient`` (the default: the engine core in its own process) and
+``engine.async_engine.AsyncLLMEngine`` (the engine loop on a thread of this process; in-process tests
+and ``INFLIGHT_ENGINE_PROCESS=false``). The worker's modules name exactly the calls they rely on.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the gateway image has no torch; these are types only
-    from engine.config import EngineConfig
+    from engine.metrics import EngineMetrics, SchedulerStats
     from engine.outputs import RequestOutput
     from engine.sampling_params import SamplingParams
     from engine.tokenizer import Tokenizer
@@ -21,7 +22,13 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Tokenizer | None: ...
 
     @property
-    def config(self) -> EngineConfig: ...
+    def max_model_len(self) -> int: ...
+
+    @property
+    def metrics(self) -> EngineMetrics: ...
+
+    @property
+    def load(self) -> SchedulerStats: ...
 
     @property
     def num_waiting(self) -> int: ...

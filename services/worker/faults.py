@@ -15,10 +15,10 @@ log = logging.getLogger(__name__)
 ENGINE_DIES_AFTER_STEPS = "INFLIGHT_FAULT_ENGINE_DIES_AFTER_STEPS"
 
 
-def install(engine: Any) -> None:
+def install(core: Any) -> None:
+    """Wrap ``core.step`` (an ``LLMEngine``'s: in the engine core process, or in the worker's)."""
     raw = os.environ.get(ENGINE_DIES_AFTER_STEPS)
-    core = getattr(engine, "engine", None)  # AsyncLLMEngine -> LLMEngine
-    if not raw or core is None:
+    if not raw:
         return
     limit = int(raw)
     step = core.step

@@ -25,8 +25,7 @@ from services.common.store import REDIS_ERRORS
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-    from engine.llm_engine import LLMEngine
-    from engine.metrics import StepRecord
+    from engine.metrics import EngineStatsSource, StepRecord
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class LivePublisher:
         self._num_steps = 0  # written by the engine thread only
         self._num_seen = 0  # steps the publisher has accounted for
 
-    def attach(self, engine: LLMEngine) -> None:
+    def attach(self, engine: EngineStatsSource) -> None:
         engine.metrics.step_listeners.append(self.on_step)
 
     def on_step(self, record: StepRecord) -> None:

@@ -10,6 +10,8 @@ import time
 from services.common.settings import Settings
 from services.common.telemetry import setup_telemetry
 from services.common.tracing import shutdown_tracing
+from services.worker import faults
+from services.worker.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +25,6 @@ def resolve_model(settings: Settings) -> str:
 
 
 async def serve(settings: Settings) -> None:
-    from engine.async_engine import AsyncLLMEngine  # torch: imported only by the worker
     from services.common.store import connect_redis
     from services.worker.http import make_server
     from services.worker.live import LivePublisher
@@ -31,17 +32,13 @@ async def serve(settings: Settings) -> None:
     from services.worker.service import Worker
     from services.worker.telemetry import instrument_engine
 
-    if settings.torch_threads:
-        import torch
-
-        torch.set_num_threads(settings.torch_threads)
     model = resolve_model(settings)
     began = time.monotonic()
-    engine = AsyncLLMEngine.from_engine_args(model=model, **settings.engine_args)
+    engine = await start_engine(model, settings)
     log.info("loaded %s in %.1fs", model, time.monotonic() - began)
-    spans = instrument_engine(engine.engine, settings)  # before the engine loop starts
+    spans = instrument_engine(engine, settings)  # before the first request
     live = LivePublisher(settings.worker_id)  # the gateway's live page: recent steps, rate-limited
-    live.attach(engine.engine)
+    live.attach(engine)
     live_task = asyncio.create_task(live.run_forever(connect_redis(settings)))
     worker = Worker(settings, engine, spans)
     server = make_server(worker, settings.bind_host, settings.worker_port)
@@ -54,6 +51,32 @@ async def serve(settings: Settings) -> None:
     server.should_exit = True
     await http
     await stop_live(live_task)
+
+
+async def start_engine(model: str, settings: Settings) -> EngineClient:
+    """The engine core in its own process (the default), or its loop on a thread of this one."""
+    if settings.engine_process:
+        from engine.core.client import EngineCoreClient  # torch-free: the core process imports torch
+
+        client = EngineCoreClient(
+            model,
+            settings.engine_args,
+            torch_threads=settings.torch_threads,
+            log_level=settings.log_level,
+            setup=faults.install,
+        )
+        await client.start()
+        return client
+    from engine.async_engine import AsyncLLMEngine  # torch: the engine runs in this process
+
+    if settings.torch_threads:
+        import torch
+
+        torch.set_num_threads(settings.torch_threads)
+    engine = AsyncLLMEngine.from_engine_args(model=model, **settings.engine_args)
+    faults.install(engine.engine)
+    await engine.start()
+    return engine
 
 
 def main(settings: Settings) -> None:

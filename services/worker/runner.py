@@ -121,7 +121,7 @@ class Runner:
             ids = tokenizer.encode(msg.prompt or "", add_special_tokens=True)
         if not ids:
             raise ValueError("the prompt is empty")
-        check_context_length(len(ids), self.engine.config.max_model_len, params.max_tokens)
+        check_context_length(len(ids), self.engine.max_model_len, params.max_tokens)
         return ids
 
     def _resume(self, run: Run, events: list[Any]) -> None:

@@ -33,7 +33,7 @@ from services.common.kafka import ensure_topic, make_consumer
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.wire import TERMINAL
-from services.worker import faults, telemetry
+from services.worker import telemetry
 from services.worker.commits import Committer, RebalanceListener
 from services.worker.control import Control
 from services.worker.engine_client import EngineClient
@@ -80,7 +80,6 @@ class Worker:
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        faults.install(self.engine)
         await self.engine.start()
         await ensure_topic(self.settings)
         consumer = self.consumer = self.committer.consumer = make_consumer(self.settings)

@@ -30,7 +30,7 @@ from services.common.wire import RequestMessage
 from services.worker.run import Run
 
 if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+    from engine.metrics import EngineStatsSource
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ LAG_INTERVAL_S = 2.0
 PUBLISH_SPAN = f"publish {keys.PREFIX}:events"  # the channel name without the id: one span name
 
 
-def instrument_engine(engine: LLMEngine, settings: Settings) -> EngineSpanExporter:
+def instrument_engine(engine: EngineStatsSource, settings: Settings) -> EngineSpanExporter:
     """Attach the Prometheus exporter and the span exporter to the engine (before its loop starts).
 
     The span exporter is attached even with tracing off: its spans are then the API's no-op ones, and

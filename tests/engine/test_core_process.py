@@ -1,0 +1,161 @@
+"""EngineCoreClient: the engine core in its own process answers as the in-process engine does.
+
+Real processes throughout: each test spawns a core that loads the tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import SamplingParams
+from engine.core.client import EngineCoreClient
+from engine.llm import LLM
+from engine.metrics import RequestRecord, StepRecord
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+ARGS = {"block_size": 8, "max_model_len": 256}
+
+
+@pytest.fixture
+async def core(tiny_llama_path: Path):  # type: ignore[no-untyped-def]
+    client = EngineCoreClient(str(tiny_llama_path), ARGS, torch_threads=1)
+    await client.start()
+    yield client
+    await client.shutdown()
+
+
+async def kv_clean(client: EngineCoreClient) -> bool:
+    await client.inspect("kv_integrity")  # raises (through the reply) if the pool's books disagree
+    free = await client.inspect("num_free_blocks")
+    return bool(free == client.kv_stats()["num_total_blocks"] and free > 0)
+
+
+async def test_streams_what_the_in_process_engine_generates(
+    core: EngineCoreClient, tiny_llama_path: Path
+) -> None:
+    steps: list[StepRecord] = []
+    finished: list[RequestRecord] = []
+    core.metrics.step_listeners.append(steps.append)
+    core.metrics.request_listeners.append(finished.append)
+    prompt = "streaming is the point"
+    deltas = [out async for out in core.generate(prompt, GREEDY, "s1")]
+    tokens = [t for d in deltas for c in d.outputs for t in c.token_ids]
+    text = "".join(c.text for d in deltas for c in d.outputs)
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    offline = LLM(str(tiny_llama_path), **ARGS).generate([prompt], GREEDY)[0].outputs[0]
+    assert tokens == offline.token_ids and text == offline.text
+    # The statistics came with the outputs: a record per step, the request's record, the load after.
+    assert len(steps) >= 10 and all(s.batch and s.batch[0][0] == "s1" for s in steps)
+    assert [r.request_id for r in finished] == ["s1"] and finished[0].num_output_tokens == 10
+    assert core.load.num_running == 0 and core.num_unfinished == 0
+    assert core.tokenizer is not None and core.max_model_len == 256
+    assert await kv_clean(core)
+
+
+async def test_concurrent_streams_and_n_greater_than_one(core: EngineCoreClient) -> None:
+    async def run(i: int, n: int) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        params = SamplingParams(temperature=0.8, seed=i, n=n, max_tokens=10, ignore_eos=True)
+        async for out in core.generate([10 + i, 11, 12], params, f"c{i}"):
+            for c in out.outputs:
+                counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
+        return counts
+
+    results = await asyncio.gather(*(run(i, 1 + i % 3) for i in range(6)))
+    assert results == [{j: 10 for j in range(1 + i % 3)} for i in range(6)]
+    assert await kv_clean(core)
+
+
+async def test_abort_and_early_exit_free_everything(core: EngineCoreClient) -> None:
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    seen = []
+    async for out in core.generate([1, 2, 3], long, "a1"):
+        seen.append(out)
+        if len(seen) == 3:
+            await core.abort("a1")
+    assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+    async for _ in core.generate([4, 5, 6], long, "a2"):
+        break  # leaving the stream aborts the request in the core
+    for _ in range(100):  # the abort travels through the sender and the core's next step
+        if core.load.num_running == 0 and core.load.num_waiting == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await kv_clean(core)
+
+
+async def test_refused_input_raises_and_the_core_keeps_serving(core: EngineCoreClient) -> None:
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
+        async for _ in core.generate([10**6], GREEDY, "bad"):
+            pass
+    with pytest.raises(ValueError, match="already in flight"):
+        stream = core.generate([1, 2], GREEDY, "dup")
+        first = await stream.__anext__()
+        async for _ in core.generate([1, 2], GREEDY, "dup"):
+            pass
+    assert first.request_id == "dup"
+    await stream.aclose()
+    outs = [o async for o in core.generate([7, 8], GREEDY, "ok")]
+    assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 10
+    assert await kv_clean(core)
+
+
+async def test_a_killed_core_fails_its_streams(core: EngineCoreClient) -> None:
+    long = SamplingParams(temperature=0, max_tokens=10_000 // 50, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="engine loop has died"):
+        async for out in core.generate([1, 2, 3], long, "k1"):
+            if out.outputs[0].token_ids and core.pid is not None:
+                os.kill(core.pid, signal.SIGKILL)
+    assert core.dead_error is not None and "exit code -9" in str(core.dead_error)
+    with pytest.raises(RuntimeError, match="engine loop has died"):
+        async for _ in core.generate([1, 2], GREEDY, "after"):
+            pass
+
+
+def fail_after_three_steps(engine: Any) -> None:
+    """Spawn pickles this by name: the core imports this module to run it."""
+    step, calls = engine.step, [0]
+
+    def failing() -> Any:
+        calls[0] += 1
+        if calls[0] > 3:
+            raise RuntimeError("injected: the step fails")
+        return step()
+
+    engine.step = failing
+
+
+async def test_a_failing_step_reports_the_error(tiny_llama_path: Path) -> None:
+    client = EngineCoreClient(str(tiny_llama_path), ARGS, torch_threads=1, setup=fail_after_three_steps)
+    await client.start()
+    try:
+        with pytest.raises(RuntimeError, match="engine loop has died"):
+            async for _ in client.generate([1, 2, 3], GREEDY, "f1"):
+                pass
+        assert "injected: the step fails" in str(client.dead_error)
+    finally:
+        await client.shutdown()
+
+
+async def test_start_up_errors_reach_the_caller(tmp_path: Path) -> None:
+    client = EngineCoreClient(str(tmp_path / "missing"), ARGS)
+    with pytest.raises(RuntimeError, match="failed to start"):
+        await client.start()
+
+
+async def test_the_core_exits_when_its_client_is_gone(tiny_llama_path: Path) -> None:
+    client = EngineCoreClient(str(tiny_llama_path), ARGS, torch_threads=1)
+    await client.start()
+    client._closing = True  # what a crashed worker leaves: no Shutdown, only a closed pipe
+    assert client._commands is not None
+    client._outbox.put(None)
+    for thread in client._threads:
+        thread.join(5)
+    client._commands.close()
+    await asyncio.to_thread(client._proc.join, 20)
+    assert client._proc.exitcode == 0
