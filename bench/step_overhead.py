@@ -5,15 +5,19 @@ event loop that fetches from Kafka, publishes tokens to Redis and answers probes
 engine's own step time (``StepRecord.duration``: schedule + inputs + model + sampling) two ways, with the
 same stack up (broker, Redis, gateway) and the same engine object, threads and workload:
 
-    in the worker   the ``Worker`` runs in this process, fed through the gateway by HTTP clients;
-    alone           the same engine, stepped directly, ``--concurrency`` requests kept in flight.
+    in the worker   the ``Worker`` runs in this process, fed through the gateway by HTTP clients, its
+                    engine loop on a thread here (INFLIGHT_ENGINE_PROCESS=false);
+    alone           the same engine, stepped directly, ``--concurrency`` requests kept in flight;
+    core process    the ``Worker`` again, with the engine core in a process of its own (the default):
+                    the same model, stepped by ``engine.core``, its records sent back with its outputs.
 
 Only full decode steps (``--concurrency`` sequences, one token each) are compared, so both sides time
 the same work. With ``--pin`` (the default on a host of 2+ cores) this process (engine thread and, in the
 worker run, its event loop) runs on core 0 and the gateway, broker and Redis on the other cores, so
 their work on the worker run's requests does not land on the engine's core: the difference of the
-medians is then the cost of the interpreter the engine shares with the worker's I/O, which an engine
-core in its own process (on its own core) would not pay. Other load on the host still adds noise.
+medians is then the cost of the interpreter the engine shares with the worker's I/O. For the core
+process side the core stays on core 0 and this process (the worker's loop) moves to the others, as
+it would run on a pod with two or more cores. Other load on the host still adds noise.
 
     python -m bench.step_overhead --out bench-results
 """
@@ -70,16 +74,36 @@ def _prompt(i: int) -> list[int]:
 
 
 async def _through_worker(
-    args: argparse.Namespace, env: dict[str, str], engine: Any, gateway_url: str
+    args: argparse.Namespace, env: dict[str, str], engine: Any, gateway_url: str, recorded: list[StepRecord]
 ) -> None:
+    """Serve ``--requests`` through the gateway with a Worker in this process.
+
+    ``engine``: an ``LLMEngine`` (its loop on a thread here, as INFLIGHT_ENGINE_PROCESS=false runs),
+    or a model path: an engine core is spawned for it (the worker's default), pinned to core 0 while
+    this process's threads move to the other cores.
+    """
     from engine.async_engine import AsyncLLMEngine
+    from engine.core.client import EngineCoreClient
     from services.common.settings import Settings
     from services.worker.service import Worker
     from services.worker.telemetry import instrument_engine
 
     settings = Settings.from_env(env)
-    spans = instrument_engine(engine, settings)  # as the worker's main does
-    worker = Worker(settings, AsyncLLMEngine(engine), spans)
+    eng: AsyncLLMEngine | EngineCoreClient
+    if isinstance(engine, str):
+        eng = EngineCoreClient(
+            engine, {"max_num_seqs": max(args.concurrency, 8)}, torch_threads=args.torch_threads
+        )
+        await eng.start()
+        if args.pin and eng.pid is not None:
+            os.sched_setaffinity(eng.pid, {0})
+            os.sched_setaffinity(0, set(range(1, os.cpu_count() or 1)))
+        await _warm_up(args, eng)
+    else:
+        eng = AsyncLLMEngine(engine)
+    spans = instrument_engine(eng, settings)  # as the worker's main does
+    eng.metrics.step_listeners.append(recorded.append)
+    worker = Worker(settings, eng, spans)
     await worker.start()
     todo = list(range(args.requests))
     try:
@@ -96,6 +120,18 @@ async def _through_worker(
             await asyncio.gather(*(client_loop() for _ in range(args.concurrency)))
     finally:
         await worker.drain()
+
+
+async def _warm_up(args: argparse.Namespace, client: Any) -> None:
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    async def one(i: int) -> None:
+        async for _ in client.generate(_prompt(i), params, f"warm-{uuid.uuid4().hex}"):
+            pass
+
+    await asyncio.gather(*(one(i) for i in range(args.concurrency)))
 
 
 def _alone(args: argparse.Namespace, engine: Any, num_requests: int) -> None:
@@ -144,21 +180,35 @@ def main(argv: list[str] | None = None) -> int:
             gateway.wait_ready()
             _alone(args, engine, args.concurrency)  # warm-up
             recorded: list[StepRecord] = []
-            engine.metrics.step_listeners.append(recorded.append)
             began = time.monotonic()
-            asyncio.run(_through_worker(args, env, engine, gateway.url))
+            asyncio.run(_through_worker(args, env, engine, gateway.url, recorded))
             worker_s = time.monotonic() - began
             in_worker = _full_decode_steps(recorded, args.concurrency)
             recorded.clear()
+            engine.metrics.step_listeners.append(recorded.append)
             began = time.monotonic()
             _alone(args, engine, args.requests)
             alone_s = time.monotonic() - began
             alone = _full_decode_steps(recorded, args.concurrency)
+            recorded = []
+            began = time.monotonic()
+            # Last: it moves this process's threads off core 0 for the rest of the run.
+            asyncio.run(
+                _through_worker(
+                    args,
+                    {**env, "INFLIGHT_KAFKA_CONSUMER_GROUP": f"core-{tag}"},
+                    model,
+                    gateway.url,
+                    recorded,
+                )
+            )
+            core_s = time.monotonic() - began
+            in_core = _full_decode_steps(recorded, args.concurrency)
         finally:
             gateway.stop(timeout_s=10)
-    if not in_worker or not alone:
+    if not in_worker or not alone or not in_core:
         raise SystemExit("no full decode steps recorded: raise --requests or --max-tokens")
-    med_w, med_a = statistics.median(in_worker), statistics.median(alone)
+    med_w, med_a, med_c = statistics.median(in_worker), statistics.median(alone), statistics.median(in_core)
     result = {
         "model": model,
         "concurrency": args.concurrency,
@@ -166,14 +216,16 @@ def main(argv: list[str] | None = None) -> int:
         "torch_threads": args.torch_threads,
         "pinned": args.pin,
         "cpu_count": os.cpu_count(),
-        "steps": {"in_worker": len(in_worker), "alone": len(alone)},
-        "median_ms": {"in_worker": med_w * 1e3, "alone": med_a * 1e3},
+        "steps": {"in_worker": len(in_worker), "alone": len(alone), "core_process": len(in_core)},
+        "median_ms": {"in_worker": med_w * 1e3, "alone": med_a * 1e3, "core_process": med_c * 1e3},
         "p90_ms": {
             "in_worker": statistics.quantiles(in_worker, n=10)[-1] * 1e3,
             "alone": statistics.quantiles(alone, n=10)[-1] * 1e3,
+            "core_process": statistics.quantiles(in_core, n=10)[-1] * 1e3,
         },
-        "wall_s": {"in_worker": worker_s, "alone": alone_s},
+        "wall_s": {"in_worker": worker_s, "alone": alone_s, "core_process": core_s},
         "overhead": med_w / med_a - 1,
+        "overhead_core_process": med_c / med_a - 1,
         "threshold": THRESHOLD,
     }
     out = Path(args.out)
@@ -183,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"full decode step ({args.concurrency} seqs): median {med_w * 1e3:.2f} ms in the worker vs "
         f"{med_a * 1e3:.2f} ms alone: {result['overhead']:+.1%} ({verdict} the {THRESHOLD:.0%} bar)"
+    )
+    print(
+        f"with the engine core in its own process: median {med_c * 1e3:.2f} ms: "
+        f"{result['overhead_core_process']:+.1%} against alone"
     )
     return 0
 
