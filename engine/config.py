@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import torch
 
+from engine.overlap import decide_async_scheduling
 from engine.platform import cpu_auto_dtype
 
 _DTYPES = {
@@ -136,6 +137,9 @@ class EngineArgs:
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json only
     max_waiting: int | None = None  # bound on the waiting queue; None = unbounded
     enable_cuda_graph: bool = True
+    # Plan step N+1 while step N runs (vLLM's async scheduling); None = decide from the host, see
+    # engine/overlap.py. Off is the plain synchronous step.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -200,6 +204,8 @@ class EngineConfig:
     slo_reject: bool = False
     slo_starvation_s: float = 30.0
     slo_cost_model: str | None = None
+    async_scheduling: bool = False
+    async_scheduling_reason: str = "default"  # why it is on or off, for the engine's start-up log
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -259,6 +265,7 @@ class EngineConfig:
                 from engine.kernels import cpu as cpu_kernels
 
                 attn = "cpu" if cpu_kernels.load() else "torch"
+        overlap, overlap_reason = decide_async_scheduling(args.async_scheduling, device)
         return cls(
             model_path=args.model,
             model=model,
@@ -284,4 +291,6 @@ class EngineConfig:
             slo_reject=args.slo_reject,
             slo_starvation_s=args.slo_starvation_s,
             slo_cost_model=args.slo_cost_model,
+            async_scheduling=overlap,
+            async_scheduling_reason=overlap_reason,
         )

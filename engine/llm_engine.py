@@ -10,7 +10,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,13 +19,18 @@ from engine.config import EngineArgs, EngineConfig
 from engine.cost_model import StepCostModel
 from engine.inputs import check_context_length
 from engine.kv_cache.manager import KVCacheManager
-from engine.metrics import EngineMetrics, RequestRecord, SchedulerStats, StepRecord
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.metrics import EngineMetrics, SchedulerStats, StepRecord
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
+from engine.request_group import Deltas, RequestGroup
 from engine.sampling.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SamplingParams
+from engine.sched.async_scheduler import AsyncScheduler
+from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.worker.model_runner import ModelRunner
+from engine.worker.overlap import StepHandle
+from engine.worker.step_io import RunnerOutput
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer
@@ -36,18 +41,13 @@ Prompt = str | list[int]
 
 
 @dataclass
-class _Group:
-    """A caller's request: its n sibling sequences sharing one prompt (or the subset still to run)."""
+class _Submitted:
+    """A scheduled step on its way through the runner (async scheduling: still running)."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    detoks: dict[int, IncrementalDetokenizer]  # by completion index
-    reported_finished: dict[int, bool] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.reported_finished = {child.index: False for child in self.children}
+    out: SchedulerOutput
+    handle: StepHandle | None  # async scheduling: what to collect its tokens from
+    start: float  # time.monotonic() when its scheduling began
+    scheduled_at: float
 
 
 class LLMEngine:
@@ -61,9 +61,11 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         cost = StepCostModel.load(config.slo_cost_model) if config.slo_cost_model else None
-        self.scheduler = Scheduler(config, self.kv, eos, cost=cost)
+        scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(config, self.kv, eos, cost=cost)
         logger.info(
-            "engine: %s on %s, dtype %s, attention %s, %d torch threads, %d KV blocks of %d tokens",
+            "engine: %s on %s, dtype %s, attention %s, %d torch threads, %d KV blocks of %d tokens, "
+            "async scheduling %s (%s)",
             config.model.architecture,
             config.device,
             str(config.dtype).removeprefix("torch."),
@@ -71,10 +73,13 @@ class LLMEngine:
             torch.get_num_threads(),
             self.runner.num_blocks,
             config.block_size,
+            "on" if config.async_scheduling else "off",
+            config.async_scheduling_reason,
         )
         self.metrics = EngineMetrics()
-        self._groups: dict[str, _Group] = {}
+        self._groups: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []  # outputs produced between steps (aborts)
+        self._inflight: _Submitted | None = None  # async scheduling: the step still running
         self._rng = random.Random(config.seed)
         self._step = 0
         # The engine's load as of its last change (a step, an arrival, an abort): an immutable snapshot
@@ -180,7 +185,7 @@ class LLMEngine:
                 # Replay the tokens another engine already streamed, discarding their text, so the
                 # detokenizer (held-back bytes, stop-string prefixes) continues exactly where it left off.
                 detok.replay(resumed[i])
-        self._groups[request_id] = _Group(request_id, text, ids, children, detoks)
+        self._groups[request_id] = RequestGroup(request_id, text, ids, children, detoks)
         self.load = self.scheduler.stats()
 
     def _validate(self, ids: list[int], resumed: list[int], params: SamplingParams) -> None:
@@ -206,34 +211,81 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups or self._pending)
+        return bool(self._groups or self._pending or self._inflight)
 
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. With async scheduling these are the previous step's tokens: this call
+        schedules and starts the next step before it waits for them."""
         start = time.monotonic()
         out = self.scheduler.schedule()
         scheduled_at = time.monotonic()
         outputs, self._pending = self._pending, []
         if self.scheduler.rejected:  # slo policy: lost TTFT deadlines finished early, with an error
             outputs.extend(self._report_rejected())
+        if self.config.async_scheduling:
+            return outputs + self._step_overlapped(_Submitted(out, None, start, scheduled_at))
         if out.is_empty:
             self.runner.update_rows(out)  # still drop the rows of requests finished since last step
             self.load = self.scheduler.stats()  # the slo policy may have finished requests
             return outputs
-        batch = list(out.batch())
         try:
             result = self.runner.execute(out)
         except Exception as exc:  # the step failed: fail its requests, keep the engine serving
-            logger.exception("model step failed")
-            failed = [
-                self.scheduler.requests[i] for i in out.num_scheduled_tokens if i in self.scheduler.requests
-            ]
-            outputs += self._fail(failed, f"{type(exc).__name__}: {exc}")
+            return outputs + self._fail_step(out, exc)
+        return outputs + self._process(_Submitted(out, None, start, scheduled_at), result)
+
+    def _step_overlapped(self, step: _Submitted) -> list[RequestOutput]:
+        """Start ``step`` behind the one in flight, then take the in-flight one's tokens."""
+        prev, self._inflight = self._inflight, None
+        outputs: list[RequestOutput] = []
+        failed: Exception | None = None
+        if step.out.is_empty:
+            self.runner.update_rows(step.out)
+        else:
+            try:
+                step.handle = self.runner.submit(step.out, prev.handle if prev else None)
+                self._inflight = step
+            except Exception as exc:  # failed after its predecessor reports (steps report in order)
+                failed = exc
+        if prev is not None:
+            outputs += self._finish_overlapped(prev)
+        if failed is not None:
+            outputs += self._fail_step(step.out, failed)
+        if self._inflight is not None and not self.scheduler.has_unfinished():
+            # Everything finished on the tokens just seen: the running step is wasted work. Wait for
+            # it now, so has_unfinished_requests() turns false with the last outputs.
+            last, self._inflight = self._inflight, None
+            outputs += self._finish_overlapped(last)
+        if prev is None:  # no step reported: arrivals, aborts or rejections may still have changed it
             self.load = self.scheduler.stats()
-            return outputs
+        return outputs
+
+    def _finish_overlapped(self, step: _Submitted) -> list[RequestOutput]:
+        assert step.handle is not None
+        try:
+            result = self.runner.collect(step.handle)
+        except Exception as exc:
+            return self._fail_step(step.out, exc)
+        return self._process(step, result)
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
+        """The step failed: fail its requests, keep the engine serving."""
+        logger.exception("model step failed", exc_info=exc)
+        if isinstance(self.scheduler, AsyncScheduler):
+            self.scheduler.discard(out)
+        failed = [
+            self.scheduler.requests[i] for i in out.num_scheduled_tokens if i in self.scheduler.requests
+        ]
+        outputs = self._fail(failed, f"{type(exc).__name__}: {exc}")
+        self.load = self.scheduler.stats()
+        return outputs
+
+    def _process(self, step: _Submitted, result: RunnerOutput) -> list[RequestOutput]:
+        """A step's tokens: into the requests, through the detokenizers, out as deltas."""
         executed_at = time.monotonic()
-        got_token = self.scheduler.update_from_output(out, result.sampled)
-        touched: dict[str, _Group] = {}
-        deltas: dict[str, tuple[str, int | None, dict[int, float] | None]] = {}
+        got_token = self.scheduler.update_from_output(step.out, result.sampled)
+        touched: dict[str, RequestGroup] = {}
+        deltas: Deltas = {}
         for request in got_token:
             group = self._groups[request.parent_id]
             touched[group.request_id] = group
@@ -252,17 +304,17 @@ class LLMEngine:
             if request.finished:
                 self.metrics.on_finished(request)
             deltas[request.request_id] = (text, token, lp)
-        outputs.extend(self._collect(list(touched.values()), deltas))
+        outputs = self._collect(list(touched.values()), deltas)
         self._step += 1
-        self.load = self.scheduler.stats(out)
+        self.load = self.scheduler.stats(step.out)
         self.metrics.on_step(
             StepRecord(
                 step=self._step,
-                start=start,
-                schedule_time=scheduled_at - start,
-                execute_time=executed_at - scheduled_at,
+                start=step.start,
+                schedule_time=step.scheduled_at - step.start,
+                execute_time=executed_at - step.scheduled_at,
                 stats=self.load,
-                batch=batch,
+                batch=list(step.out.batch()),
                 prepare_time=result.prepare_time,
             )
         )
@@ -270,14 +322,14 @@ class LLMEngine:
 
     def _report_rejected(self) -> list[RequestOutput]:
         rejected, self.scheduler.rejected = self.scheduler.rejected, []
-        groups: dict[str, _Group] = {}
+        groups: dict[str, RequestGroup] = {}
         for request in rejected:
             self.metrics.on_finished(request)
             groups[request.parent_id] = self._groups[request.parent_id]
         return self._collect(list(groups.values()), {})
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
-        groups: dict[str, _Group] = {}
+        groups: dict[str, RequestGroup] = {}
         for request in requests:
             if self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR):
                 request.error = message
@@ -285,44 +337,11 @@ class LLMEngine:
             groups[request.parent_id] = self._groups[request.parent_id]
         return self._collect(list(groups.values()), {})
 
-    def _collect(
-        self, groups: list[_Group], deltas: dict[str, tuple[str, int | None, dict[int, float] | None]]
-    ) -> list[RequestOutput]:
+    def _collect(self, groups: list[RequestGroup], deltas: Deltas) -> list[RequestOutput]:
         """Delta outputs for the touched groups; drops groups whose every child has been reported."""
-        outputs = []
+        outputs = [group.delta_output(deltas) for group in groups]
         for group in groups:
-            completions = []
-            for child in group.children:
-                text, token, lp = deltas.get(child.request_id, ("", None, None))
-                if token is None and not (child.finished and not group.reported_finished[child.index]):
-                    continue
-                if child.finished:
-                    group.reported_finished[child.index] = True
-                completions.append(
-                    CompletionOutput(
-                        index=child.index,
-                        text=text,
-                        token_ids=[] if token is None else [token],
-                        finish_reason=child.status.finish_reason,
-                        stop_reason=child.stop_reason,
-                        logprobs=None if lp is None else [lp],
-                        num_output_tokens=child.num_output_tokens,
-                    )
-                )
-            finished = all(group.reported_finished.values())
-            error = next((c.error for c in group.children if c.error), None)
-            outputs.append(
-                RequestOutput(
-                    request_id=group.request_id,
-                    prompt=group.prompt,
-                    prompt_token_ids=group.prompt_token_ids,
-                    outputs=completions,
-                    finished=finished,
-                    metrics=RequestRecord.from_request(group.children[0]) if finished else None,
-                    error=error,
-                )
-            )
-            if finished:
+            if group.all_reported:
                 del self._groups[group.request_id]
         return outputs
 

@@ -115,6 +115,10 @@ class Request:
         self.num_resumed_tokens = len(self.output_token_ids)
         self.all_token_ids: list[int] = self.prompt_token_ids + self.output_token_ids
         self.num_computed_tokens = 0
+        # Async scheduling only: tokens a step in flight will sample for this request, not known yet.
+        # The scheduler plans the next step as if they were there (num_computed_tokens counts the
+        # step's work when it is scheduled); each drops to a real token when its step reports.
+        self.num_output_placeholders = 0
         # Prompt tokens whose K/V came from the prefix cache at the last admission.
         self.num_cached_tokens = 0
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks

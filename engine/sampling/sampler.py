@@ -37,6 +37,18 @@ class SamplingRow:
     output_token_ids: list[int]  # includes a resumed stream's earlier tokens
     seed: int  # the request's seed, or one the engine drew when it arrived
     eos_token_id: int | None = None
+    # len(output_token_ids) unless given: async scheduling passes the count alone (and an empty list)
+    # for rows without penalties, the only ones that read the tokens themselves.
+    num_output_tokens: int = -1
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens < 0:
+            self.num_output_tokens = len(self.output_token_ids)
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 @dataclass
@@ -45,6 +57,59 @@ class SamplerOutput:
     # Per row, when params.logprobs is set: top-k token id -> logprob of the raw logits, plus the
     # sampled token's entry. None for rows that did not ask.
     logprobs: list[dict[int, float] | None]
+
+
+@dataclass
+class SampledTensors:
+    """A step's sampling result still on the logits' device: nothing has waited for it yet.
+
+    ``to_host`` is the one synchronisation point. Async scheduling first calls ``copy_to_host_async``
+    (on CUDA: non-blocking copies into pinned memory, then an event), so the host goes on planning the
+    next step and waits only when it needs the tokens; ``tokens`` stays on the device for the next
+    step's inputs.
+    """
+
+    tokens: torch.Tensor  # [n] int64
+    # Logprobs of the rows that asked (row indexes ``logprob_rows``, each wanting ``logprob_nums``
+    # top entries): top-k values and ids [w, k], and the sampled token's logprob [w].
+    logprob_rows: list[int]
+    logprob_nums: list[int]
+    top_vals: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    sampled_logprobs: torch.Tensor | None = None
+    _host: list[torch.Tensor] | None = None  # pinned copies of the four tensors above
+    _copied: torch.cuda.Event | None = None
+
+    def _tensors(self) -> list[torch.Tensor]:
+        extra = [self.top_vals, self.top_ids, self.sampled_logprobs]
+        return [self.tokens] + [t for t in extra if t is not None]
+
+    def copy_to_host_async(self) -> None:
+        if not self.tokens.is_cuda:
+            return
+        self._host = [_to_pinned(t) for t in self._tensors()]
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+
+    def to_host(self) -> SamplerOutput:
+        if self._copied is not None:
+            self._copied.synchronize()
+        # One device-to-host copy per tensor rather than one per element.
+        lists = [t.tolist() for t in (self._host or self._tensors())]
+        token_ids: list[int] = lists[0]
+        logprobs: list[dict[int, float] | None] = [None] * len(token_ids)
+        if len(lists) == 4:
+            top_vals, top_ids, sampled = lists[1], lists[2], lists[3]
+            for j, (i, num) in enumerate(zip(self.logprob_rows, self.logprob_nums, strict=True)):
+                entry = dict(zip(top_ids[j][:num], top_vals[j][:num], strict=True))
+                entry[token_ids[i]] = sampled[j]
+                logprobs[i] = entry
+        return SamplerOutput(token_ids, logprobs)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 # ---- counter-based noise ---------------------------------------------------------------------
@@ -161,7 +226,7 @@ def _min_tokens_mask(rows: list[SamplingRow], vocab: int) -> list[tuple[int, int
     """
     pairs: list[tuple[int, int]] = []
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) < r.params.min_tokens:
+        if r.num_output_tokens < r.params.min_tokens:
             banned = set(r.params.stop_token_ids)
             if r.eos_token_id is not None and not r.params.ignore_eos:
                 banned.add(r.eos_token_id)
@@ -223,7 +288,7 @@ def _draw_fused(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     vocab = logits.shape[1]
     params = [r.params for r in rows]
     top_k = [p.effective_top_k if p.effective_top_k < vocab else 0 for p in params]
-    keys = row_keys([r.seed for r in rows], [len(r.output_token_ids) for r in rows])
+    keys = row_keys([r.seed for r in rows], [r.num_output_tokens for r in rows])
     # One float64 table carries every setting (exact for the keys, which are < 2**32).
     table = torch.tensor(
         [
@@ -267,13 +332,17 @@ class Sampler:
         return triton_available()
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        return self.sample(logits, rows).to_host()
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTensors:
+        """The tokens (and logprobs) on the logits' device, without waiting for them."""
         n, vocab = logits.shape
         if n != len(rows):
             raise ValueError(f"logits has {n} rows but {len(rows)} sampling rows were given")
-        if n == 0:
-            return SamplerOutput([], [])
         logits = logits.float()
         device = logits.device
+        if n == 0:
+            return SampledTensors(torch.empty(0, dtype=torch.int64, device=device), [], [])
         work = apply_penalties(logits, rows)
         banned = _min_tokens_mask(rows, vocab)
         if banned:
@@ -286,8 +355,7 @@ class Sampler:
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_rows:
             tokens[random_rows] = self._draw(work[random_rows], [rows[i] for i in random_rows])
-        token_ids: list[int] = tokens.tolist()
-        return SamplerOutput(token_ids, self._logprobs(logits, rows, tokens, token_ids))
+        return self._logprobs(logits, rows, tokens)
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Sample one token per row of ``logits`` [m, V] (penalised, masked)."""
@@ -312,28 +380,18 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
             logits = apply_min_p(logits, min_p)
-        q = exponential_noise([r.seed for r in rows], [len(r.output_token_ids) for r in rows], vocab, device)
+        q = exponential_noise([r.seed for r in rows], [r.num_output_tokens for r in rows], vocab, device)
         # argmax(p / q) == argmax(logits - log q): softmax's normaliser is the same for every token,
         # and the log form keeps precision for tokens whose probability underflows.
         return argmax_rows(logits - q.log())
 
     @staticmethod
-    def _logprobs(
-        raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor, token_ids: list[int]
-    ) -> list[dict[int, float] | None]:
+    def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> SampledTensors:
         want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        result: list[dict[int, float] | None] = [None] * len(rows)
+        nums = [rows[i].params.logprobs or 0 for i in want]
         if not want:
-            return result
+            return SampledTensors(tokens, [], [])
         logprobs = torch.log_softmax(raw[want], dim=-1)  # [w, V], before penalties and temperature
-        k = max(rows[i].params.logprobs or 0 for i in want)
-        top_vals, top_ids = logprobs.topk(k, dim=-1)  # k == 0 gives [w, 0]
+        top_vals, top_ids = logprobs.topk(max(nums), dim=-1)  # k == 0 gives [w, 0]
         sampled = logprobs.gather(1, tokens[want][:, None]).squeeze(1)
-        # One device-to-host copy per tensor rather than one per element.
-        top_vals_l, top_ids_l, sampled_l = top_vals.tolist(), top_ids.tolist(), sampled.tolist()
-        for j, i in enumerate(want):
-            num = rows[i].params.logprobs or 0
-            entry = dict(zip(top_ids_l[j][:num], top_vals_l[j][:num], strict=True))
-            entry[token_ids[i]] = sampled_l[j]
-            result[i] = entry
-        return result
+        return SampledTensors(tokens, want, nums, top_vals, top_ids, sampled)

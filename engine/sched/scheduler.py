@@ -23,6 +23,7 @@ from engine.request import Request, RequestStatus
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.policy import WaitingQueue, make_waiting_queue, priority_key
 from engine.sched.slo import SLOQueue, is_lost, lost_message, step_time_cap
+from engine.sched.tokens import add_token, check_stop
 
 
 class EngineQueueFull(RuntimeError):
@@ -152,7 +153,7 @@ class Scheduler:
                 request.error = message
                 self.rejected.append(request)
         # Decodes first, so the prefill chunks after them are sized against what the step already holds.
-        self.running.sort(key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        self.running.sort(key=lambda r: self._target_tokens(r) - r.num_computed_tokens > 1)
         self._step_cap = step_time_cap(self.running) if self.cost is not None else None
         self._prefill_granted = False
 
@@ -199,7 +200,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(self._target_tokens(request) - request.num_computed_tokens, budget)
             if self.slo:
                 num_new = self._slo_chunk(out, request, num_new)
             if num_new <= 0:
@@ -232,6 +233,8 @@ class Scheduler:
         # A static batch forms whole even past the budget: its members prefill over the next steps.
         while len(self.waiting) and (budget > 0 or self.static):
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                break  # async: preempted while its last token was in flight; back next step
             if len(self.running) >= cfg.max_num_seqs:
                 if not self._preempt_for(request, out):
                     break
@@ -279,6 +282,10 @@ class Scheduler:
         if request.max_tokens is not None:
             limit = min(limit, request.num_prompt_tokens + request.max_tokens)
         return max(limit, request.num_tokens)
+
+    def _target_tokens(self, request: Request) -> int:
+        """The token count a running request's progress catches up with (async: with placeholders)."""
+        return request.num_tokens
 
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
@@ -351,32 +358,14 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            request.append_output_token(token)
-            if request.timeline.first_token is None:
-                request.timeline.first_token = now
-                request.record("first_token", now)
-            request.timeline.last_token = now
+            add_token(request, token, now)
             got_token.append(request)
-            status = self._check_stop(request, token)
+            status = check_stop(request, token, self.eos_token_ids, self.config.max_model_len)
             if status is not None:
                 self.requests.pop(request.request_id, None)
                 self.running.remove(request)
                 self._finish(request, status)
         return got_token
-
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_new_output_tokens + request.num_resumed_tokens >= params.min_tokens:
-            if not params.ignore_eos and (token in self.eos_token_ids or token == request.eos_token_id):
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                request.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def stats(self, out: SchedulerOutput | None = None) -> SchedulerStats:
         """The scheduler's state now; ``out``: the step just run (None between steps)."""

@@ -15,6 +15,8 @@ import numpy as np
 from engine.sampling_params import SamplingParams
 from engine.sched.output import CachedRequestData, NewRequestData
 
+PLACEHOLDER = -1  # an output token not known yet (async scheduling); never a vocabulary id
+
 
 @dataclass
 class CachedRequestState:
@@ -84,6 +86,23 @@ class InputBatch:
         self.token_ids[state.row, n] = token_id
         self.num_tokens[state.row] = n + 1
         state.output_token_ids.append(token_id)
+
+    def append_placeholder(self, state: CachedRequestState) -> int:
+        """Async scheduling: room for the token a step in flight will sample. Returns its position.
+
+        The row holds 0 there (a valid id, never read as input: the device step that consumes it
+        reads the sampled token on the device); the output list holds PLACEHOLDER until ``set_token``.
+        """
+        n = int(self.num_tokens[state.row])
+        self.token_ids[state.row, n] = 0
+        self.num_tokens[state.row] = n + 1
+        state.output_token_ids.append(PLACEHOLDER)
+        return n
+
+    def set_token(self, state: CachedRequestState, position: int, token_id: int) -> None:
+        """The real token for a placeholder, once its step has reported."""
+        self.token_ids[state.row, position] = token_id
+        state.output_token_ids[position - len(state.prompt_token_ids)] = token_id
 
     def remove(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

@@ -8,7 +8,6 @@ per-step diffs, and the runner keeps its own rows (``InputBatch``).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,8 +20,10 @@ from engine.models.loader import load_weights
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sched.output import SchedulerOutput
 from engine.worker.cuda_graph import GraphedDecode
-from engine.worker.input_batch import CachedRequestState, InputBatch
+from engine.worker.input_batch import InputBatch
+from engine.worker.overlap import StepHandle, StepOverlap
 from engine.worker.staging import InputStaging
+from engine.worker.step_io import PreparedInputs, RunnerOutput
 
 # Without an explicit size, the CPU cache holds every sequence at full length, capped at this.
 _DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -36,22 +37,6 @@ def _can_prepack(dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
-
-
-@dataclass
-class PreparedInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] int64: the flat index of each sampling request's last token
-    sampling_requests: list[CachedRequestState]  # the N requests that sample a token this step
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int]  # request id -> new token
-    logprobs: dict[str, dict[int, float]]  # request id -> top logprobs (when asked for)
-    prepare_time: float = 0.0  # seconds spent updating rows and packing inputs (host side)
 
 
 class ModelRunner:
@@ -103,6 +88,8 @@ class ModelRunner:
                 mc.vocab_size,
                 self.device,
             )
+        # Async scheduling: steps run behind the engine thread (a worker thread on CPU, the stream on CUDA).
+        self.overlap = StepOverlap(self) if config.async_scheduling else None
         self.graphs: GraphedDecode | None = None
         if config.enable_cuda_graph and self.device.type == "cuda":
             self.graphs = GraphedDecode(
@@ -237,6 +224,13 @@ class ModelRunner:
             staging.end()
         return prepared
 
+    def forward(self, inputs: PreparedInputs) -> torch.Tensor:
+        """Hidden states [T, hidden]: a captured graph for decode-only steps that fit one, else eager."""
+        meta = inputs.metadata
+        if self.graphs is not None and meta.decode_only and meta.num_seqs <= self.graphs.max_batch:
+            return self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         start = time.perf_counter()
@@ -244,11 +238,7 @@ class ModelRunner:
         inputs = self.prepare(out)
         # Host time: on a GPU the copies above are asynchronous and the model has not started.
         prepare_time = time.perf_counter() - start
-        meta = inputs.metadata
-        if self.graphs is not None and meta.decode_only and meta.num_seqs <= self.graphs.max_batch:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, meta)
-        else:
-            hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+        hidden = self.forward(inputs)
         if not inputs.sampling_requests:
             return RunnerOutput({}, {}, prepare_time)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
@@ -273,3 +263,18 @@ class ModelRunner:
             if lp is not None
         }
         return RunnerOutput(sampled, logprobs, prepare_time)
+
+    # ---- async scheduling (engine/worker/overlap.py) ----------------------------------------
+    def submit(self, out: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
+        """Start step ``out`` behind ``prev`` (the step still running) without waiting for either."""
+        assert self.overlap is not None, "async_scheduling is off"
+        return self.overlap.submit(out, prev)
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for a submitted step; its tokens. Raises what the step raised."""
+        assert self.overlap is not None, "async_scheduling is off"
+        return self.overlap.collect(handle)
+
+    def close(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
