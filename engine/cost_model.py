@@ -5,7 +5,11 @@
 ``num_tokens`` are the tokens scheduled (prefill chunks and decodes), ``num_seqs`` the rows of the
 batch, ``sum_context`` the tokens each row attends over (its computed tokens plus the new ones), summed.
 The terms follow what a step does: the matmuls scale with tokens, sampling and per-row bookkeeping with
-rows, attention with context, and launch and Python overhead is fixed. Example on a bench-preset fit
+rows, attention with context, and launch and Python overhead is fixed. Apart from those, ``first_shape``:
+what a step pays the first time a process runs its number of tokens (kernels specialised on the shape:
+oneDNN primitives, allocator growth). A served trace of random prompt lengths meets hundreds of new
+token counts before it has seen them all, so on a short run most prefill steps pay it; the fit leaves
+those steps out and measures the cost on its own (see ``fit``). Example on a bench-preset fit
 (fixed 4 ms, 0.05 ms a token, 0.1 ms a row, 2 us a context token): 32 decodes at context 300 cost
 4 + 32 * 0.05 + 32 * 0.1 + 9600 * 0.002 = 28 ms.
 
@@ -46,6 +50,7 @@ class StepCostModel:
     per_token: float
     per_seq: float
     per_context: float
+    first_shape: float = 0.0  # seconds, once per token count per process (not in the linear terms)
     # Where it was measured (CPU, flags, threads) and with which engine settings; free-form.
     host: dict[str, Any] = field(default_factory=dict)
     engine: dict[str, Any] = field(default_factory=dict)
@@ -56,7 +61,7 @@ class StepCostModel:
     samples: tuple[tuple[int, int, int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in TERMS:
+        for name in (*TERMS, "first_shape"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
@@ -99,11 +104,12 @@ class StepCostModel:
     def from_json(cls, raw: dict[str, Any]) -> StepCostModel:
         if raw.get("version") != COST_MODEL_VERSION:
             raise ValueError(f"cost model version {raw.get('version')!r} is not {COST_MODEL_VERSION}")
-        unknown = set(raw) - {"version", *TERMS, "host", "engine", "fit", "samples"}
+        unknown = set(raw) - {"version", *TERMS, "first_shape", "host", "engine", "fit", "samples"}
         if unknown:
             raise ValueError(f"unknown cost model field(s): {', '.join(sorted(unknown))}")
         return cls(
             **{t: float(raw[t]) for t in TERMS},
+            first_shape=float(raw.get("first_shape", 0.0)),  # absent from models fitted before it
             host=dict(raw.get("host", {})),
             engine=dict(raw.get("engine", {})),
             fit={k: float(v) for k, v in raw.get("fit", {}).items()},
@@ -177,8 +183,15 @@ def fit_errors(model: StepCostModel, samples: Sequence[StepSample]) -> dict[str,
 
 
 def fit(
-    samples: Sequence[StepSample], *, host: dict[str, Any] | None = None, engine: dict[str, Any] | None = None
+    samples: Sequence[StepSample],
+    *,
+    host: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+    first_shape_samples: Sequence[StepSample] = (),
 ) -> StepCostModel:
+    """Fit the linear terms on ``samples`` (steps of token counts the process had run before) and,
+    given the steps that ran a token count for the first time, ``first_shape`` as their median excess
+    over the fitted model (a median: one descheduled step must not set it)."""
     coef = fit_nnls(samples)
     # The relative-error fit follows the shape; queueing follows the mean step time, which descheduled
     # steps on a busy host push up. Scaled so that the predicted total equals the measured total.
@@ -186,13 +199,22 @@ def fit(
     scale = sum(s.seconds for s in samples) / predicted if predicted > 0 else 1.0
     fixed, per_token, per_seq, per_context = (c * scale for c in coef)
     model = StepCostModel(fixed, per_token, per_seq, per_context)
+    first_shape = 0.0
+    if first_shape_samples:
+        excess = sorted(
+            s.seconds - model.step_time(s.num_tokens, s.num_seqs, s.sum_context) for s in first_shape_samples
+        )
+        first_shape = max(0.0, excess[len(excess) // 2])
+    errors = fit_errors(model, samples)
+    errors["num_first_shape_samples"] = float(len(first_shape_samples))
     return StepCostModel(
         fixed,
         per_token,
         per_seq,
         per_context,
+        first_shape,
         host=host or {},
         engine=engine or {},
-        fit=fit_errors(model, samples),
+        fit=errors,
         samples=tuple((s.num_tokens, s.num_seqs, s.sum_context, s.seconds) for s in samples),
     )

@@ -1,4 +1,5 @@
-"""``inflight plan calibrate|simulate|size``: the step-cost model and the capacity planner."""
+"""``inflight plan calibrate|simulate|size|validate|policies``: the step-cost model, the capacity
+planner, its validation against real engines, and the scheduling policies compared."""
 
 from __future__ import annotations
 
@@ -47,6 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--max-workers", type=int, default=4096)
     _fleet_arguments(size)
 
+    val = sub.add_parser(
+        "validate", help="predicted vs measured: real engines and the simulator replay the same trace"
+    )
+    val.add_argument("--model", default=None, help="checkpoint (default: the bench preset)")
+    val.add_argument("--cost", default=None, help="COST.json (default: calibrate first, same threads)")
+    val.add_argument("--workers", default="1,2", help="fleet sizes to validate, comma list")
+    val.add_argument("--threads", type=int, default=0, help="intra-op threads a worker (0: cores / workers)")
+    val.add_argument("--rate", type=float, default=1.0, help="requests/s a worker (Poisson)")
+    val.add_argument("--num-requests", type=int, default=40, help="requests a worker")
+    val.add_argument("--seed", type=int, default=11)
+    val.add_argument("--max-num-seqs", type=int, default=32)
+    val.add_argument("--max-num-batched-tokens", type=int, default=512)
+    val.add_argument("--max-model-len", type=int, default=1024)
+    val.add_argument("--num-blocks", type=int, default=2048)
+    val.add_argument("--tolerance", type=float, default=0.2, help="relative error allowed a figure")
+    val.add_argument("--out", default="plan-validate.json", help="where to write every figure (JSON)")
+
     pol = sub.add_parser("policies", help="simulated fcfs vs priority vs slo on bursty arrivals (goodput)")
     pol.add_argument("--cost", required=True, help="COST.json from inflight plan calibrate")
     pol.add_argument("--slo", nargs="+", required=True, help="ttft:MS tpot:MS")
@@ -70,6 +88,11 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slo-reject", action="store_true", help="slo policy: reject requests whose TTFT is lost"
     )
+    # The service path around each engine (0: an in-process engine, what calibrate times). Measured by
+    # `inflight bench service` (its intake and delivery stages) and `inflight plan validate` (loop ms/step).
+    parser.add_argument("--intake-ms", type=float, default=0.0, help="gateway -> worker queue latency")
+    parser.add_argument("--delivery-ms", type=float, default=0.0, help="token -> client latency")
+    parser.add_argument("--step-overhead-ms", type=float, default=0.0, help="serving loop time per step")
     parser.add_argument(
         "--sample-workers",
         type=int,
@@ -135,6 +158,12 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _service(args: argparse.Namespace) -> Any:
+    from inflight.plan.simulate import ServicePath
+
+    return ServicePath(args.intake_ms / 1e3, args.delivery_ms / 1e3, args.step_overhead_ms / 1e3)
+
+
 def _trace(path: str, model: str | None, time_scale: float = 1.0) -> list[Any]:
     from bench.workload import load_trace
     from inflight.plan.traffic import from_specs
@@ -165,6 +194,7 @@ def _simulate(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         engine=_engine_overrides(args),
         sample_workers=args.sample_workers,
+        service=_service(args),
     )
     result = simulate(_trace(args.trace, args.model), cost, fleet, _slo(args))
     if args.json:
@@ -211,6 +241,7 @@ def _size(args: argparse.Namespace) -> int:
         engine=_engine_overrides(args),
         max_workers=args.max_workers,
         max_waiting=args.max_waiting,
+        service=_service(args),
     )
     print(table(points))
     plot(points, target, args.plot)
@@ -250,6 +281,62 @@ def _policies(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from bench.workload import synthetic
+    from engine.config import ModelConfig
+    from engine.cost_model import StepCostModel
+    from inflight.plan.calibrate import DEFAULT_GRID, calibrate, describe
+    from inflight.plan.validate import FIGURES, report, validate
+
+    sizes = [int(x) for x in args.workers.split(",")]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # Each worker its own cores, as pods have: the largest fleet decides, and the calibration uses the
+    # same count (a model timed on two threads says nothing of a one-thread worker).
+    threads = args.threads or max(1, cores // max(sizes))
+    model = _model_path(args.model)
+    engine_args = dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        enable_prefix_caching=False,  # random prompts: a prefix hit would be luck
+    )
+    if args.cost:
+        cost = StepCostModel.load(args.cost)
+        if cost.host.get("threads") not in (None, threads):
+            raise SystemExit(
+                f"{args.cost} was calibrated with {cost.host['threads']} threads, workers use {threads}"
+            )
+    else:
+        torch.set_num_threads(threads)
+        cost = calibrate(model, DEFAULT_GRID, engine_args=engine_args)
+    print(describe(cost), flush=True)
+    vocab = ModelConfig.from_path(model).vocab_size
+    results = []
+    for workers in sizes:
+        specs = synthetic(args.num_requests * workers, args.rate * workers, vocab, seed=args.seed)
+        result = validate(model, specs, engine_args, cost, workers=workers, threads=threads)
+        print(report(result, args.tolerance), flush=True)
+        results.append(result)
+    Path(args.out).write_text(json.dumps({"cost": cost.to_json(), "runs": results}, indent=1) + "\n")
+    over = [
+        f"{r['workers']} worker(s) {k} {100 * r['error_from_calibration'][k]:+.0f}%"
+        for r in results
+        for k in FIGURES
+        if abs(r["error_from_calibration"][k]) > args.tolerance
+    ]
+    print(
+        f"wrote {args.out}; "
+        + (f"over {100 * args.tolerance:.0f}%: {', '.join(over)}" if over else "all within")
+    )
+    return 1 if over else 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plan_command == "calibrate":
         return _calibrate(args)
@@ -259,4 +346,6 @@ def run(args: argparse.Namespace) -> int:
         return _size(args)
     if args.plan_command == "policies":
         return _policies(args)
+    if args.plan_command == "validate":
+        return _validate(args)
     raise AssertionError(args.plan_command)

@@ -5,7 +5,10 @@ prompt of P tokens (a prefill step of P tokens), and S prompts of C tokens decod
 steps of several rows, then decode steps of S rows at context about S * C). Every step after a
 warm-up is one sample: its wall time around ``step()`` (scheduling, the model, sampling and
 detokenizing: what a simulated step must cost) against the batch it ran, read from the engine's own
-step record.
+step record. The first step of each token count is kept apart: it pays a one-off cost for the new
+shape, which the grid's repeats (the same shapes again) do not, and which the linear terms must not
+absorb (it would inflate every small step's fixed cost and leave prefills short); it is fitted on its
+own as ``first_shape``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import platform
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.cost_model import StepCostModel, StepSample, fit
@@ -34,6 +37,8 @@ class Grid:
 # cores; --quick is a few seconds, for tests.
 DEFAULT_GRID = Grid((16, 128, 512), (1, 4, 16, 48), (32, 256, 1024), 12288, 8, 2)
 QUICK_GRID = Grid((16, 128), (1, 4, 8, 16), (32, 192), 4096, 8, 2)
+# One-thread calibration: above this share of step time spent waiting for a core, describe() warns.
+BUSY_HOST_SHARE = 0.05
 
 
 def host_info(threads: int) -> dict[str, Any]:
@@ -61,6 +66,9 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
     rng = random.Random(0)
     vocab = cfg.model.vocab_size
     samples: list[StepSample] = []
+    first_shape: list[StepSample] = []  # steps of a token count this process had not run before
+    seen: set[int] = set()
+    waited = 0.0  # wall - CPU time over the timed steps (one thread: time spent waiting for a core)
     counter = 0
 
     def add(n: int, params: SamplingParams) -> None:
@@ -82,20 +90,23 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
             ):
                 add(join, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
                 join = 0
+            nonlocal waited
             before = eng.metrics.num_steps
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             eng.step()
             seconds = time.perf_counter() - t0
-            if keep and eng.metrics.num_steps > before:
-                batch = eng.metrics.steps[-1].batch
-                samples.append(
-                    StepSample(
-                        num_tokens=sum(n for _, n, _ in batch),
-                        num_seqs=len(batch),
-                        sum_context=sum(n + done for _, n, done in batch),
-                        seconds=seconds,
-                    )
-                )
+            cpu = time.process_time() - cpu0
+            if eng.metrics.num_steps == before:
+                continue
+            batch = eng.metrics.steps[-1].batch
+            tokens = sum(n for _, n, _ in batch)
+            new = tokens not in seen
+            seen.add(tokens)
+            if keep:
+                waited += max(0.0, seconds - cpu)
+                sample = StepSample(tokens, len(batch), sum(n + done for _, n, done in batch), seconds)
+                (first_shape if new else samples).append(sample)
 
     run([24, 130], 4, keep=False)  # warm-up: first-call allocations happen here
     budget, max_len = cfg.max_num_batched_tokens, cfg.max_model_len
@@ -112,7 +123,7 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
                 ):
                     join = max((p for p in grid.prefill_tokens if p <= min(budget, max_len - 2)), default=0)
                     run([c] * s, grid.decode_steps + 1, keep=True, join=join)
-    log(f"{len(samples)} steps timed")
+    log(f"{len(samples) + len(first_shape)} steps timed ({len(first_shape)} of a new token count)")
     settings = {
         "model": model,
         "dtype": str(cfg.dtype).removeprefix("torch."),
@@ -126,14 +137,28 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
         "enable_chunked_prefill": cfg.enable_chunked_prefill,
         "device": str(cfg.device),
     }
-    return fit(samples, host=host_info(torch.get_num_threads()), engine=settings)
+    threads = torch.get_num_threads()
+    cost = fit(samples, host=host_info(threads), engine=settings, first_shape_samples=first_shape)
+    if threads == 1:
+        # A busy host stretches steps by the time the process waits for a core: a model fitted on
+        # such steps predicts that host's load, not the engine. Kept so describe() can say so.
+        total = sum(s.seconds for s in samples) + sum(s.seconds for s in first_shape)
+        cost = replace(cost, fit={**cost.fit, "waiting_for_cpu_share": waited / total})
+    return cost
 
 
 def describe(cost: StepCostModel) -> str:
     f = cost.fit
-    return (
+    text = (
         f"T(step) = {cost.fixed * 1e3:.3f} ms + {cost.per_token * 1e6:.2f} us/token + "
-        f"{cost.per_seq * 1e6:.2f} us/seq + {cost.per_context * 1e9:.2f} ns/context token\n"
+        f"{cost.per_seq * 1e6:.2f} us/seq + {cost.per_context * 1e9:.2f} ns/context token "
+        f"(+ {cost.first_shape * 1e3:.2f} ms the first time a token count runs)\n"
         f"fit over {int(f.get('num_samples', 0))} steps: relative RMS error "
         f"{100 * f.get('rel_rms', 0):.1f}%, worst {100 * f.get('rel_max', 0):.1f}%"
     )
+    waited = f.get("waiting_for_cpu_share")
+    if waited is not None:
+        text += f"\nwaiting for a core: {100 * waited:.1f}% of step time"
+        if waited > BUSY_HOST_SHARE:
+            text += " (the host is busy: the model includes its load; calibrate again on a quiet host)"
+    return text

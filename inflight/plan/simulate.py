@@ -46,6 +46,17 @@ class SimRequest:
 
 
 @dataclass(frozen=True)
+class ServicePath:
+    """The service path around each engine, in seconds; all 0 for an in-process engine (what
+    calibrate times). Measured, not guessed: `inflight bench service` reports the intake ("gateway
+    enqueue -> worker claim") and delivery stages, `inflight plan validate` the loop's time per step."""
+
+    intake_s: float = 0.0  # at the gateway -> in its worker's fetch queue (produce, broker fetch wait)
+    delivery_s: float = 0.0  # a token sampled -> at the client (Redis publish, SSE): adds to TTFT only
+    step_overhead_s: float = 0.0  # the serving loop's time between two steps (outputs out, commands in)
+
+
+@dataclass(frozen=True)
 class FleetConfig:
     workers: int
     partitions: int | None = None  # None: one per worker
@@ -54,6 +65,11 @@ class FleetConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # overrides of the cost model's settings
     sample_workers: int | None = None  # simulate only workers 0..k-1 (see simulate())
     fast_path: bool = True  # apply runs of identical decode steps at once (off: step by step)
+    service: ServicePath = ServicePath()
+    # Workers start cold: each step of a token count its worker has not run (nor warmed up with, in
+    # warm_shapes) pays cost.first_shape. Off by default: a long-running worker has seen them all.
+    cold_shapes: bool = False
+    warm_shapes: frozenset[int] = frozenset()
 
     @property
     def num_partitions(self) -> int:
@@ -70,6 +86,8 @@ class _Worker:
     busy: bool = False
     steps: int = 0
     fast_steps: int = 0
+    busy_s: float = 0.0  # time in steps (and the loop's overhead between them)
+    seen: set[int] | None = None  # token counts run so far (None: shapes are not modelled)
     in_flight: Any = None  # the SchedulerOutput of the step now running (None: a fast-forward)
 
 
@@ -159,13 +177,15 @@ def simulate(
     for w in range(simulated):
         kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=False)
         worker = _Worker(w, None, deque(), deque())  # type: ignore[arg-type]
+        worker.seen = set(fleet.warm_shapes) if fleet.cold_shapes else None
         worker.sched = Scheduler(cfg, kv, {-1}, cost=cost, clock=_clock_of(worker))
         workers.append(worker)
     owner = [p % fleet.workers for p in range(n_part)]
     routed = [(i, r, owner[r.partition_key % n_part]) for i, r in enumerate(requests)]
     routed = [x for x in routed if x[2] < simulated]
+    intake = fleet.service.intake_s
     for _, r, w in routed:
-        workers[w].next_arrival.append(r.arrival)
+        workers[w].next_arrival.append(r.arrival + intake)
 
     pending = 0
     rejected = 0
@@ -183,7 +203,7 @@ def simulate(
         if req.status == RequestStatus.FINISHED_ERROR or t.first_token is None:
             slo_rejected += 1
             return
-        ttft.append(t.first_token - t.arrival)
+        ttft.append(t.first_token + fleet.service.delivery_s - t.arrival)
         n = req.num_output_tokens
         out_tokens += n
         per_token = None
@@ -194,7 +214,7 @@ def simulate(
             slo[1] is None or per_token is None or per_token <= slo[1]
         ):
             num_good += 1
-        last_end = max(last_end, t.finished or t.first_token)
+        last_end = max(last_end, (t.finished or t.first_token) + fleet.service.delivery_s)
 
     def fetch(wk: _Worker) -> None:
         nonlocal pending
@@ -205,7 +225,11 @@ def simulate(
 
     def start_step(wk: _Worker) -> None:
         sched = wk.sched
-        end = _fast_forward(wk, cost, fleet.max_waiting, record) if fleet.fast_path else None
+        end = (
+            _fast_forward(wk, cost, fleet.max_waiting, record, fleet.service.step_overhead_s)
+            if fleet.fast_path
+            else None
+        )
         if end is not None:
             wk.busy, wk.in_flight = True, None
             heapq.heappush(heap, (end, wk.index))
@@ -220,9 +244,14 @@ def simulate(
         context = 0
         for rid, n in out.num_scheduled_tokens.items():
             context += sched.requests[rid].num_computed_tokens + n
-        dt = cost.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
+        dt = (
+            cost.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
+            + fleet.service.step_overhead_s
+        )
+        dt += _first_shape(wk, cost, out.total_num_scheduled_tokens)
         wk.busy = True
         wk.steps += 1
+        wk.busy_s += dt
         heapq.heappush(heap, (wk.now + dt, wk.index))
         wk.in_flight = out
 
@@ -244,7 +273,9 @@ def simulate(
 
     i = 0
     while i < len(routed) or heap:
-        if heap and (i >= len(routed) or heap[0][0] <= routed[i][1].arrival):
+        # A request reaches its worker's queue intake_s after it arrives; a constant delay keeps the
+        # arrival order (the gateway's pending count thus starts at that instant, a small undercount).
+        if heap and (i >= len(routed) or heap[0][0] <= routed[i][1].arrival + intake):
             t, w = heapq.heappop(heap)
             end_step(workers[w], t)
             continue
@@ -270,7 +301,7 @@ def simulate(
         )
         wk.queue.append((idx, req))
         if not wk.busy:
-            wk.now = max(wk.now, r.arrival)
+            wk.now = max(wk.now, r.arrival + intake)
             fetch(wk)
             start_step(wk)
 
@@ -294,11 +325,24 @@ def simulate(
         "duration_s": span,
         "steps": num_steps,
         "fast_forwarded_steps": sum(wk.fast_steps for wk in workers),
+        # Share of the simulated workers' time spent stepping: queueing delay grows as 1 / (1 - this),
+        # so a step-time error of a few tens of percent moves TTFT near saturation by far more.
+        "utilisation": sum(wk.busy_s for wk in workers) / (span * simulated) if span > 0 else math.nan,
         "sim_wall_s": time.perf_counter() - wall0,
     }
 
 
-def _fast_forward(wk: _Worker, cost: StepCostModel, max_waiting: int | None, record: Any) -> float | None:
+def _first_shape(wk: _Worker, cost: StepCostModel, num_tokens: int) -> float:
+    """The one-off cost of the worker's first step of ``num_tokens`` tokens (0 if not modelled)."""
+    if wk.seen is None or num_tokens in wk.seen:
+        return 0.0
+    wk.seen.add(num_tokens)
+    return cost.first_shape
+
+
+def _fast_forward(
+    wk: _Worker, cost: StepCostModel, max_waiting: int | None, record: Any, overhead: float = 0.0
+) -> float | None:
     """Apply k > 1 decode-only steps at once when nothing could change the batch sooner; returns when
     they end (the worker's clock is already there: what finished has finished), None if not."""
     sched = wk.sched
@@ -317,6 +361,8 @@ def _fast_forward(wk: _Worker, cost: StepCostModel, max_waiting: int | None, rec
         min(r.max_tokens or max_len, max_len - r.num_prompt_tokens) - r.num_output_tokens for r in running
     )
     num_seqs = len(running)
+    if wk.seen is not None and num_seqs not in wk.seen:
+        return None  # its first step pays the new shape: stepped alone, the run follows
     context = sum(r.num_tokens for r in running)
     room = max_waiting is None or sched.num_waiting < max_waiting
     if room and wk.next_arrival:
@@ -325,7 +371,7 @@ def _fast_forward(wk: _Worker, cost: StepCostModel, max_waiting: int | None, rec
         lo, hi = 1, k
         while lo < hi:  # the largest m <= k with the first m - 1 steps ending before the horizon
             mid = (lo + hi + 1) // 2
-            if cost.decode_run_time(num_seqs, context, mid - 1) < horizon:
+            if cost.decode_run_time(num_seqs, context, mid - 1) + (mid - 1) * overhead < horizon:
                 lo = mid
             else:
                 hi = mid - 1
@@ -339,7 +385,8 @@ def _fast_forward(wk: _Worker, cost: StepCostModel, max_waiting: int | None, rec
     )
     if need > kv.num_free_blocks:
         return None
-    end = wk.now + cost.decode_run_time(num_seqs, context, k)
+    run = cost.decode_run_time(num_seqs, context, k) + k * overhead
+    end = wk.now + run
     for r in list(running):
         kv.allocate_slots(r, k)
         r.num_computed_tokens += k
@@ -354,4 +401,5 @@ def _fast_forward(wk: _Worker, cost: StepCostModel, max_waiting: int | None, rec
             record(r)
     wk.steps += k
     wk.fast_steps += k
+    wk.busy_s += run
     return end

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cost_model import StepCostModel
-from inflight.plan.simulate import FleetConfig, SimRequest, simulate
+from inflight.plan.simulate import FleetConfig, ServicePath, SimRequest, simulate
 
 MAX_REJECTED = 0.01
 
@@ -29,7 +29,13 @@ class Target:
 
 
 def fleet_for(
-    workers: int, rate: float, target: Target, sample: int | None, engine: dict[str, Any], max_waiting: int
+    workers: int,
+    rate: float,
+    target: Target,
+    sample: int | None,
+    engine: dict[str, Any],
+    max_waiting: int,
+    service: ServicePath | None = None,
 ) -> FleetConfig:
     return FleetConfig(
         workers=workers,
@@ -38,6 +44,7 @@ def fleet_for(
         max_waiting=max_waiting,
         engine=engine,
         sample_workers=sample if sample is not None and sample < workers else None,
+        service=service or ServicePath(),
     )
 
 
@@ -60,12 +67,13 @@ def search(
     engine: dict[str, Any] | None = None,
     max_workers: int = 4096,
     max_waiting: int = 16,
+    service: ServicePath | None = None,
 ) -> tuple[int | None, list[dict[str, Any]]]:
     """(smallest passing worker count or None, every simulated point in worker order)."""
     tried: dict[int, dict[str, Any]] = {}
 
     def check(n: int) -> bool:
-        fleet = fleet_for(n, rate, target, sample, engine or {}, max_waiting)
+        fleet = fleet_for(n, rate, target, sample, engine or {}, max_waiting, service)
         tried[n] = simulate(workload(fleet), cost, fleet)
         tried[n]["meets_slo"] = meets(tried[n], target)
         return bool(tried[n]["meets_slo"])

@@ -26,6 +26,19 @@ def test_fit_recovers_exact_coefficients() -> None:
     assert got.fit["rel_rms"] < 1e-9
 
 
+def test_first_steps_of_a_shape_are_fitted_apart() -> None:
+    # The first step of each token count costs 3 ms more (one step of them 40 ms more: descheduled).
+    # Mixed into the linear fit they would bend every term; kept apart they give first_shape alone.
+    truth = StepCostModel(0.004, 5e-5, 1e-4, 2e-6)
+    cold = [StepSample(t, 1, t, truth.step_time(t, 1, t) + 0.003) for t in (3, 17, 99, 300)]
+    cold.append(StepSample(400, 1, 400, truth.step_time(400, 1, 400) + 0.040))
+    got = fit(_samples(truth), first_shape_samples=cold)
+    assert got.fixed == pytest.approx(truth.fixed, rel=1e-6)
+    assert got.first_shape == pytest.approx(0.003, rel=1e-6)  # the median, not the mean
+    assert got.fit["num_first_shape_samples"] == 5
+    assert fit(_samples(truth)).first_shape == 0.0
+
+
 def test_fit_never_goes_negative() -> None:
     # Time falls with rows here (a least-squares fit would give per_seq < 0): NNLS pins it at 0.
     samples = [StepSample(t, s, 0, 0.01 + 1e-4 * t - 1e-5 * s) for t in (8, 64, 256) for s in (1, 4, 8)]
@@ -54,10 +67,14 @@ def test_max_chunk() -> None:
 
 def test_json_round_trip_and_rejects_unknown_fields(tmp_path: Path) -> None:
     m = StepCostModel(
-        0.001, 2e-5, 0.0, 1e-7, host={"cpu": "x"}, engine={"block_size": 16}, fit={"rel_rms": 0.1}
+        0.001, 2e-5, 0.0, 1e-7, 0.004, host={"cpu": "x"}, engine={"block_size": 16}, fit={"rel_rms": 0.1}
     )
     m.save(tmp_path / "c.json")
     assert StepCostModel.load(tmp_path / "c.json") == m
+    # A model saved before first_shape existed loads with none.
+    old = m.to_json()
+    del old["first_shape"]
+    assert StepCostModel.from_json(old).first_shape == 0.0
     raw = json.loads((tmp_path / "c.json").read_text())
     raw["per_flop"] = 1.0
     with pytest.raises(ValueError, match="per_flop"):

@@ -4,13 +4,14 @@ the gateway's bound and the partition assignment, and the plan CLI end to end.""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from engine.cost_model import StepCostModel
 from inflight.cli import main
-from inflight.plan.simulate import FleetConfig, SimRequest, simulate
+from inflight.plan.simulate import FleetConfig, ServicePath, SimRequest, simulate
 from inflight.plan.traffic import sampled_partitions, synthetic
 
 # 10 ms a step, 0.1 ms a token, 0.2 ms a row, 1 us a context token.
@@ -31,6 +32,24 @@ def test_one_request_takes_exactly_the_cost_models_steps() -> None:
     assert r["tpot_p50_s"] == pytest.approx(sum(decodes) / 4, rel=1e-12)
     assert r["duration_s"] == pytest.approx(1.0 + prefill + sum(decodes), rel=1e-12)
     assert r["steps"] == 5 and r["fast_forwarded_steps"] == 4  # four decodes applied at once
+
+
+def test_service_path_and_new_shapes_add_exactly_their_cost() -> None:
+    # 4 ms to reach the worker, 2 ms to reach the client, 1 ms of loop a step; a cold worker that has
+    # run 100-token steps (its warm-up) pays 5 ms for its first 1-token step only.
+    cost = replace(COST, first_shape=0.005)
+    svc = ServicePath(intake_s=0.004, delivery_s=0.002, step_overhead_s=0.001)
+    fleet = FleetConfig(workers=1, service=svc, cold_shapes=True, warm_shapes=frozenset({100}))
+    r = simulate([SimRequest(1.0, 100, 5, 0)], cost, fleet)
+    prefill = COST.step_time(100, 1, 100) + 0.001
+    decodes = [COST.step_time(1, 1, 101 + k) + 0.001 for k in range(4)]
+    assert r["ttft_p50_s"] == pytest.approx(0.004 + prefill + 0.002, rel=1e-12)
+    assert r["tpot_p50_s"] == pytest.approx((sum(decodes) + 0.005) / 4, rel=1e-12)
+    assert r["duration_s"] == pytest.approx(1.0 + 0.004 + prefill + sum(decodes) + 0.005 + 0.002, rel=1e-12)
+    # Warm (the default): no first-shape cost, and the decode run is applied at once again.
+    warm = simulate([SimRequest(1.0, 100, 5, 0)], cost, FleetConfig(workers=1, service=svc))
+    assert warm["tpot_p50_s"] == pytest.approx(sum(decodes) / 4, rel=1e-12)
+    assert warm["fast_forwarded_steps"] == 4 and r["fast_forwarded_steps"] == 3
 
 
 def test_fast_path_equals_step_by_step() -> None:

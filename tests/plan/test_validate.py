@@ -12,13 +12,24 @@ only within a factor (see GROSS).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from bench.workload import LengthMix, synthetic
-from engine.cost_model import StepCostModel, fit
+from engine.cost_model import StepCostModel
 from inflight.cli import main
-from inflight.plan.validate import compare, measure, predict
+from inflight.plan.validate import (
+    compare,
+    diagnose,
+    figures,
+    measure,
+    predict,
+    refit_on_run,
+    report,
+    step_overhead,
+)
 
 TOLERANCE = 0.25  # simulated with the run's own step costs
 # Simulated with the calibration made seconds before the run. On this shared 2-core host the same trace's
@@ -53,19 +64,50 @@ def run_both(tiny_model_path: Path, tmp_path: Path) -> None:
     mix = LengthMix(short_prompt=(16, 96), long_prompt=(160, 256), long_fraction=0.2, output=(8, 48))
     # Rate chosen so that batches of several requests form and queues are short but not empty.
     specs = synthetic(60, 15.0, 1024, mix=mix, seed=7)
-    measured, samples = measure(str(tiny_model_path), specs, engine_args)
+    runs = measure(str(tiny_model_path), specs, engine_args, in_process=True)
+    measured = figures(specs, runs)
+    # As the run's engine did, simulated workers start having run only the warm-up's token counts.
+    sim: dict[str, Any] = {"step_overhead_s": step_overhead(runs), "warm_shapes": runs[0].warm_shapes}
     # What the planner does: predict from the calibration made beforehand. The host drifts between
     # the two (other work comes and goes), so this bound only catches a broken model or simulator.
-    from_calibration = compare(measured, predict(specs, cost, engine_args))
+    from_calibration = compare(measured, predict(specs, cost, engine_args, **sim))
     # The simulator's own fidelity: the same trace simulated with a model fitted on this run's steps.
-    refit = fit(samples, engine=cost.engine)
-    from_run = compare(measured, predict(specs, refit, engine_args))
+    refit = refit_on_run(runs, cost)
+    predicted = predict(specs, refit, engine_args, **sim)
+    from_run = compare(measured, predicted)
     print(
         {
             k: f"{measured[k]:.4g}: {100 * from_calibration[k]:+.0f}% / {100 * from_run[k]:+.0f}%"
-            for k in measured
+            for k in from_run
         }
     )
     for key in ("output_tok_s", "ttft_p50_s", "tpot_p50_s"):
         assert abs(from_run[key]) <= TOLERANCE, (key, measured[key], from_run[key])
         assert 1 / GROSS <= 1 + from_calibration[key] <= GROSS, (key, measured[key], from_calibration[key])
+
+    # The diagnosis accounts for the run: every step in one kind, the model fitted on them predicts
+    # their total, and the simulated utilisation of that model is the run's within the tolerance.
+    d = diagnose(runs, refit, measured["duration_s"])
+    assert sum(k["steps"] for k in d["by_kind"].values()) == d["steps"] == len(runs[0].steps) > 0
+    predicted_total = sum(k["predicted_s"] for k in d["by_kind"].values())
+    measured_total = sum(k["measured_s"] for k in d["by_kind"].values())
+    assert predicted_total == pytest.approx(measured_total, rel=TOLERANCE)
+    # Random prompt lengths: the run meets token counts its warm-up never ran.
+    assert d["new_shape_steps"] > 0 and d["model_first_shape_ms"] >= 0
+    assert {"decode", "mixed"} <= set(d["by_kind"])  # requests join running batches on this trace
+    assert 0 < d["measured_utilisation"] <= 1.0 + 1e-9
+    assert abs(predicted["utilisation"] - d["measured_utilisation"]) <= TOLERANCE
+    assert 0 <= d["output_processing_share"] < 1 and d["loop_gap_ms_per_step"] >= 0
+    result = {
+        "workers": 1,
+        "threads_per_worker": 1,
+        "num_requests": len(specs),
+        "measured": measured,
+        "predicted_from_calibration": predict(specs, cost, engine_args, **sim),
+        "error_from_calibration": from_calibration,
+        "predicted_from_run_steps": predicted,
+        "error_from_run_steps": from_run,
+        "diagnosis": d,
+    }
+    text = report(result)
+    assert "ttft_p99_s" in text and "utilisation: measured" in text and "decode" in text
