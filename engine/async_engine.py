@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -48,6 +49,10 @@ class AsyncLLMEngine:
     @property
     def config(self) -> Any:
         return self.engine.config
+
+    @property
+    def pid(self) -> int:
+        return os.getpid()  # the loop is a thread of this process
 
     @property
     def max_model_len(self) -> int:

@@ -25,6 +25,10 @@ class EngineClient(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
+    def pid(self) -> int | None:
+        """The process that steps the engine (None before it starts)."""
+
+    @property
     def metrics(self) -> EngineMetrics: ...
 
     @property

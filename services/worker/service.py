@@ -73,6 +73,7 @@ class Worker:
         self._consumer_tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget, referenced until done
         self._stopped = asyncio.Event()
+        self._drain_started = False
 
     @property
     def draining(self) -> bool:
@@ -99,8 +100,11 @@ class Worker:
     async def drain(self) -> None:
         """SIGTERM: stop fetching, let in-flight requests finish within the grace period, hand the rest
         back (their leases released, offsets uncommitted: another worker resumes them from the log)."""
-        if self.draining:
+        # Its own flag, not ``draining``: a dead engine also stops the intake, and that worker must
+        # still exit on SIGTERM (it waited for the kill at the end of the grace period).
+        if self._drain_started:
             return
+        self._drain_started = True
         self.intake.stopped = True
         deadline = time.monotonic() + self.settings.drain_timeout_s
         log.info("draining %d requests (up to %.0fs)", len(self.runs), self.settings.drain_timeout_s)
@@ -274,6 +278,7 @@ class Worker:
             "num_waiting": self.engine.num_waiting,
             "num_running": self.engine.num_running,
             "kv": self.engine.kv_stats(),
+            "engine_pid": self.engine.pid,
             "partitions": sorted(tp.partition for tp in self.consumer.assignment()) if self.consumer else [],
             "publisher_healthy": self.publisher.healthy,
         }

@@ -7,9 +7,12 @@ equal an uninterrupted run's, token for token.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
@@ -80,6 +83,31 @@ def test_sigkill_mid_stream_resumes_on_the_other_worker(two_workers: Stack) -> N
     _check_log(stack, request_id, num_workers=2)
     record = stack.redis_client().hgetall(keys.record(request_id))
     assert int(record["resumed_tokens"]) >= 20
+
+
+def test_a_killed_engine_core_hands_back_to_the_other_worker(two_workers: Stack) -> None:
+    """The OOM killer picks the biggest process: the engine core, not its worker. The worker must see
+    its engine gone, hand the request back and step aside; the other worker resumes it exactly."""
+    stack = two_workers
+    reference = stack.client(timeout=120).completions.create(**PARAMS).choices[0].text
+    doomed: list[ServiceProcess] = []
+
+    def kill_engine_core(request_id: str) -> None:
+        owner = _owner(stack, request_id)
+        core_pid = worker_stats(owner)["engine_pid"]
+        assert core_pid != owner.proc.pid  # the core runs in a process of its own
+        os.kill(core_pid, signal.SIGKILL)
+        doomed.append(owner)
+
+    request_id, text = _stream_with(stack, kill_engine_core)
+    assert text == reference
+    _check_log(stack, request_id, num_workers=2)
+    (owner,) = doomed
+    assert owner.proc.poll() is None  # the worker lives on, and says its engine is dead
+    assert httpx.get(f"{owner.url}/healthz", timeout=10).status_code == 500
+    ready = httpx.get(f"{owner.url}/readyz", timeout=10)
+    assert ready.status_code == 503 and ready.json()["partitions"] == []
+    assert owner.stop(timeout_s=15) == 0  # and SIGTERM still stops it (a dead engine stops no drain)
 
 
 def test_sigterm_drain_hands_back_unfinished_work(

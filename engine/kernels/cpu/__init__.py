@@ -25,8 +25,10 @@ _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
 
 
 def build_dir() -> Path:
-    """Cache folder keyed by what the binary depends on: the source, the flags, torch's version."""
+    """Cache folder keyed by what the binary depends on: the source, the flags, torch's version, and
+    the paths ninja's command names (two checkouts sharing one folder rebuilt it on every load)."""
     key = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
+    key.update(f"{_HERE.resolve()}:{Path(torch.__file__).resolve()}".encode())
     for path in _SOURCES + _HEADERS:
         key.update(path.read_bytes())
     root = os.environ.get("INFLIGHT_CPU_EXT_DIR") or Path.home() / ".cache" / "inflight" / "cpu_ext"
