@@ -15,6 +15,7 @@ Writes ``peers.json`` and prints a Markdown table. Needs ``make bench-peers`` fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import time
@@ -48,6 +49,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe", action="store_true", help="also run the decode probe per dtype")
     p.add_argument("--no-vllm", action="store_true", help="the engine alone (no .venv-peers needed)")
     p.add_argument("--vllm-compile", action="store_true", help="let vLLM torch.compile (default: eager)")
+    p.add_argument(
+        "--async-scheduling",
+        choices=["auto", "on", "off", "both"],
+        default="auto",
+        help="the engine's async_scheduling (auto: its own rule); both: runs with it off (the main "
+        "figures), then once with it on, and reports async_tok_s and async_over_sync",
+    )
     p.add_argument("--out", default="bench-results/peers")
 
 
@@ -62,6 +70,10 @@ def run_config(
 
     mc = ModelConfig.from_path(model)
     mix = LengthMix()
+    engine_args: dict[str, Any] = {"dtype": dtype, "enable_prefix_caching": False}
+    overlap = {"on": True, "off": False, "both": False}.get(args.async_scheduling)
+    if overlap is not None:
+        engine_args["async_scheduling"] = overlap
     config = TargetConfig(
         model=model,
         max_num_seqs=batch,
@@ -69,7 +81,7 @@ def run_config(
         block_size=args.block_size,
         max_model_len=mix.long_prompt[1] + mix.output[1] + args.block_size,
         seed=args.seed,
-        engine_args={"dtype": dtype, "enable_prefix_caching": False},
+        engine_args=engine_args,
         vllm_eager=not args.vllm_compile,
     )
     specs = synthetic(args.num_requests, math.inf, mc.vocab_size, mix=mix, seed=args.seed, prefix="peer")
@@ -93,6 +105,23 @@ def run_config(
         if "vllm_tok_s" in row:
             row["ratio"] = row["inflight_tok_s"] / row["vllm_tok_s"]
             row["ratio_per_cpu_s"] = row["inflight_tok_per_cpu_s"] / row["vllm_tok_per_cpu_s"]
+        if args.async_scheduling == "both":
+            session.release("continuous")
+            lagged = dataclasses.replace(config, engine_args={**engine_args, "async_scheduling": True})
+            on = Session(lagged, out, None, mc.vocab_size)
+            try:
+                on_run, so = on.run("continuous", specs, f"{dtype}_{batch}_async", math.inf)
+            finally:
+                on.close()
+            row["async_tok_s"] = _tok_s(so)
+            row["async_over_sync"] = row["async_tok_s"] / row["inflight_tok_s"]
+            same = identical_outputs(first, on_run)
+            row["async_identical"] = f"{same['identical']}/{same['compared']}"
+            print(
+                f"async scheduling: {row['async_tok_s']:.1f} tok/s on vs {row['inflight_tok_s']:.1f} off "
+                f"({row['async_over_sync']:.2f}x), identical outputs {row['async_identical']}",
+                flush=True,
+            )
         if args.static:
             _, ss = session.run("static", specs, f"{dtype}_{batch}", math.inf)
             row["static_tok_s"] = _tok_s(ss)
@@ -131,6 +160,7 @@ def main(args: argparse.Namespace) -> int:
         "avx512f": "avx512f" in cpu_flags(),
         "threads": threads,
         "auto_dtype": auto,
+        "async_scheduling": args.async_scheduling,
     }
     print(f"host: {host}", flush=True)
     probes: dict[str, Any] = {}

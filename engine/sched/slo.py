@@ -106,8 +106,15 @@ class SLOQueue:
 
 
 def step_time_cap(running: list[Request]) -> float | None:
-    """The tightest TPOT deadline among running requests already streaming tokens (None: no bound)."""
-    caps = [r.slo_tpot_s for r in running if r.slo_tpot_s is not None and r.timeline.first_token is not None]
+    """The tightest TPOT deadline among running requests already streaming tokens (None: no bound).
+
+    Async scheduling: a first token still in flight (a placeholder) counts; the request decodes now.
+    """
+    caps = [
+        r.slo_tpot_s
+        for r in running
+        if r.slo_tpot_s is not None and (r.timeline.first_token is not None or r.num_output_placeholders)
+    ]
     return min(caps) if caps else None
 
 

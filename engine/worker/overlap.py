@@ -22,7 +22,7 @@ it from tokens_N (on CUDA that waits for step N: a cost paid only by steps with 
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -82,6 +82,10 @@ class StepOverlap:
     def submit(self, out: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
         start = time.perf_counter()
         runner = self.runner
+        if self._pool is not None and runner.staging is not None and prev is not None:
+            # The persistent input buffers on a CPU (tests only; production stages on CUDA, where the
+            # stream orders their reuse): the running step may still read them.
+            wait([prev.future])
         runner.update_rows(out)
         inputs = runner.prepare(out)
         step, pending = self._plan(out, inputs, prev)
