@@ -107,6 +107,13 @@ class SampledTensors:
         return SamplerOutput(token_ids, logprobs)
 
 
+def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indexes on ``device``. On CUDA through pinned memory: indexing with a Python list copies
+    it synchronously, which would make the host wait for the step (async scheduling)."""
+    host = torch.tensor(rows, dtype=torch.int64)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t, non_blocking=True)
@@ -351,10 +358,14 @@ class Sampler:
             b_rows, b_tokens = torch.tensor(banned, dtype=torch.long, device=device).unbind(dim=1)
             work[b_rows, b_tokens] = float("-inf")
 
-        tokens = argmax_rows(work)  # right for greedy rows; random rows are overwritten below
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_rows:
-            tokens[random_rows] = self._draw(work[random_rows], [rows[i] for i in random_rows])
+        if len(random_rows) == n:
+            tokens = self._draw(work, rows)
+        else:
+            tokens = argmax_rows(work)  # right for greedy rows; random rows are overwritten below
+            if random_rows:
+                idx = _index(random_rows, device)
+                tokens[idx] = self._draw(work[idx], [rows[i] for i in random_rows])
         return self._logprobs(logits, rows, tokens)
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -391,7 +402,8 @@ class Sampler:
         nums = [rows[i].params.logprobs or 0 for i in want]
         if not want:
             return SampledTensors(tokens, [], [])
-        logprobs = torch.log_softmax(raw[want], dim=-1)  # [w, V], before penalties and temperature
+        idx = _index(want, raw.device)
+        logprobs = torch.log_softmax(raw[idx], dim=-1)  # [w, V], before penalties and temperature
         top_vals, top_ids = logprobs.topk(max(nums), dim=-1)  # k == 0 gives [w, 0]
-        sampled = logprobs.gather(1, tokens[want][:, None]).squeeze(1)
+        sampled = logprobs.gather(1, tokens[idx][:, None]).squeeze(1)
         return SampledTensors(tokens, want, nums, top_vals, top_ids, sampled)
