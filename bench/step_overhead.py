@@ -2,8 +2,8 @@
 
 The engine steps on its own thread, but in the worker it shares one Python interpreter (one GIL) with the
 event loop that fetches from Kafka, publishes tokens to Redis and answers probes. This measures the
-engine's own step time (``StepRecord.duration``: schedule + inputs + model + sampling) two ways, with the
-same stack up (broker, Redis, gateway) and the same engine object, threads and workload:
+engine's own step time (``StepRecord.duration``: schedule + inputs + model + sampling) three ways, with the
+same stack up (broker, Redis, gateway) and the same model, threads and workload:
 
     in the worker   the ``Worker`` runs in this process, fed through the gateway by HTTP clients, its
                     engine loop on a thread here (INFLIGHT_ENGINE_PROCESS=false);
