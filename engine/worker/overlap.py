@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling.sampler import SampledTensors, SamplingRow
+from engine.sampling.sampled import SampledTensors
+from engine.sampling.sampler import SamplingRow
 from engine.sched.output import SchedulerOutput
 from engine.worker.input_batch import CachedRequestState
 from engine.worker.step_io import PreparedInputs, RunnerOutput

@@ -150,6 +150,24 @@ def test_mixed_traffic_matches_the_synchronous_path(tiny_llama_path: Path, pool:
             assert seq[: len(other)] == other[: len(seq)], rid
 
 
+def test_inline_launches_match_too(tiny_llama_path: Path) -> None:
+    """The CUDA structure on the CPU: each step runs inside submit() (the stream would queue it) and
+    its result is collected a step later. Same outputs as the synchronous path."""
+    arrivals, aborts = mixed_traffic(seed=13)
+    runs = {}
+    for on in (False, True):
+        engine = make_engine(tiny_llama_path, on)
+        if engine.runner.overlap is not None:
+            engine.runner.overlap.close()
+            engine.runner.overlap._pool = None
+        runs[on] = drive(engine, arrivals, aborts)
+        assert_drained(engine)
+    aborted = runs[False].aborted | runs[True].aborted
+    for a in arrivals:
+        if a.request_id not in aborted:
+            assert runs[True].tokens[a.request_id] == runs[False].tokens[a.request_id], a.request_id
+
+
 @pytest.mark.parametrize("on", [False, True], ids=["sync", "async"])
 def test_penalties_see_the_token_still_in_flight(tiny_llama_path: Path, on: bool) -> None:
     """Flat logits: greedy with a presence penalty must pick the lowest id not yet output, so every
