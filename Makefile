@@ -59,6 +59,15 @@ bench: setup
 bench-service: setup
 	$(BIN)/inflight bench service --out bench-results
 
+# Issue 13, measured on a quiet host: the scheduling policies on the real engine (about 7 minutes; QUICK=1:
+# the tiny model in about a minute), and the planner's predictions against real engines (about 3 minutes).
+.PHONY: bench-policies plan-validate
+bench-policies: setup
+	$(BIN)/inflight plan policies --real $(if $(QUICK),--quick) --out bench-results/policies
+
+plan-validate: setup
+	$(BIN)/inflight plan validate --workers 1,2 --out bench-results/plan-validate.json
+
 # Failure paths. `make test` runs both briefly (25 fuzz examples, a 24-request soak).
 .PHONY: fuzz chaos
 fuzz: setup

@@ -62,16 +62,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     val.add_argument("--max-num-batched-tokens", type=int, default=512)
     val.add_argument("--max-model-len", type=int, default=1024)
     val.add_argument("--num-blocks", type=int, default=2048)
+    val.add_argument(
+        "--shape-cache", type=int, default=None, help="simulate an LRU of this many warm token counts"
+    )
     val.add_argument("--tolerance", type=float, default=0.2, help="relative error allowed a figure")
     val.add_argument("--out", default="plan-validate.json", help="where to write every figure (JSON)")
 
-    pol = sub.add_parser("policies", help="simulated fcfs vs priority vs slo on bursty arrivals (goodput)")
-    pol.add_argument("--cost", required=True, help="COST.json from inflight plan calibrate")
-    pol.add_argument("--slo", nargs="+", required=True, help="ttft:MS tpot:MS")
-    pol.add_argument("--cvs", default="2,4", help="gamma arrival CVs")
-    pol.add_argument("--loads", default="0.8,1,1.2", help="offered load as fractions of capacity")
-    pol.add_argument("--num-requests", type=int, default=1500)
+    pol = sub.add_parser("policies", help="fcfs vs priority vs slo on bursty arrivals (goodput)")
+    pol.add_argument("--cost", default=None, help="COST.json (--real: default calibrate first)")
+    pol.add_argument("--slo", nargs="+", default=None, help="ttft:MS tpot:MS (--real: default from --cost)")
+    pol.add_argument("--cvs", default=None, help="gamma arrival CVs (default 2,4)")
+    pol.add_argument(
+        "--loads", default=None, help="offered load as fractions of capacity (default 0.8,1,1.2)"
+    )
+    pol.add_argument("--num-requests", type=int, default=1500, help="simulated: requests a run")
     pol.add_argument("--out", default="plan-policies", help="directory for policies.json and policies.png")
+    real = pol.add_argument_group("--real: the engine in process, arrivals replayed in real time")
+    real.add_argument("--real", action="store_true", help="measure on the engine instead of simulating")
+    real.add_argument("--quick", action="store_true", help="tiny model, loads 0.8 and 1.2, 2.5 s runs")
+    real.add_argument("--model", default=None, help="checkpoint (default: bench preset; --quick: tiny)")
+    real.add_argument("--duration", type=float, default=None, help="seconds of arrivals a run")
+    real.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
+    real.add_argument("--max-num-seqs", type=int, default=64)
+    real.add_argument("--max-num-batched-tokens", type=int, default=512)
+    real.add_argument("--seed", type=int, default=0)
 
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,6 +107,13 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intake-ms", type=float, default=0.0, help="gateway -> worker queue latency")
     parser.add_argument("--delivery-ms", type=float, default=0.0, help="token -> client latency")
     parser.add_argument("--step-overhead-ms", type=float, default=0.0, help="serving loop time per step")
+    parser.add_argument(
+        "--shape-cache",
+        type=int,
+        default=None,
+        help="workers keep only this many token counts warm (an LRU): others pay the cost model's "
+        "first_shape again (default: all warm)",
+    )
     parser.add_argument(
         "--sample-workers",
         type=int,
@@ -195,6 +216,8 @@ def _simulate(args: argparse.Namespace) -> int:
         engine=_engine_overrides(args),
         sample_workers=args.sample_workers,
         service=_service(args),
+        cold_shapes=args.shape_cache is not None,
+        shape_cache=args.shape_cache,
     )
     result = simulate(_trace(args.trace, args.model), cost, fleet, _slo(args))
     if args.json:
@@ -242,6 +265,7 @@ def _size(args: argparse.Namespace) -> int:
         max_workers=args.max_workers,
         max_waiting=args.max_waiting,
         service=_service(args),
+        shape_cache=args.shape_cache,
     )
     print(table(points))
     plot(points, target, args.plot)
@@ -263,17 +287,24 @@ def _policies(args: argparse.Namespace) -> int:
     from inflight.plan.policies import compare, plot, table
 
     ttft, tpot = _slo(args)
-    if ttft is None or tpot is None:
+    if args.slo and (ttft is None or tpot is None):
         raise SystemExit("--slo needs both ttft:MS and tpot:MS")
-    result = compare(
-        StepCostModel.load(args.cost),
-        (ttft, tpot),
-        cvs=tuple(float(x) for x in args.cvs.split(",")),
-        loads=tuple(float(x) for x in args.loads.split(",")),
-        num_requests=args.num_requests,
-    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.real:
+        from bench.policy_bench import run_from_args
+
+        result = run_from_args(args, None if ttft is None or tpot is None else (ttft, tpot), out)
+    else:
+        if args.cost is None or ttft is None or tpot is None:
+            raise SystemExit("simulated policies need --cost and --slo ttft:MS tpot:MS")
+        result = compare(
+            StepCostModel.load(args.cost),
+            (ttft, tpot),
+            cvs=tuple(float(x) for x in (args.cvs or "2,4").split(",")),
+            loads=tuple(float(x) for x in (args.loads or "0.8,1,1.2").split(",")),
+            num_requests=args.num_requests,
+        )
     (out / "policies.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out / "policies.png")
     print(table(result))
@@ -320,9 +351,12 @@ def _validate(args: argparse.Namespace) -> int:
     results = []
     for workers in sizes:
         specs = synthetic(args.num_requests * workers, args.rate * workers, vocab, seed=args.seed)
-        result = validate(model, specs, engine_args, cost, workers=workers, threads=threads)
+        result = validate(
+            model, specs, engine_args, cost, workers=workers, threads=threads, shape_cache=args.shape_cache
+        )
         print(report(result, args.tolerance), flush=True)
         results.append(result)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cost": cost.to_json(), "runs": results}, indent=1) + "\n")
     over = [
         f"{r['workers']} worker(s) {k} {100 * r['error_from_calibration'][k]:+.0f}%"

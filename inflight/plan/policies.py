@@ -7,10 +7,8 @@ The mix is the benchmark's (short questions, a quarter long documents); for the 
 questions are urgent (0) and the documents not (1), the one labelling a priority user would choose.
 ``slo+reject`` is the slo policy finishing lost requests early.
 
-The real engine runs the same comparison through the benchmark, one run per policy:
-    inflight bench sweep --process gamma --cv 2 --rates R --slo ttft:MS tpot:MS \\
-        --engine-arg scheduling_policy=slo --engine-arg slo_ttft_s=S --engine-arg slo_tpot_s=S \\
-        --engine-arg slo_cost_model=COST.json [--engine-arg slo_reject=true]
+The real engine runs the same comparison, measured: ``inflight plan policies --real``
+(bench/policy_bench.py, ``make bench-policies``).
 """
 
 from __future__ import annotations
@@ -82,7 +80,8 @@ def compare(
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        f"capacity {result['capacity_req_s']:.3f} req/s (simulated burst)",
+        f"capacity {result['capacity_req_s']:.3f} req/s ({result.get('source', 'simulated')} burst), SLO "
+        f"TTFT {result['slo']['ttft_s'] * 1e3:.0f} ms, TPOT {result['slo']['tpot_s'] * 1e3:.0f} ms",
         f"{'cv':>4} {'load':>5} {'policy':<11} {'goodput':>8} {'x fcfs':>7} {'TTFT p99':>9} "
         f"{'TPOT p99':>9} {'dropped':>7}",
     ]
@@ -125,9 +124,8 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
             if key != "goodput_req_s":
                 ax.set_yscale("log")
             ax.legend(fontsize=8)
-    fig.suptitle(
-        f"simulated: SLO TTFT {result['slo']['ttft_s'] * 1e3:g} ms, TPOT {result['slo']['tpot_s'] * 1e3:g} ms"
-    )
+    slo, source = result["slo"], result.get("source", "simulated")
+    fig.suptitle(f"{source}: SLO TTFT {slo['ttft_s'] * 1e3:.0f} ms, TPOT {slo['tpot_s'] * 1e3:.0f} ms")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

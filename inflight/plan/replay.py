@@ -14,7 +14,11 @@ Besides token times, every step is recorded with what a step-cost model cannot s
                process waited for a core (other work on the host), which no model of the engine has
     gap        busy time between the end of one step and the start of the next (the loop's own work)
     new_shape  the first step of this many tokens in the process: kernels specialised on the shape
-               (oneDNN primitives, allocator growth) pay a first-call cost there
+               pay a first-call cost there (bf16 on CPU: oneDNN creates a matmul primitive per row
+               count, ONEDNN_VERBOSE=2 shows create:cache_miss for each new one)
+    recency    how many other token counts ran since this one last did (-1: never): oneDNN keeps
+               its primitives in an LRU cache (1,024 by default, four linear shapes a token count),
+               so a count unused for long enough pays the first-call cost again
 and the garbage collector's pauses (``gc.callbacks``) over the run.
 """
 
@@ -24,6 +28,7 @@ import gc
 import multiprocessing as mp
 import queue
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +46,7 @@ class StepTiming:
     sum_context: int
     num_decode_rows: int
     new_shape: bool
+    recency: int = -1
 
 
 @dataclass
@@ -73,8 +79,9 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
     """Replay ``specs`` (sorted by arrival, seconds after ``t0`` on the monotonic clock) on ``engine``."""
     from engine.sampling_params import SamplingParams
 
-    seen = _warm_shapes(engine)
-    run = WorkerRun({s.request_id: [] for s in specs}, warm_shapes=frozenset(seen))
+    warm = _warm_shapes(engine)
+    run = WorkerRun({s.request_id: [] for s in specs}, warm_shapes=frozenset(warm))
+    order = OrderedDict.fromkeys(sorted(warm))  # token counts, least recently run first
     timer = _GCTimer()
     gc.callbacks.append(timer)
     last_end: float | None = None
@@ -117,10 +124,10 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
                             for rid, n, done in rec.batch
                             if n == 1 and done >= prompt_lens.get(rid, 1 << 30)
                         ),
-                        new_shape=tokens not in seen,
+                        new_shape=tokens not in order,
+                        recency=_touch(order, tokens),
                     )
                 )
-                seen.add(tokens)
             last_end = end
             t = end - t0
             for out in outputs:
@@ -129,6 +136,16 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
         gc.callbacks.remove(timer)
     run.gc_pause_s, run.gc_collections = timer.total, timer.count
     return run
+
+
+def _touch(order: OrderedDict[int, None], tokens: int) -> int:
+    """Mark ``tokens`` as just run; returns how many other counts ran since it last did (-1: never)."""
+    if tokens in order:
+        recency = len(order) - 1 - list(order).index(tokens)
+        order.move_to_end(tokens)
+        return recency
+    order[tokens] = None
+    return -1
 
 
 def _warm_shapes(engine: Any) -> set[int]:

@@ -23,57 +23,20 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.cost_model import StepCostModel
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
+from inflight.plan.fleet import FleetConfig, ServicePath, SimRequest, engine_config
 
 _TOKEN = 7  # every simulated sample: its value never matters (EOS is ignored)
-
-
-@dataclass(frozen=True)
-class SimRequest:
-    arrival: float
-    prompt_len: int
-    output_len: int
-    partition_key: int  # hashed to a partition (the real key is the session or prefix)
-    priority: int = 0  # the priority policy's order (smaller first)
-
-
-@dataclass(frozen=True)
-class ServicePath:
-    """The service path around each engine, in seconds; all 0 for an in-process engine (what
-    calibrate times). Measured, not guessed: `inflight bench service` reports the intake ("gateway
-    enqueue -> worker claim") and delivery stages, `inflight plan validate` the loop's time per step."""
-
-    intake_s: float = 0.0  # at the gateway -> in its worker's fetch queue (produce, broker fetch wait)
-    delivery_s: float = 0.0  # a token sampled -> at the client (Redis publish, SSE): adds to TTFT only
-    step_overhead_s: float = 0.0  # the serving loop's time between two steps (outputs out, commands in)
-
-
-@dataclass(frozen=True)
-class FleetConfig:
-    workers: int
-    partitions: int | None = None  # None: one per worker
-    max_pending: int | None = None  # gateway admission bound (None: unbounded)
-    max_waiting: int | None = 16  # worker fetch bound: engine waiting queue
-    engine: dict[str, Any] = field(default_factory=dict)  # overrides of the cost model's settings
-    sample_workers: int | None = None  # simulate only workers 0..k-1 (see simulate())
-    fast_path: bool = True  # apply runs of identical decode steps at once (off: step by step)
-    service: ServicePath = ServicePath()
-    # Workers start cold: each step of a token count its worker has not run (nor warmed up with, in
-    # warm_shapes) pays cost.first_shape. Off by default: a long-running worker has seen them all.
-    cold_shapes: bool = False
-    warm_shapes: frozenset[int] = frozenset()
-
-    @property
-    def num_partitions(self) -> int:
-        return self.partitions or self.workers
+# The inputs live in fleet.py; named here too, where callers have always imported them from.
+__all__ = ["FleetConfig", "ServicePath", "SimRequest", "engine_config", "simulate"]
 
 
 @dataclass
@@ -87,53 +50,8 @@ class _Worker:
     steps: int = 0
     fast_steps: int = 0
     busy_s: float = 0.0  # time in steps (and the loop's overhead between them)
-    seen: set[int] | None = None  # token counts run so far (None: shapes are not modelled)
+    seen: OrderedDict[int, None] | None = None  # token counts kept warm, least recent first (None: off)
     in_flight: Any = None  # the SchedulerOutput of the step now running (None: a fast-forward)
-
-
-def engine_config(cost: StepCostModel, overrides: dict[str, Any]) -> Any:
-    """An EngineConfig for the scheduler alone, from the settings the cost model was measured with."""
-    import torch
-
-    from engine.config import EngineConfig, ModelConfig
-
-    s = {**cost.engine, **overrides}
-    model = ModelConfig.from_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 32,
-            "hidden_size": 8,
-            "intermediate_size": 8,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 1,
-            "max_position_embeddings": int(s.get("max_model_len", 2048)),
-        }
-    )
-    return EngineConfig(
-        model_path="<simulated>",
-        model=model,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        max_model_len=int(s.get("max_model_len", 2048)),
-        max_num_seqs=int(s.get("max_num_seqs", 64)),
-        max_num_batched_tokens=int(s.get("max_num_batched_tokens", 512)),
-        block_size=int(s.get("block_size", 16)),
-        # Trace prompts are random token ids: no prefix is ever shared, so the index would only cost time.
-        enable_prefix_caching=False,
-        enable_chunked_prefill=bool(s.get("enable_chunked_prefill", True)),
-        scheduling_policy=str(s.get("scheduling_policy", "fcfs")),
-        batching="continuous",
-        attention_backend="torch",
-        seed=0,
-        load_format="dummy",
-        max_waiting=None,
-        enable_cuda_graph=False,
-        num_blocks=int(s.get("num_blocks", 4096)),
-        slo_ttft_s=s.get("slo_ttft_s"),
-        slo_tpot_s=s.get("slo_tpot_s"),
-        slo_reject=bool(s.get("slo_reject", False)),
-        slo_starvation_s=float(s.get("slo_starvation_s", 30.0)),
-    )
 
 
 def _clock_of(worker: _Worker) -> Callable[[], float]:
@@ -177,7 +95,7 @@ def simulate(
     for w in range(simulated):
         kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=False)
         worker = _Worker(w, None, deque(), deque())  # type: ignore[arg-type]
-        worker.seen = set(fleet.warm_shapes) if fleet.cold_shapes else None
+        worker.seen = OrderedDict.fromkeys(sorted(fleet.warm_shapes)) if fleet.cold_shapes else None
         worker.sched = Scheduler(cfg, kv, {-1}, cost=cost, clock=_clock_of(worker))
         workers.append(worker)
     owner = [p % fleet.workers for p in range(n_part)]
@@ -248,7 +166,7 @@ def simulate(
             cost.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
             + fleet.service.step_overhead_s
         )
-        dt += _first_shape(wk, cost, out.total_num_scheduled_tokens)
+        dt += _first_shape(wk, cost, out.total_num_scheduled_tokens, fleet.shape_cache)
         wk.busy = True
         wk.steps += 1
         wk.busy_s += dt
@@ -332,11 +250,18 @@ def simulate(
     }
 
 
-def _first_shape(wk: _Worker, cost: StepCostModel, num_tokens: int) -> float:
-    """The one-off cost of the worker's first step of ``num_tokens`` tokens (0 if not modelled)."""
-    if wk.seen is None or num_tokens in wk.seen:
+def _first_shape(wk: _Worker, cost: StepCostModel, num_tokens: int, cache: int | None) -> float:
+    """What a step of ``num_tokens`` tokens pays for its shape: cost.first_shape if the worker has not
+    run that count or has run ``cache`` others since; 0 if shapes are not modelled."""
+    seen = wk.seen
+    if seen is None:
         return 0.0
-    wk.seen.add(num_tokens)
+    if num_tokens in seen:
+        seen.move_to_end(num_tokens)
+        return 0.0
+    seen[num_tokens] = None
+    if cache is not None and len(seen) > cache:
+        seen.popitem(last=False)
     return cost.first_shape
 
 
@@ -361,8 +286,10 @@ def _fast_forward(
         min(r.max_tokens or max_len, max_len - r.num_prompt_tokens) - r.num_output_tokens for r in running
     )
     num_seqs = len(running)
-    if wk.seen is not None and num_seqs not in wk.seen:
-        return None  # its first step pays the new shape: stepped alone, the run follows
+    if wk.seen is not None:
+        if num_seqs not in wk.seen:
+            return None  # its first step pays the new shape: stepped alone, the run follows
+        wk.seen.move_to_end(num_seqs)
     context = sum(r.num_tokens for r in running)
     room = max_waiting is None or sched.num_waiting < max_waiting
     if room and wk.next_arrival:

@@ -36,6 +36,7 @@ def fleet_for(
     engine: dict[str, Any],
     max_waiting: int,
     service: ServicePath | None = None,
+    shape_cache: int | None = None,
 ) -> FleetConfig:
     return FleetConfig(
         workers=workers,
@@ -45,6 +46,8 @@ def fleet_for(
         engine=engine,
         sample_workers=sample if sample is not None and sample < workers else None,
         service=service or ServicePath(),
+        cold_shapes=shape_cache is not None,
+        shape_cache=shape_cache,
     )
 
 
@@ -68,12 +71,13 @@ def search(
     max_workers: int = 4096,
     max_waiting: int = 16,
     service: ServicePath | None = None,
+    shape_cache: int | None = None,
 ) -> tuple[int | None, list[dict[str, Any]]]:
     """(smallest passing worker count or None, every simulated point in worker order)."""
     tried: dict[int, dict[str, Any]] = {}
 
     def check(n: int) -> bool:
-        fleet = fleet_for(n, rate, target, sample, engine or {}, max_waiting, service)
+        fleet = fleet_for(n, rate, target, sample, engine or {}, max_waiting, service, shape_cache)
         tried[n] = simulate(workload(fleet), cost, fleet)
         tried[n]["meets_slo"] = meets(tried[n], target)
         return bool(tried[n]["meets_slo"])

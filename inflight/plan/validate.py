@@ -33,6 +33,9 @@ from inflight.plan.replay import StepTiming, WorkerRun, make_engine, replay, rep
 from inflight.plan.simulate import FleetConfig, ServicePath, simulate
 from inflight.plan.traffic import from_specs
 
+# Token counts an LRU of compiled shapes keeps: oneDNN's 1,024 primitives over four linear shapes a
+# count (qkv, o, gate_up, down). Only a diagnosis threshold and an option: it depends on the library.
+SHAPE_CACHE = 256
 FIGURES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "output_tok_s")
 
 
@@ -128,6 +131,7 @@ def predict(
     workers: int = 1,
     step_overhead_s: float = 0.0,
     warm_shapes: frozenset[int] | None = None,
+    shape_cache: int | None = None,
 ) -> dict[str, float]:
     """The same trace through the simulator: ``workers`` workers, one partition each, nothing between
     the driver and the engines but the loop's time between steps. With ``warm_shapes`` (the token
@@ -139,6 +143,7 @@ def predict(
         service=ServicePath(step_overhead_s=step_overhead_s),
         cold_shapes=warm_shapes is not None,
         warm_shapes=warm_shapes or frozenset(),
+        shape_cache=shape_cache,
     )
     result = simulate(from_specs(specs), cost, fleet)
     return {k: float(result[k]) for k in (*FIGURES, "utilisation")}
@@ -161,7 +166,9 @@ def _predicted(cost: StepCostModel, s: StepTiming) -> float:
     )
 
 
-def diagnose(runs: Sequence[WorkerRun], cost: StepCostModel, duration_s: float) -> dict[str, Any]:
+def diagnose(
+    runs: Sequence[WorkerRun], cost: StepCostModel, duration_s: float, shape_cache: int = SHAPE_CACHE
+) -> dict[str, Any]:
     """Where the run's time went, next to what the cost model says of the same steps (the first step
     of a token count predicted with the model's first_shape cost, as the simulator charges it)."""
     steps = [s for run in runs for s in run.steps]
@@ -182,6 +189,18 @@ def diagnose(runs: Sequence[WorkerRun], cost: StepCostModel, duration_s: float) 
     wall = sum(s.wall for s in steps) or math.nan
     one_thread = all(run.threads == 1 for run in runs)
     new = [s for s in steps if s.new_shape]
+    # Run before, but ``shape_cache`` or more other counts ago: paying first_shape again means an
+    # LRU of compiled shapes (oneDNN's) evicted it, and a worker never warms up for good.
+    stale = [s for s in steps if s.recency >= shape_cache]
+    fresh = [s for s in steps if 0 <= s.recency < shape_cache]
+
+    def excess_ms(group: list[StepTiming]) -> float:
+        if not group:
+            return math.nan
+        return 1e3 * statistics.fmean(
+            s.wall - cost.step_time(s.num_tokens, s.num_seqs, s.sum_context) for s in group
+        )
+
     return {
         "steps": len(steps),
         "by_kind": kinds,
@@ -194,12 +213,13 @@ def diagnose(runs: Sequence[WorkerRun], cost: StepCostModel, duration_s: float) 
         "loop_gap_ms_per_step": 1e3 * step_overhead(runs),
         "gc_pause_s": sum(run.gc_pause_s for run in runs),
         "gc_collections": sum(run.gc_collections for run in runs),
+        # Mean excess over the linear terms of each group, next to the model's first_shape.
         "new_shape_steps": len(new),
-        # Their mean excess over the linear terms, next to the model's first_shape.
-        "new_shape_excess_ms": 1e3
-        * statistics.fmean(s.wall - cost.step_time(s.num_tokens, s.num_seqs, s.sum_context) for s in new)
-        if new
-        else math.nan,
+        "new_shape_excess_ms": excess_ms(new),
+        "stale_shape_steps": len(stale),
+        "stale_shape_excess_ms": excess_ms(stale),
+        "recent_shape_excess_ms": excess_ms(fresh),
+        "shape_cache": shape_cache,
         "model_first_shape_ms": 1e3 * cost.first_shape,
     }
 
@@ -212,15 +232,17 @@ def validate(
     *,
     workers: int,
     threads: int,
+    shape_cache: int | None = None,
 ) -> dict[str, Any]:
     """Measure, predict twice, diagnose: the whole comparison for one fleet size."""
     runs = measure(model, specs, engine_args, workers=workers, threads=threads)
     measured = figures(specs, runs)
     overhead = step_overhead(runs)
     warm = frozenset.intersection(*(run.warm_shapes for run in runs))
-    from_cal = predict(specs, cost, engine_args, workers=workers, step_overhead_s=overhead, warm_shapes=warm)
+    sim: dict[str, Any] = {"step_overhead_s": overhead, "warm_shapes": warm, "shape_cache": shape_cache}
+    from_cal = predict(specs, cost, engine_args, workers=workers, **sim)
     refit = refit_on_run(runs, cost)
-    from_run = predict(specs, refit, engine_args, workers=workers, step_overhead_s=overhead, warm_shapes=warm)
+    from_run = predict(specs, refit, engine_args, workers=workers, **sim)
     return {
         "workers": workers,
         "threads_per_worker": threads,
@@ -231,7 +253,7 @@ def validate(
         "predicted_from_run_steps": from_run,
         "error_from_run_steps": compare(measured, from_run),
         "run_fit": refit.fit,
-        "diagnosis": diagnose(runs, cost, measured["duration_s"]),
+        "diagnosis": diagnose(runs, cost, measured["duration_s"], shape_cache or SHAPE_CACHE),
     }
 
 
@@ -266,6 +288,8 @@ def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
         f"{100 * d['output_processing_share']:.1f}%, loop {d['loop_gap_ms_per_step']:.3f} ms/step, "
         f"GC {d['gc_pause_s']:.2f} s in {d['gc_collections']} collections, "
         f"{d['new_shape_steps']} steps of a new token count: {d['new_shape_excess_ms']:+.2f} ms each over "
-        f"the linear terms (model: {d['model_first_shape_ms']:.2f} ms)"
+        f"the linear terms (model: {d['model_first_shape_ms']:.2f} ms); {d['stale_shape_steps']} of a count "
+        f"unused for {d['shape_cache']}+ others: {d['stale_shape_excess_ms']:+.2f} ms; recently used: "
+        f"{d['recent_shape_excess_ms']:+.2f} ms"
     )
     return "\n".join(lines)

@@ -52,6 +52,19 @@ def test_service_path_and_new_shapes_add_exactly_their_cost() -> None:
     assert warm["fast_forwarded_steps"] == 4 and r["fast_forwarded_steps"] == 3
 
 
+def test_a_shape_cache_evicts_the_least_recently_run_token_count() -> None:
+    # Prompts of 100, 50, 100 tokens, one token each, far apart: the third step runs 100 tokens again,
+    # warm with room for two counts, cold again with room for one (50 evicted 100).
+    cost = replace(COST, first_shape=0.005)
+    reqs = [SimRequest(float(t), n, 1, 0) for t, n in ((0, 100), (10, 50), (20, 100))]
+    ends = {
+        cache: simulate(reqs, cost, FleetConfig(workers=1, cold_shapes=True, shape_cache=cache))["duration_s"]
+        for cache in (1, 2)
+    }
+    assert ends[2] == pytest.approx(20 + COST.step_time(100, 1, 100), rel=1e-12)
+    assert ends[1] == pytest.approx(ends[2] + 0.005, rel=1e-12)
+
+
 def test_fast_path_equals_step_by_step() -> None:
     reqs = synthetic(6.0, 60.0, seed=5)
     fleet = FleetConfig(workers=2, max_pending=64)

@@ -1,0 +1,246 @@
+"""Scheduling policies on the real engine: fcfs vs priority vs slo vs slo+reject on bursty arrivals.
+
+``inflight plan policies --real`` (``make bench-policies``). The simulated comparison
+(inflight/plan/policies.py) predicts; this measures, with the same mix, loads and table:
+
+1. Capacity, measured: the mix's requests all at t = 0 on the fcfs engine, completed requests per
+   second over the makespan.
+2. For each gamma arrival CV and load (a fraction of that capacity), one workload of ``duration_s``
+   of arrivals is replayed in real time, open loop, on one in-process engine per policy (the same
+   requests and arrival instants for every policy). Short questions (prompt <= 128 tokens) are
+   priority 0 and documents priority 1 for the priority policy; the slo policies get the SLO as every
+   request's deadlines and the cost model for their estimates.
+3. Goodput: requests that completed and met both SLO bounds (bench/stats.py), per second of the run.
+
+Default SLO, when none is given, from the cost model so the same command means the same on any host:
+TTFT 5x the prefill of the longest prompt alone; TPOT the mean of a decode step of half the seats and
+of the same step carrying a full prefill chunk (a request may share half its steps with a chunk:
+fcfs cannot promise that under bursts, the slo policy can by cutting chunks).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench.results import RequestResult, RunResult
+from bench.stats import SLO, summarize
+from bench.workload import LengthMix, RequestSpec, synthetic
+from engine.cost_model import StepCostModel
+
+POLICIES = ("fcfs", "priority", "slo", "slo+reject")
+SHORT_PROMPT_MAX = 128  # the mix's questions are 16-128 tokens, its documents 256-512
+
+
+@dataclass(frozen=True)
+class Grid:
+    cvs: tuple[float, ...]
+    loads: tuple[float, ...]
+    duration_s: float  # seconds of arrivals a run (requests = duration x rate)
+
+
+# 24 runs of about 12 s plus drains, capacity and four warm-ups: about 6-7 minutes on a 2-core host
+# with the bench preset, whatever its speed (runs are sized in seconds, not requests).
+DEFAULT_GRID = Grid((2.0, 4.0), (0.8, 1.0, 1.2), 12.0)
+# The tiny model, two loads, 2.5 s runs: about a minute.
+QUICK_GRID = Grid((2.0, 4.0), (0.8, 1.2), 2.5)
+
+
+def default_slo(cost: StepCostModel, engine: dict[str, Any], mix: LengthMix) -> tuple[float, float]:
+    longest = mix.long_prompt[1]
+    seats = max(1, int(engine.get("max_num_seqs", 64)) // 2)
+    budget = int(engine.get("max_num_batched_tokens", 512))
+    context = seats * (mix.short_prompt[1] + mix.output[1] // 2)
+    decode = cost.step_time(seats, seats, context)
+    with_chunk = cost.step_time(seats + budget, seats + 1, context + budget)
+    return 5 * cost.step_time(longest, 1, longest), (decode + with_chunk) / 2
+
+
+def policy_engine_args(
+    policy: str, slo: tuple[float, float], cost_path: str, base: dict[str, Any]
+) -> dict[str, Any]:
+    args = {**base, "scheduling_policy": policy.split("+")[0]}
+    if policy.startswith("slo"):
+        args.update(
+            slo_ttft_s=slo[0],
+            slo_tpot_s=slo[1],
+            slo_cost_model=cost_path,
+            slo_reject=policy.endswith("+reject"),
+        )
+    return args
+
+
+def drive(engine: Any, specs: Sequence[RequestSpec], label: str, rate: float) -> RunResult:
+    """Replay ``specs`` in real time, open loop (a request joins at the first step boundary after it
+    arrives; that wait is part of its TTFT). Questions are priority 0, documents 1; a request the slo
+    policy rejects ends with its error and counts as not completed."""
+    from engine.sampling_params import SamplingParams
+
+    specs = sorted(specs, key=lambda s: s.arrival)
+    results = {
+        s.request_id: RequestResult(s.request_id, s.arrival, s.num_prompt_tokens, s.max_tokens) for s in specs
+    }
+    t0 = time.monotonic()
+    i = 0
+    while i < len(specs) or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while i < len(specs) and specs[i].arrival <= now:
+            s = specs[i]
+            params = SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True)
+            priority = int(s.num_prompt_tokens > SHORT_PROMPT_MAX)
+            engine.add_request(
+                s.request_id, list(s.prompt_token_ids), params, arrival_time=t0 + s.arrival, priority=priority
+            )
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, specs[i].arrival - now))
+            continue
+        outputs = engine.step()
+        t = time.monotonic() - t0
+        for out in outputs:
+            r = results[out.request_id]
+            r.token_times.extend([t] * sum(len(c.token_ids) for c in out.outputs))
+            if out.error:
+                r.error = out.error
+            if out.finished:
+                r.finished = t
+    return RunResult("continuous", label, rate, list(results.values()))
+
+
+def _engine(model: str, args: dict[str, Any]) -> Any:
+    from inflight.plan.replay import make_engine
+
+    return make_engine(model, args)
+
+
+def measure_capacity(engine: Any, specs: Sequence[RequestSpec]) -> float:
+    """Completed requests per second with every request of ``specs`` at t = 0, up to the instant the
+    90th percentile of them completed: the drain after it (the last long answers decoding in a thin
+    batch) says nothing of a saturated engine."""
+    burst = [RequestSpec(f"cap-{s.request_id}", 0.0, s.prompt_token_ids, s.max_tokens) for s in specs]
+    run = drive(engine, burst, "capacity", math.inf)
+    ends = sorted(r.token_times[-1] for r in run.requests if r.completed and r.token_times)
+    if not ends:
+        raise RuntimeError("no request completed in the capacity burst")
+    k = max(0, math.ceil(0.9 * len(ends)) - 1)
+    return (k + 1) / ends[k]
+
+
+def row(cv: float, load: float, rate: float, policy: str, run: RunResult, slo: SLO) -> dict[str, Any]:
+    s = summarize(run, slo)
+    good = sum(1 for r in run.requests if slo.met(r))
+    return {
+        "cv": cv,
+        "load": load,
+        "rate": rate,
+        "policy": policy,
+        "num_requests": s["num_requests"],
+        "num_completed": s["num_completed"],
+        "num_good": good,
+        "num_rejected_slo": sum(1 for r in run.requests if r.error and "slo_ttft_unmet" in r.error),
+        "duration_s": s["duration_s"],
+        "goodput_req_s": s["goodput"],
+        "request_throughput": s["request_throughput"],
+        "output_tok_s": s["output_throughput"],
+        "ttft_p99_s": s["ttft"]["p99_ms"] / 1e3,
+        "tpot_p99_s": s["tpot"]["p99_ms"] / 1e3,
+    }
+
+
+def compare(
+    model: str,
+    cost_path: str,
+    grid: Grid,
+    *,
+    engine: dict[str, Any],
+    slo: tuple[float, float] | None = None,
+    mix: LengthMix | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The whole comparison; rows in the simulated version's format (inflight/plan/policies.py)."""
+    from engine.config import ModelConfig
+
+    mix = mix or LengthMix()
+    cost = StepCostModel.load(cost_path)
+    slo = slo or default_slo(cost, engine, mix)
+    bounds = SLO(*slo)
+    vocab = ModelConfig.from_path(model).vocab_size
+    engines = {p: _engine(model, policy_engine_args(p, slo, cost_path, engine)) for p in POLICIES}
+    # Two batches' worth: the engine spends most of the burst full, as it is when saturated.
+    probe = synthetic(2 * int(engine.get("max_num_seqs", 64)), 1.0, vocab, mix=mix, seed=seed, prefix="cap")
+    cap = measure_capacity(engines["fcfs"], probe)
+    log(f"capacity {cap:.2f} req/s (measured burst of {len(probe)}); SLO {bounds.describe()}")
+    rows = []
+    cells = [(cv, load) for cv in grid.cvs for load in grid.loads]
+    for k, (cv, load) in enumerate(cells):
+        rate = load * cap
+        n = max(4, round(grid.duration_s * rate))
+        specs = synthetic(
+            n, rate, vocab, process="gamma", cv=cv, mix=mix, seed=seed, prefix=f"cv{cv}-l{load}"
+        )
+        # Every policy in turn on the same requests, the first one rotating from cell to cell: the
+        # first to meet a token count pays its shape's one-off cost (oneDNN's primitive cache is per
+        # process, shared by the four engines), and host drift lands on every policy alike.
+        for policy in POLICIES[k % len(POLICIES) :] + POLICIES[: k % len(POLICIES)]:
+            r = row(
+                cv, load, rate, policy, drive(engines[policy], specs, f"cv={cv} load={load}", rate), bounds
+            )
+            rows.append(r)
+            log(
+                f"cv {cv:g} load {load:g} {policy:<10} goodput {r['goodput_req_s']:.2f} req/s "
+                f"({r['num_good']}/{r['num_requests']}), TTFT p99 {r['ttft_p99_s']:.2f}s, "
+                f"TPOT p99 {1e3 * r['tpot_p99_s']:.0f}ms"
+            )
+    rows.sort(key=lambda r: (r["cv"], r["load"], POLICIES.index(r["policy"])))
+    return {
+        "source": "measured",
+        "model": model,
+        "capacity_req_s": cap,
+        "slo": {"ttft_s": slo[0], "tpot_s": slo[1]},
+        "engine": engine,
+        "grid": {"cvs": list(grid.cvs), "loads": list(grid.loads), "duration_s": grid.duration_s},
+        "rows": rows,
+    }
+
+
+def run_from_args(args: Any, slo: tuple[float, float] | None, out: Any) -> dict[str, Any]:
+    """``inflight plan policies --real``: settle the model, cost model and grid, then compare."""
+    import torch
+
+    from engine.models.tiny import default_model_path
+    from inflight.plan import calibrate as cal
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    grid = QUICK_GRID if args.quick else DEFAULT_GRID
+    grid = Grid(
+        tuple(float(x) for x in args.cvs.split(",")) if args.cvs else grid.cvs,
+        tuple(float(x) for x in args.loads.split(",")) if args.loads else grid.loads,
+        args.duration or grid.duration_s,
+    )
+    if args.model:
+        model = args.model
+    elif args.quick:
+        model = str(default_model_path())
+    else:
+        from bench.session import bench_model_path
+
+        model = str(bench_model_path())
+    engine = {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": False,  # random prompts: a prefix hit would be luck, on one policy only
+    }
+    cost_path = args.cost
+    if cost_path is None:  # the slo policy's estimates: timed here, on these settings and threads
+        cost = cal.calibrate(
+            model, cal.QUICK_GRID if args.quick else cal.DEFAULT_GRID, engine_args=engine, log=lambda _: None
+        )
+        cost_path = str(out / "cost.json")
+        cost.save(cost_path)
+        print(cal.describe(cost), flush=True)
+    return compare(model, cost_path, grid, engine=engine, slo=slo, seed=args.seed)

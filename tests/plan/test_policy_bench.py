@@ -1,0 +1,55 @@
+"""The real-engine policy benchmark end to end on the tiny model: one bursty cell, four policies, the
+table, JSON and plot. Structure and accounting only; how the policies rank is the full run's finding,
+not a test's (a two-second run on a shared host)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench.policy_bench import POLICIES
+from engine.cost_model import StepCostModel
+from inflight.cli import main
+
+
+def test_real_policy_benchmark_runs_and_accounts_for_every_request(
+    tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A cost model of the right order for the tiny engine (1 ms a step, 20 us a token): the slo
+    # policies' estimates only need to be plausible here, and calibrating would take longer than the run.
+    cost = tmp_path / "cost.json"
+    StepCostModel(0.001, 2e-5, 1e-5, 1e-8).save(cost)
+    out = tmp_path / "pol"
+    args = ["plan", "policies", "--real", "--model", str(tiny_model_path), "--cost", str(cost)]
+    args += ["--cvs", "4", "--loads", "1.2", "--duration", "1.5", "--out", str(out)]
+    # A tight TTFT bound, so that at 1.2x capacity in bursts some requests miss it.
+    args += ["--slo", "ttft:150", "tpot:50", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
+    assert main(args) == 0
+
+    result = json.loads((out / "policies.json").read_text())
+    assert result["source"] == "measured" and result["capacity_req_s"] > 0
+    assert result["slo"] == {"ttft_s": 0.15, "tpot_s": 0.05}
+    rows = result["rows"]
+    assert [r["policy"] for r in rows] == list(POLICIES)
+    # The same requests for every policy.
+    assert len({r["num_requests"] for r in rows}) == 1 and rows[0]["num_requests"] >= 4
+    for r in rows:
+        assert 0 <= r["num_good"] <= r["num_completed"] <= r["num_requests"], r
+        # Goodput is the SLO-meeting requests over the run, never more than completions over it.
+        assert r["goodput_req_s"] == pytest.approx(r["num_good"] / r["duration_s"], rel=1e-9)
+        assert r["goodput_req_s"] <= r["num_completed"] / r["duration_s"] + 1e-12
+        assert r["duration_s"] > 0 and r["output_tok_s"] > 0
+        if r["policy"] != "slo+reject":
+            # Nothing is dropped: every request completes, late or not.
+            assert r["num_rejected_slo"] == 0 and r["num_completed"] == r["num_requests"], r
+            assert math.isfinite(r["ttft_p99_s"]) and math.isfinite(r["tpot_p99_s"])
+    rejecting = rows[POLICIES.index("slo+reject")]
+    # A rejected request is never also counted completed (or good).
+    assert rejecting["num_completed"] + rejecting["num_rejected_slo"] == rejecting["num_requests"]
+
+    assert (out / "policies.png").stat().st_size > 1000
+    text = capsys.readouterr().out
+    assert "measured burst" in text and all(p in text for p in POLICIES)
