@@ -10,8 +10,9 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
+from aiokafka.errors import OffsetOutOfRangeError, TopicAlreadyExistsError
 from aiokafka.helpers import create_ssl_context
+from aiokafka.structs import TopicPartition
 
 from services.common.settings import Settings
 
@@ -74,6 +75,37 @@ def make_consumer(settings: Settings) -> AIOKafkaConsumer:
         max_partition_fetch_bytes=max_message_bytes(settings),
         fetch_max_bytes=max(52_428_800, max_message_bytes(settings)),
     )
+
+
+def make_probe(settings: Settings) -> AIOKafkaConsumer:
+    """A group-less consumer for reading end offsets and single messages (never part of the group)."""
+    return AIOKafkaConsumer(
+        **client_kwargs(settings),
+        enable_auto_commit=False,
+        auto_offset_reset="none",  # a position past the log's end must say so, not jump
+        fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
+        max_partition_fetch_bytes=max_message_bytes(settings),
+    )
+
+
+async def log_holds(
+    probe: AIOKafkaConsumer, tp: TopicPartition, offset: int, key: bytes | None, timeout_s: float = 2.0
+) -> bool:
+    """Does ``tp``'s log still hold the message ``key`` at ``offset``?
+
+    The end offset alone cannot say: a log lost and refilled past ``offset`` holds another message
+    there, and tansu (the test broker) answers ListOffsets with the base offset of the last record
+    batch plus one, so a message produced in a batch behind another looks past the end. Reading the
+    message answers both. ``key`` None: any message at ``offset`` will do.
+    """
+    probe.assign([tp])
+    probe.seek(tp, offset)
+    try:
+        batch = await probe.getmany(tp, timeout_ms=int(timeout_s * 1000), max_records=1)
+    except OffsetOutOfRangeError:
+        return False
+    records = batch.get(tp, [])
+    return bool(records) and records[0].offset == offset and (key is None or records[0].key == key)
 
 
 def make_admin(settings: Settings) -> AIOKafkaAdminClient:

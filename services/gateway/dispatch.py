@@ -17,13 +17,13 @@ import logging
 import time
 from dataclasses import dataclass
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 from opentelemetry.trace import SpanKind
 
 from services.common import keys
-from services.common.kafka import client_kwargs, ensure_topic, make_producer, max_message_bytes
+from services.common.kafka import ensure_topic, log_holds, make_probe, make_producer, max_message_bytes
 from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
@@ -57,7 +57,7 @@ class Dispatcher:
         self.hub = hub
         self.producer: AIOKafkaProducer = make_producer(settings)
         # Group-less consumer, only to read end offsets (has a queued message been lost?).
-        self._probe = AIOKafkaConsumer(**client_kwargs(settings), enable_auto_commit=False)
+        self._probe = make_probe(settings)
         self._queued: dict[str, _Queued] = {}
         self._task: asyncio.Task[None] | None = None
         self._beat: asyncio.Task[None] | None = None
@@ -236,8 +236,13 @@ class Dispatcher:
             queued = self._queued.get(request_id)
             if queued is None:
                 continue
-            end = ends.get(TopicPartition(topic, queued.partition))
-            if end is not None and end <= queued.offset:
+            tp = TopicPartition(topic, queued.partition)
+            end = ends.get(tp)
+            if (
+                end is not None
+                and end <= queued.offset
+                and not await log_holds(self._probe, tp, queued.offset, queued.key)
+            ):
                 await self._requeue(request_id, queued)
 
     async def _requeue(self, request_id: str, queued: _Queued) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 from aiokafka.errors import KafkaError
 from aiokafka.structs import TopicPartition
 
+from services.common.kafka import log_holds
 from services.worker.offsets import OffsetTracker
 
 log = logging.getLogger(__name__)
@@ -19,9 +21,13 @@ COALESCE_S = 0.05  # a burst of finishing requests becomes one commit
 
 
 class Committer:
-    def __init__(self, tracker: OffsetTracker) -> None:
+    def __init__(
+        self, tracker: OffsetTracker, make_probe: Callable[[], AIOKafkaConsumer] | None = None
+    ) -> None:
         self.tracker = tracker
         self.consumer: AIOKafkaConsumer | None = None  # set once the consumer exists
+        self._make_probe = make_probe
+        self._probe: AIOKafkaConsumer | None = None  # started on the first suspicious end offset
         self._wake = asyncio.Event()
 
     def wake(self) -> None:
@@ -38,7 +44,8 @@ class Committer:
             # because aiokafka retries a commit for as long as the broker lets it, and the rebalance
             # listener awaits this.
             ends = await asyncio.wait_for(self.consumer.end_offsets(list(offsets)), COMMIT_TIMEOUT_S)
-            stale = {tp for tp, position in offsets.items() if position > ends.get(tp, position)}
+            suspects = {tp for tp, position in offsets.items() if position > ends.get(tp, position)}
+            stale = {tp for tp in suspects if not await self._still_there(tp)}
             if stale:
                 log.warning("not committing past the end of %s: the broker lost its log", sorted(stale))
                 self.tracker.forget(stale)
@@ -50,6 +57,23 @@ class Committer:
             # Not fatal: the offsets are committed with the next success, or the requests are
             # redelivered after a rebalance and skipped as terminal.
             log.warning("commit failed: %r", exc)
+
+    async def _still_there(self, tp: TopicPartition) -> bool:
+        """Read the last message the commit passes: an end offset that lags a record batch (tansu's)
+        is not a lost log."""
+        last = self.tracker.last_finished(tp)
+        if last is None or self._make_probe is None:
+            return False
+        if self._probe is None:
+            self._probe = self._make_probe()
+            await self._probe.start()
+        return await log_holds(self._probe, tp, *last)
+
+    async def close(self) -> None:
+        if self._probe is not None:
+            with contextlib.suppress(KafkaError, OSError):
+                await self._probe.stop()
+            self._probe = None
 
     async def run_forever(self) -> None:
         while True:

@@ -77,7 +77,7 @@ class Intake:
                     self.on_record(tp, record)
 
     def on_record(self, tp: TopicPartition, record: ConsumerRecord[bytes, bytes]) -> None:
-        generation = self.tracker.add(tp, record.offset)
+        generation = self.tracker.add(tp, record.offset, record.key)
         try:
             msg = RequestMessage.decode(record.value or b"")
         except WireError as exc:

@@ -24,6 +24,8 @@ class OffsetTracker:
         self._inflight: dict[TopicPartition, dict[int, bool]] = {}  # offset -> done, insertion-ordered
         self._position: dict[TopicPartition, int] = {}  # next offset to read, past the finished prefix
         self._committed: dict[TopicPartition, int] = {}
+        self._keys: dict[TopicPartition, dict[int, bytes | None]] = {}  # message keys, while in flight
+        self._last: dict[TopicPartition, tuple[int, bytes | None]] = {}  # the finished prefix's last
         self._generation = 0  # bumped on every reset; a stale handle cannot mark anything
 
     @property
@@ -35,10 +37,13 @@ class OffsetTracker:
         self._inflight = {tp: {} for tp in assigned}
         self._position = {}
         self._committed = {}
+        self._keys = {}
+        self._last = {}
 
-    def add(self, tp: TopicPartition, offset: int) -> int:
+    def add(self, tp: TopicPartition, offset: int, key: bytes | None = None) -> int:
         """Track a consumed offset; returns the generation to pass back to ``done``."""
         self._inflight.setdefault(tp, {})[offset] = False
+        self._keys.setdefault(tp, {})[offset] = key
         return self._generation
 
     def done(self, tp: TopicPartition, offset: int, generation: int) -> None:
@@ -56,6 +61,7 @@ class OffsetTracker:
                 if not offsets[offset]:
                     break
                 self._position[tp] = offset + 1
+                self._last[tp] = (offset, self._keys.get(tp, {}).pop(offset, None))
                 del offsets[offset]  # the finished prefix is summed up by the position
             position = self._position.get(tp)
             if position is not None and position > self._committed.get(tp, -1):
@@ -68,8 +74,11 @@ class OffsetTracker:
             if tp in self._inflight:
                 self._committed[tp] = max(position, self._committed.get(tp, -1))
 
+    def last_finished(self, tp: TopicPartition) -> tuple[int, bytes | None] | None:
+        """Offset and key of the last message a commit of ``tp`` would pass."""
+        return self._last.get(tp)
+
     def forget(self, partitions: Iterable[TopicPartition]) -> None:
         for tp in partitions:
-            self._inflight.pop(tp, None)
-            self._position.pop(tp, None)
-            self._committed.pop(tp, None)
+            for table in (self._inflight, self._position, self._committed, self._keys, self._last):
+                table.pop(tp, None)

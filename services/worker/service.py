@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.common.engine_spans import EngineSpanExporter
-from services.common.kafka import ensure_topic, make_consumer
+from services.common.kafka import ensure_topic, make_consumer, make_probe
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.wire import TERMINAL
@@ -62,7 +62,7 @@ class Worker:
         self.publisher = Publisher(self.store, settings, on_fenced=self.control.fence)
         self.runner = Runner(engine, self.store, self.publisher, settings, spans)
         self.tracker = OffsetTracker()
-        self.committer = Committer(self.tracker)
+        self.committer = Committer(self.tracker, lambda: make_probe(settings))
         self.intake = Intake(
             settings, self.store, engine, self.tracker, self.runs, self._start_run, self._spawn
         )
@@ -136,6 +136,7 @@ class Worker:
         await asyncio.gather(
             *self._tasks, *(r.task for r in self.runs.values() if r.task), return_exceptions=True
         )
+        await self.committer.close()
         with contextlib.suppress(Exception):
             await self.engine.shutdown()
         with contextlib.suppress(Exception):
