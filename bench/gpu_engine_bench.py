@@ -123,12 +123,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-sampled-requests", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, default=64)
     parser.add_argument("--decode-context", type=int, default=1024)
+    parser.add_argument(
+        "--async-scheduling",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the engine's async_scheduling (auto: on for CUDA); run once each way to measure the overlap",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_engine_bench needs a CUDA device")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "async_scheduling": args.async_scheduling,
+    }
+    overlap = {"auto": None, "on": True, "off": False}[args.async_scheduling]
     out_path = out_dir / "gpu_engine_bench.json"
 
     def save() -> None:
@@ -143,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         (Path(tmp) / "config.json").write_text(json.dumps(LLAMA3_8B))
         t0 = time.perf_counter()
         engine = LLMEngine.from_engine_args(
-            tmp, dtype="bfloat16", load_format="dummy", max_model_len=4096, max_num_seqs=128
+            tmp,
+            dtype="bfloat16",
+            load_format="dummy",
+            max_model_len=4096,
+            max_num_seqs=128,
+            async_scheduling=overlap,
         )
         results["engine_init_s"] = time.perf_counter() - t0
         print(f"engine ready in {results['engine_init_s']:.1f}s, {engine.kv.num_total_blocks} KV blocks")
