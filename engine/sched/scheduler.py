@@ -7,6 +7,8 @@ preempted (its blocks freed, recomputed later) and the allocation retried.
 
 The step's decision leaves as plain data (``SchedulerOutput``): a request the runner does not hold yet
 goes out in full, one it holds as the blocks allocated since and its computed-token count.
+Async scheduling (the next step planned before this one's tokens are known) is a subclass:
+engine/sched/async_scheduler.py.
 """
 
 from __future__ import annotations
