@@ -45,7 +45,7 @@ class SampledTensors:
             return
         self._host = [_to_pinned(t) for t in self._tensors()]
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self.tokens.device))
 
     def to_host(self) -> SamplerOutput:
         if self._copied is not None:
