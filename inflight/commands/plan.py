@@ -55,8 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     val.add_argument("--cost", default=None, help="COST.json (default: calibrate first, same threads)")
     val.add_argument("--workers", default="1,2", help="fleet sizes to validate, comma list")
     val.add_argument("--threads", type=int, default=0, help="intra-op threads a worker (0: cores / workers)")
-    val.add_argument("--rate", type=float, default=1.0, help="requests/s a worker (Poisson)")
-    val.add_argument("--num-requests", type=int, default=40, help="requests a worker")
+    val.add_argument("--rate", type=float, default=None, help="requests/s a worker (Poisson; default --load)")
+    val.add_argument(
+        "--load",
+        type=float,
+        default=0.7,
+        help="offered load a worker as a fraction of the cost model's simulated capacity (default 0.7: "
+        "queues form, as they do where a planner is asked; the same point on any host)",
+    )
+    val.add_argument(
+        "--num-requests", type=int, default=150, help="requests a worker (P99 of fewer is one request)"
+    )
     val.add_argument("--seed", type=int, default=11)
     val.add_argument("--max-num-seqs", type=int, default=32)
     val.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -348,9 +357,15 @@ def _validate(args: argparse.Namespace) -> int:
         cost = calibrate(model, DEFAULT_GRID, engine_args=engine_args)
     print(describe(cost), flush=True)
     vocab = ModelConfig.from_path(model).vocab_size
+    rate = args.rate
+    if rate is None:
+        from inflight.plan.policies import capacity
+
+        rate = args.load * capacity(cost, 500, engine_args, args.seed)
+        print(f"{rate:.3g} req/s a worker ({args.load:g} x the simulated capacity)", flush=True)
     results = []
     for workers in sizes:
-        specs = synthetic(args.num_requests * workers, args.rate * workers, vocab, seed=args.seed)
+        specs = synthetic(args.num_requests * workers, rate * workers, vocab, seed=args.seed)
         result = validate(
             model, specs, engine_args, cost, workers=workers, threads=threads, shape_cache=args.shape_cache
         )

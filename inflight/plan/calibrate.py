@@ -8,7 +8,8 @@ detokenizing: what a simulated step must cost) against the batch it ran, read fr
 step record. The first step of each token count is kept apart: it pays a one-off cost for the new
 shape, which the grid's repeats (the same shapes again) do not, and which the linear terms must not
 absorb (it would inflate every small step's fixed cost and leave prefills short); it is fitted on its
-own as ``first_shape``.
+own as ``first_shape``. Last, a few seconds of the benchmark's mix served open loop (``_serve``): the
+steps a planner is asked about, in the order serving runs them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.cost_model import StepCostModel, StepSample, fit
+from inflight.plan.replay import StepTiming, note_shape
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,13 @@ class Grid:
     max_sum_context: int  # skip (seqs, context) points above this: their prefill alone takes long
     decode_steps: int  # decode steps recorded per (seqs, context) point
     repeats: int
+    served_s: float = 0.0  # then this many seconds of the benchmark's mix served open loop (see _serve)
 
 
-# About 15 s on a quiet 2-core host with the bench preset, a minute or more when other work shares the
-# cores; --quick is a few seconds, for tests.
-DEFAULT_GRID = Grid((16, 128, 512), (1, 4, 16, 48), (32, 256, 1024), 12288, 8, 2)
-QUICK_GRID = Grid((16, 128), (1, 4, 8, 16), (32, 192), 4096, 8, 2)
+# About 15 s on a quiet 2-core host with the bench preset (grid only, two threads) plus 10 s served, a
+# minute or more when other work shares the cores; --quick is a few seconds, for tests.
+DEFAULT_GRID = Grid((16, 128, 512), (1, 4, 16, 48), (32, 256, 1024), 12288, 8, 2, served_s=10.0)
+QUICK_GRID = Grid((16, 128), (1, 4, 8, 16), (32, 192), 4096, 8, 2, served_s=1.0)
 # One-thread calibration: above this share of step time spent waiting for a core, describe() warns.
 BUSY_HOST_SHARE = 0.05
 
@@ -67,7 +70,6 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
     vocab = cfg.model.vocab_size
     samples: list[StepSample] = []
     first_shape: list[StepSample] = []  # steps of a token count this process had not run before
-    seen: set[int] = set()
     waited = 0.0  # wall - CPU time over the timed steps (one thread: time spent waiting for a core)
     counter = 0
 
@@ -101,8 +103,7 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
                 continue
             batch = eng.metrics.steps[-1].batch
             tokens = sum(n for _, n, _ in batch)
-            new = tokens not in seen
-            seen.add(tokens)
+            new = note_shape(tokens) < 0
             if keep:
                 waited += max(0.0, seconds - cpu)
                 sample = StepSample(tokens, len(batch), sum(n + done for _, n, done in batch), seconds)
@@ -123,20 +124,14 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
                 ):
                     join = max((p for p in grid.prefill_tokens if p <= min(budget, max_len - 2)), default=0)
                     run([c] * s, grid.decode_steps + 1, keep=True, join=join)
+    if grid.served_s > 0:
+        grid_fit = fit(samples, first_shape_samples=first_shape, engine=_settings(model, eng))
+        for step in _serve(eng, grid.served_s, grid_fit):
+            waited += max(0.0, step.wall - step.cpu)
+            sample = StepSample(step.num_tokens, step.num_seqs, step.sum_context, step.wall)
+            (first_shape if step.new_shape else samples).append(sample)
     log(f"{len(samples) + len(first_shape)} steps timed ({len(first_shape)} of a new token count)")
-    settings = {
-        "model": model,
-        "dtype": str(cfg.dtype).removeprefix("torch."),
-        "attention_backend": cfg.attention_backend,
-        "max_num_seqs": cfg.max_num_seqs,
-        "max_num_batched_tokens": budget,
-        "max_model_len": max_len,
-        "block_size": cfg.block_size,
-        "num_blocks": eng.kv.num_total_blocks,
-        "enable_prefix_caching": cfg.enable_prefix_caching,
-        "enable_chunked_prefill": cfg.enable_chunked_prefill,
-        "device": str(cfg.device),
-    }
+    settings = _settings(model, eng)
     threads = torch.get_num_threads()
     cost = fit(samples, host=host_info(threads), engine=settings, first_shape_samples=first_shape)
     if threads == 1:
@@ -145,6 +140,51 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
         total = sum(s.seconds for s in samples) + sum(s.seconds for s in first_shape)
         cost = replace(cost, fit={**cost.fit, "waiting_for_cpu_share": waited / total})
     return cost
+
+
+def _settings(model: str, eng: Any) -> dict[str, Any]:
+    """The engine settings a cost model was measured with (the simulator's schedulers run with them)."""
+    cfg = eng.config
+    return {
+        "model": model,
+        "dtype": str(cfg.dtype).removeprefix("torch."),
+        "attention_backend": cfg.attention_backend,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": cfg.max_num_batched_tokens,
+        "max_model_len": cfg.max_model_len,
+        "block_size": cfg.block_size,
+        "num_blocks": eng.kv.num_total_blocks,
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "enable_chunked_prefill": cfg.enable_chunked_prefill,
+        "device": str(cfg.device),
+    }
+
+
+def _serve(eng: Any, seconds: float, grid_fit: StepCostModel) -> list[StepTiming]:
+    """Steps of the benchmark's mix served open loop at 0.7x the capacity the grid's fit simulates.
+
+    The grid times each batch shape in a tight loop of its own; served, a decode step follows prefill
+    chunks of other lengths (caches cold after them), batches change row by row and token counts are
+    new. On the tiny engine the grid alone predicted a served run's steps 27-42% short by kind; a
+    served segment in the samples measures the mix a planner is asked about. Its trace (seed 4242)
+    is not the validation's."""
+    from bench.workload import LengthMix, synthetic
+    from inflight.plan.policies import capacity
+    from inflight.plan.replay import replay
+
+    cfg = eng.config
+    half, quarter = cfg.max_model_len // 2, cfg.max_model_len // 4
+    mix = LengthMix(
+        short_prompt=(16, max(16, min(128, quarter))),
+        long_prompt=(max(16, min(256, quarter)), max(16, min(512, half))),
+        output=(8, max(8, min(256, quarter))),
+    )
+    rate = 0.7 * capacity(grid_fit, 200, {}, 4242)
+    # At most four batches' worth: if the grid's fit overrates the engine, the backlog stays short.
+    n = max(8, min(round(seconds * rate), 4 * cfg.max_num_seqs))
+    specs = synthetic(n, rate, cfg.model.vocab_size, mix=mix, seed=4242, prefix="cal")
+    run = replay(eng, specs, time.monotonic(), {s.request_id: s.num_prompt_tokens for s in specs})
+    return run.steps
 
 
 def describe(cost: StepCostModel) -> str:

@@ -79,9 +79,10 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
     """Replay ``specs`` (sorted by arrival, seconds after ``t0`` on the monotonic clock) on ``engine``."""
     from engine.sampling_params import SamplingParams
 
-    warm = _warm_shapes(engine)
-    run = WorkerRun({s.request_id: [] for s in specs}, warm_shapes=frozenset(warm))
-    order = OrderedDict.fromkeys(sorted(warm))  # token counts, least recently run first
+    for tokens in sorted(_warm_shapes(engine)):
+        note_shape(tokens)
+    order = PROCESS_SHAPES
+    run = WorkerRun({s.request_id: [] for s in specs}, warm_shapes=frozenset(order))
     timer = _GCTimer()
     gc.callbacks.append(timer)
     last_end: float | None = None
@@ -125,7 +126,7 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
                             if n == 1 and done >= prompt_lens.get(rid, 1 << 30)
                         ),
                         new_shape=tokens not in order,
-                        recency=_touch(order, tokens),
+                        recency=note_shape(tokens),
                     )
                 )
             last_end = end
@@ -138,8 +139,15 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
     return run
 
 
-def _touch(order: OrderedDict[int, None], tokens: int) -> int:
+# Token counts that engines driven by this process have run, least recently first. Compiled shapes are
+# the process's (oneDNN's primitive cache is global), so a second engine, or a calibration earlier in
+# the same process, finds warm what the first ran; calibrate and replay both note theirs here.
+PROCESS_SHAPES: OrderedDict[int, None] = OrderedDict()
+
+
+def note_shape(tokens: int) -> int:
     """Mark ``tokens`` as just run; returns how many other counts ran since it last did (-1: never)."""
+    order = PROCESS_SHAPES
     if tokens in order:
         recency = len(order) - 1 - list(order).index(tokens)
         order.move_to_end(tokens)

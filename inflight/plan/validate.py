@@ -257,6 +257,10 @@ def validate(
     }
 
 
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:+.2f} ms"
+
+
 def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
     """A table of the figures and the diagnosis, errors past ``tolerance`` marked."""
     m, cal, run = result["measured"], result["predicted_from_calibration"], result["predicted_from_run_steps"]
@@ -287,9 +291,9 @@ def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
         f"  waiting for a core {100 * d['waiting_for_cpu_share']:.1f}% of step time, output processing "
         f"{100 * d['output_processing_share']:.1f}%, loop {d['loop_gap_ms_per_step']:.3f} ms/step, "
         f"GC {d['gc_pause_s']:.2f} s in {d['gc_collections']} collections, "
-        f"{d['new_shape_steps']} steps of a new token count: {d['new_shape_excess_ms']:+.2f} ms each over "
+        f"{d['new_shape_steps']} steps of a new token count: {_ms(d['new_shape_excess_ms'])} each over "
         f"the linear terms (model: {d['model_first_shape_ms']:.2f} ms); {d['stale_shape_steps']} of a count "
-        f"unused for {d['shape_cache']}+ others: {d['stale_shape_excess_ms']:+.2f} ms; recently used: "
-        f"{d['recent_shape_excess_ms']:+.2f} ms"
+        f"unused for {d['shape_cache']}+ others: {_ms(d['stale_shape_excess_ms'])}; recently used: "
+        f"{_ms(d['recent_shape_excess_ms'])}"
     )
     return "\n".join(lines)

@@ -32,9 +32,10 @@ from inflight.plan.validate import (
 )
 
 TOLERANCE = 0.25  # simulated with the run's own step costs
-# Simulated with the calibration made seconds before the run. On this shared 2-core host the same trace's
-# measured P50 TTFT varies 3x from one run to the next (other work comes and goes), so this bound only
-# catches a broken calibration or unit (a 10x or 1000x error), not drift.
+# Simulated with the calibration made seconds before the run. On this shared 2-core host a step waits for
+# a core 2-40% of its time depending on what else runs, and that share changes between the calibration and
+# the run (`plan validate` reports it), so this bound only catches a broken calibration or unit (a 10x or
+# 1000x error), not drift; seen at load 2-3: P50 TTFT -65..+51%, TPOT -60..+17%.
 GROSS = 4.0
 
 
