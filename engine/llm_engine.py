@@ -312,7 +312,7 @@ class LLMEngine:
                 step=self._step,
                 start=step.start,
                 schedule_time=step.scheduled_at - step.start,
-                execute_time=executed_at - step.scheduled_at,
+                execute_time=result.execute_time or executed_at - step.scheduled_at,
                 stats=self.load,
                 batch=list(step.out.batch()),
                 prepare_time=result.prepare_time,

@@ -59,9 +59,24 @@ class _DeviceStep:
 
 
 @dataclass
+class _DeviceResult:
+    sampled: SampledTensors | None  # None: nothing sampled (prefill chunks only)
+    seconds: float  # CPU: the worker's time on the step
+    # CUDA: events around the step's kernels (the host only queued them, its own time says nothing)
+    events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def device_time(self) -> float:
+        if self.events is None:
+            return self.seconds
+        start, end = self.events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
+@dataclass
 class StepHandle:
     pending: list[_Pending]  # in sampling order
-    future: Future[SampledTensors | None]
+    future: Future[_DeviceResult]
     prepare_time: float
 
 
@@ -92,7 +107,7 @@ class StepOverlap:
         step, pending = self._plan(out, inputs, prev)
         prepare_time = time.perf_counter() - start
         prev_future = prev.future if prev is not None else None
-        future: Future[SampledTensors | None]
+        future: Future[_DeviceResult]
         if self._pool is not None:
             future = self._pool.submit(self._run, step, prev_future)
         else:
@@ -154,10 +169,10 @@ class StepOverlap:
         return host.pin_memory().to(self.runner.device, non_blocking=True)
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
-        sampled_tensors = handle.future.result()
-        if sampled_tensors is None:
-            return RunnerOutput({}, {}, handle.prepare_time)
-        result = sampled_tensors.to_host()
+        done = handle.future.result()
+        if done.sampled is None:
+            return RunnerOutput({}, {}, handle.prepare_time, handle.prepare_time + done.device_time())
+        result = done.sampled.to_host()
         batch = self.runner.input_batch
         sampled: dict[str, int] = {}
         logprobs: dict[str, dict[int, float]] = {}
@@ -168,11 +183,23 @@ class StepOverlap:
                 logprobs[req_id] = lp
             if batch.requests.get(req_id) is p.state:  # else finished or preempted: its row is gone
                 batch.set_token(p.state, p.position, token)
-        return RunnerOutput(sampled, logprobs, handle.prepare_time)
+        execute_time = handle.prepare_time + done.device_time()
+        return RunnerOutput(sampled, logprobs, handle.prepare_time, execute_time)
 
     # ---- device side (the worker thread on CPU) ----------------------------------------------
     @torch.inference_mode()
-    def _run(self, step: _DeviceStep, prev: Future[SampledTensors | None] | None) -> SampledTensors | None:
+    def _run(self, step: _DeviceStep, prev: Future[_DeviceResult] | None) -> _DeviceResult:
+        start = time.perf_counter()
+        events = None
+        if self.runner.device.type == "cuda":
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record(torch.cuda.current_stream(self.runner.device))
+        sampled = self._device_step(step, prev)
+        if events is not None:
+            events[1].record(torch.cuda.current_stream(self.runner.device))
+        return _DeviceResult(sampled, time.perf_counter() - start, events)
+
+    def _device_step(self, step: _DeviceStep, prev: Future[_DeviceResult] | None) -> SampledTensors | None:
         runner = self.runner
         inputs = step.inputs
         prev_tokens = None
@@ -182,7 +209,8 @@ class StepOverlap:
                 prev_result = prev.result()
             except Exception:
                 prev_result = None  # its requests are failed by the engine: the rows needing it are dropped
-            prev_tokens = prev_result.tokens if prev_result is not None else None
+            if prev_result is not None and prev_result.sampled is not None:
+                prev_tokens = prev_result.sampled.tokens
         if prev_tokens is not None and step.fill_dst is not None:
             assert step.fill_src is not None
             inputs.input_ids.index_copy_(0, step.fill_dst, prev_tokens.index_select(0, step.fill_src))

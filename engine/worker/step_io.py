@@ -24,3 +24,6 @@ class RunnerOutput:
     sampled: dict[str, int]  # request id -> new token
     logprobs: dict[str, dict[int, float]]  # request id -> top logprobs (when asked for)
     prepare_time: float = 0.0  # seconds spent updating rows and packing inputs (host side)
+    # Seconds of packing, model and sampling, measured apart from the host's wait (async scheduling:
+    # the step ran behind the engine thread); None: the caller's wall-clock around execute() is it.
+    execute_time: float | None = None
