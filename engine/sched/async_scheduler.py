@@ -9,11 +9,13 @@ step N afterwards. So progress is committed when a step is scheduled, not when i
     there (the runner feeds the real token to the model on the device, never through the host);
   * when the step reports, each placeholder becomes the sampled token, then the usual stop check.
 
-Example: A (prompt 5) decodes; steps N and N+1 overlap.
-    schedule N     A computed 5 -> 6, placeholders 0 -> 1     (N samples A's token 6)
-    schedule N+1   A target 6 + 1 = 7: decode 1 token, computed 6 -> 7, placeholders 1 -> 2
-    report N       token 6 arrives: placeholders 2 -> 1; EOS? A finishes now, its blocks are freed,
-                   and step N+1's token for it (already being computed) is dropped when N+1 reports.
+Example: A holds 6 known tokens (prompt 5, one output), 5 of them computed; steps N and N+1 overlap.
+    schedule N     decode position 5: computed 5 -> 6 = 6 known + 0 pending, so it samples:
+                   placeholders 0 -> 1
+    schedule N+1   target 6 known + 1 pending = 7: decode position 6 (its input is N's token, fed
+                   on the device): computed 6 -> 7, placeholders 1 -> 2
+    report N       token 7 arrives: 7 known, placeholders 2 -> 1. EOS? A finishes now, its blocks are
+                   freed, and step N+1's token for it (being computed) is dropped when N+1 reports.
 
 What the one-step lag costs and how it stays exact:
   * A request whose pending token is its last by count (max_tokens, max_model_len) is not scheduled
