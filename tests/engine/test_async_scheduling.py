@@ -224,6 +224,31 @@ def test_abort_while_its_step_runs_emits_nothing_after(tiny_llama_path: Path) ->
     assert_drained(engine)
 
 
+def test_id_reused_while_its_old_step_runs(tiny_llama_path: Path) -> None:
+    """Aborted and added again under the same id before the old step reports: the old tokens go to
+    neither the new request nor its runner row (both are matched by identity, not id)."""
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=10, ignore_eos=True)
+    engine = make_engine(tiny_llama_path, True)
+    engine.add_request("x", [9, 8, 7, 6], params)
+    for _ in range(3):
+        engine.step()
+    assert isinstance(engine.scheduler, AsyncScheduler) and engine.scheduler.num_in_flight == 1
+    engine.abort_request("x")  # the step running now still computes the old "x"
+    engine.add_request("x", [100, 200, 300], params)
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.outputs[0].token_ids
+    assert_drained(engine)
+    fresh = make_engine(tiny_llama_path, False)
+    fresh.add_request("x", [100, 200, 300], params)
+    expected: list[int] = []
+    while fresh.has_unfinished_requests():
+        for out in fresh.step():
+            expected += out.outputs[0].token_ids
+    assert tokens == expected and len(tokens) == 10
+
+
 def test_last_output_leaves_nothing_in_flight(tiny_llama_path: Path) -> None:
     """When every request finished on the tokens just seen, the wasted step still running is waited
     for in the same call: has_unfinished_requests() is false with the last output."""
