@@ -234,6 +234,7 @@ def run_from_args(args: Any, slo: tuple[float, float] | None, out: Any) -> dict[
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": False,  # random prompts: a prefix hit would be luck, on one policy only
+        "async_scheduling": False,  # as calibrated (see inflight/commands/plan.py SEQUENTIAL_STEPS)
     }
     cost_path = args.cost
     if cost_path is None:  # the slo policy's estimates: timed here, on these settings and threads

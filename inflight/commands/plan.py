@@ -7,6 +7,12 @@ import argparse
 import json
 from typing import Any
 
+# The simulator runs one step after the other, each taking the cost model's time. With async scheduling
+# (auto: on for a CPU engine whose torch threads leave a core free) step() returns the previous step's
+# tokens while the next runs, which neither the model nor the simulator describes; so calibration, the
+# validation's engines and the real policy benchmark pin it off.
+SEQUENTIAL_STEPS = False
+
 NAME = "plan"
 HELP = "capacity planning: calibrate a step-cost model, simulate a fleet, size it for an SLO"
 
@@ -159,6 +165,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         # Calibration prompts are random, so a prefix hit can only be luck; serving settings are kept
         # in the JSON for the simulator.
         enable_prefix_caching=False,
+        async_scheduling=SEQUENTIAL_STEPS,
     )
     cost = calibrate(
         _model_path(args.model), QUICK_GRID if args.quick else DEFAULT_GRID, engine_args=engine_args
@@ -345,6 +352,7 @@ def _validate(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         num_blocks=args.num_blocks,
         enable_prefix_caching=False,  # random prompts: a prefix hit would be luck
+        async_scheduling=SEQUENTIAL_STEPS,  # as calibrated
     )
     if args.cost:
         cost = StepCostModel.load(args.cost)

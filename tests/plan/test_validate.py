@@ -61,6 +61,7 @@ def run_both(tiny_model_path: Path, tmp_path: Path) -> None:
         "max_model_len": 512,
         "num_blocks": cost.engine["num_blocks"],
         "enable_prefix_caching": False,
+        "async_scheduling": False,  # as calibrate pins it: the simulator steps one batch at a time
     }
     mix = LengthMix(short_prompt=(16, 96), long_prompt=(160, 256), long_fraction=0.2, output=(8, 48))
     # Rate chosen so that batches of several requests form and queues are short but not empty.
