@@ -329,69 +329,9 @@ def _policies(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
+    from inflight.plan.validate import run_from_args
 
-    import torch
-
-    from bench.workload import synthetic
-    from engine.config import ModelConfig
-    from engine.cost_model import StepCostModel
-    from inflight.plan.calibrate import DEFAULT_GRID, calibrate, describe
-    from inflight.plan.validate import FIGURES, report, validate
-
-    sizes = [int(x) for x in args.workers.split(",")]
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    # Each worker its own cores, as pods have: the largest fleet decides, and the calibration uses the
-    # same count (a model timed on two threads says nothing of a one-thread worker).
-    threads = args.threads or max(1, cores // max(sizes))
-    model = _model_path(args.model)
-    engine_args = dict(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_blocks=args.num_blocks,
-        enable_prefix_caching=False,  # random prompts: a prefix hit would be luck
-        async_scheduling=SEQUENTIAL_STEPS,  # as calibrated
-    )
-    if args.cost:
-        cost = StepCostModel.load(args.cost)
-        if cost.host.get("threads") not in (None, threads):
-            raise SystemExit(
-                f"{args.cost} was calibrated with {cost.host['threads']} threads, workers use {threads}"
-            )
-    else:
-        torch.set_num_threads(threads)
-        cost = calibrate(model, DEFAULT_GRID, engine_args=engine_args)
-    print(describe(cost), flush=True)
-    vocab = ModelConfig.from_path(model).vocab_size
-    rate = args.rate
-    if rate is None:
-        from inflight.plan.policies import capacity
-
-        rate = args.load * capacity(cost, 500, engine_args, args.seed)
-        print(f"{rate:.3g} req/s a worker ({args.load:g} x the simulated capacity)", flush=True)
-    results = []
-    for workers in sizes:
-        specs = synthetic(args.num_requests * workers, rate * workers, vocab, seed=args.seed)
-        result = validate(
-            model, specs, engine_args, cost, workers=workers, threads=threads, shape_cache=args.shape_cache
-        )
-        print(report(result, args.tolerance), flush=True)
-        results.append(result)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"cost": cost.to_json(), "runs": results}, indent=1) + "\n")
-    over = [
-        f"{r['workers']} worker(s) {k} {100 * r['error_from_calibration'][k]:+.0f}%"
-        for r in results
-        for k in FIGURES
-        if abs(r["error_from_calibration"][k]) > args.tolerance
-    ]
-    print(
-        f"wrote {args.out}; "
-        + (f"over {100 * args.tolerance:.0f}%: {', '.join(over)}" if over else "all within")
-    )
-    return 1 if over else 0
+    return run_from_args(args, _model_path(args.model), {"async_scheduling": SEQUENTIAL_STEPS})
 
 
 def run(args: argparse.Namespace) -> int:
