@@ -233,6 +233,10 @@ def run_from_args(args: Any, slo: tuple[float, float] | None, out: Any) -> dict[
     engine = {
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        # The mix needs 512 + 256 tokens; four engines share the host's memory, so each holds KV for
+        # its seats at this length, not the 2 GiB a lone engine may take.
+        "max_model_len": 1024,
+        "num_blocks": args.max_num_seqs * 1024 // 16,
         "enable_prefix_caching": False,  # random prompts: a prefix hit would be luck, on one policy only
         "async_scheduling": False,  # as calibrated (see inflight/commands/plan.py SEQUENTIAL_STEPS)
     }
