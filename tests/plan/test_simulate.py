@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -65,14 +66,29 @@ def test_a_shape_cache_evicts_the_least_recently_run_token_count() -> None:
     assert ends[1] == pytest.approx(ends[2] + 0.005, rel=1e-12)
 
 
-def test_fast_path_equals_step_by_step() -> None:
+@pytest.mark.parametrize("cold", [False, True])
+def test_fast_path_equals_step_by_step(cold: bool) -> None:
+    # Cold: workers pay 5 ms for a token count not among the 8 they ran last (the fast path touches a
+    # run's shape once, stepping touches it every step: the same LRU order, as no other count runs).
+    cost = replace(COST, first_shape=0.005)
     reqs = synthetic(6.0, 60.0, seed=5)
-    fleet = FleetConfig(workers=2, max_pending=64)
-    fast = simulate(reqs, COST, fleet)
-    slow = simulate(reqs, COST, FleetConfig(workers=2, max_pending=64, fast_path=False))
+    shapes: dict[str, Any] = {"cold_shapes": cold, "shape_cache": 8}
+    fast = simulate(reqs, cost, FleetConfig(workers=2, max_pending=64, **shapes))
+    slow = simulate(reqs, cost, FleetConfig(workers=2, max_pending=64, fast_path=False, **shapes))
     assert fast["fast_forwarded_steps"] > fast["steps"] // 2 and slow["fast_forwarded_steps"] == 0
-    for key in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "output_tok_s", "steps"):
+    for key in (
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tpot_p50_s",
+        "tpot_p99_s",
+        "output_tok_s",
+        "steps",
+        "utilisation",
+    ):
         assert fast[key] == pytest.approx(slow[key], rel=1e-9), key
+    if cold:  # and the cold workers did pay for shapes
+        warm = simulate(reqs, cost, FleetConfig(workers=2, max_pending=64))
+        assert fast["utilisation"] > warm["utilisation"]
 
 
 def test_gateway_bound_turns_away_the_excess() -> None:
