@@ -80,6 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     val.add_argument(
         "--shape-cache", type=int, default=None, help="simulate an LRU of this many warm token counts"
     )
+    val.add_argument(
+        "--service",
+        action="store_true",
+        help="measure through the gateway, Kafka and a worker process each (plan/service_replay.py)",
+    )
     val.add_argument("--tolerance", type=float, default=0.2, help="relative error allowed a figure")
     val.add_argument("--out", default="plan-validate.json", help="where to write every figure (JSON)")
 

@@ -345,10 +345,16 @@ def run_from_args(args: Any, model: str, pinned: dict[str, Any]) -> int:
     results = []
     for workers in sizes:
         specs = synthetic(args.num_requests * workers, rate * workers, vocab, seed=args.seed)
-        result = validate(
-            model, specs, engine_args, cost, workers=workers, threads=threads, shape_cache=args.shape_cache
-        )
-        print(report(result, args.tolerance), flush=True)
+        if args.service:  # through the gateway, Kafka and worker processes
+            from inflight.plan.service_replay import report_service, validate_service
+
+            kw = {"threads": threads, "shape_cache": args.shape_cache}
+            result = validate_service(model, specs, engine_args, cost, workers=workers, **kw)
+            print(report_service(result, args.tolerance), flush=True)
+        else:
+            kw = {"threads": threads, "shape_cache": args.shape_cache}
+            result = validate(model, specs, engine_args, cost, workers=workers, **kw)
+            print(report(result, args.tolerance), flush=True)
         results.append(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cost": cost.to_json(), "runs": results}, indent=1) + "\n")

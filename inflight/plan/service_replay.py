@@ -1,0 +1,226 @@
+"""The validation through the whole service path: the trace replayed by streaming clients against a
+gateway, Kafka (tansu on loopback) and N worker processes, next to the simulator's prediction with
+the path's own latencies (``plan validate --service``).
+
+What the path adds to an in-process engine, and how the prediction accounts for it:
+
+    intake     gateway admission, produce, and the worker's fetch: tansu answers a fetch when
+               fetch_max_wait expires, so a request waits about that long before any engine sees
+               it; modelled as ServicePath.intake_s = kafka_fetch_max_wait_ms (the setting the
+               workers run with), and the run's own (worker claim - gateway enqueue, from the job
+               records, at its lowest decile where no queue formed) is reported beside it
+    fetch      the worker takes from Kafka only while its engine's waiting queue is below
+               max_waiting: modelled as is (FleetConfig.max_waiting)
+    delivery   Redis publish, the gateway's SSE: a constant on every token, so TPOT keeps none of
+               it; not modelled (a few hundred microseconds on loopback)
+    engine     the engine core in its own process (IPC each step) and the worker's I/O: not in the
+               cost model; the per-figure error after intake is what they cost
+
+Token times come from the stream: TTFT is the first chunk with text, TPOT the span to the last chunk
+over max_tokens - 1 (every request generates exactly max_tokens: EOS is ignored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from inflight.plan.validate import _pct
+
+
+async def _stream(client: Any, spec: Any, t0: float, name: str) -> tuple[float | None, float | None]:
+    await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
+    first = last = None
+    stream = await client.completions.create(
+        model=name,
+        prompt=list(spec.prompt_token_ids),
+        max_tokens=spec.max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text:
+            last = time.monotonic() - t0
+            first = last if first is None else first
+    return first, last
+
+
+async def _drive(url: str, specs: Sequence[Any], name: str, warmup: Sequence[Any]) -> list[Any]:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="validate", max_retries=0, timeout=600)
+    try:
+        # Unmeasured: every worker's engine warm and every partition assigned before the trace starts.
+        await asyncio.gather(*(_stream(client, s, time.monotonic(), name) for s in warmup))
+        await asyncio.sleep(2.0)
+        t0 = time.monotonic()
+        return list(await asyncio.gather(*(_stream(client, s, t0, name) for s in specs)))
+    finally:
+        await client.close()
+
+
+def measure_service(
+    model: str,
+    specs: Sequence[Any],
+    engine_args: dict[str, Any],
+    *,
+    workers: int,
+    threads: int,
+    max_waiting: int,
+    partitions: int,
+    fetch_max_wait_ms: int,
+) -> dict[str, Any]:
+    """Run the stack, replay ``specs`` through it, return the figures and the intake it measured."""
+    import redis as redis_lib
+
+    from bench.session import warmup_specs
+    from engine.config import ModelConfig
+    from services.common import keys
+    from services.common.servers import start_kafka, start_redis
+    from services.dev import ServiceProcess, launch, stack_env
+
+    cfg = ModelConfig.from_path(model)
+    warm = [w for w in warmup_specs(cfg.vocab_size, int(engine_args.get("max_model_len", 1024)))] * (
+        2 * workers
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="inflight-validate-"))
+    kafka, redis = start_kafka(workdir=workdir / "kafka"), start_redis(workdir=workdir / "redis")
+    children: list[ServiceProcess] = []
+    try:
+        env = {
+            **stack_env(kafka, redis, model),
+            "INFLIGHT_SERVED_MODEL_NAME": "validate",
+            "INFLIGHT_KAFKA_TOPIC": f"inflight.validate.{uuid.uuid4().hex[:6]}",
+            "INFLIGHT_KAFKA_PARTITIONS": str(partitions),
+            "INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS": str(fetch_max_wait_ms),
+            "INFLIGHT_MAX_PENDING": str(10 * len(specs) + 100),  # no 429: the trace is the load
+            "INFLIGHT_MAX_WAITING": str(max_waiting),
+            "INFLIGHT_ENGINE_ARGS": json.dumps(engine_args),
+            "INFLIGHT_TORCH_THREADS": str(threads),
+            "INFLIGHT_LOG_LEVEL": "WARNING",
+        }
+        children = [launch("worker", env, workdir) for _ in range(workers)]
+        children.append(launch("gateway", env, workdir))
+        for child in children:
+            child.wait_ready(300)
+        times = asyncio.run(_drive(children[-1].url, specs, "validate", warm))
+        records = redis_lib.Redis.from_url(redis.url, decode_responses=True)
+        intake = _intake(records, keys)
+    finally:
+        for child in children:
+            child.stop()
+        kafka.stop()
+        redis.stop()
+    return {**service_figures(specs, times), "measured_intake_s": intake}
+
+
+def _intake(records: Any, keys: Any) -> float:
+    """Worker claim - gateway enqueue over the run's job records, lowest decile (no engine queue)."""
+    waits = []
+    for key in records.scan_iter(keys.record("*")):
+        rec = records.hgetall(key)
+        if "created" in rec and "started" in rec:
+            waits.append(float(rec["started"]) - float(rec["created"]))
+    return _pct(waits, 10)
+
+
+def service_figures(
+    specs: Sequence[Any], times: Sequence[tuple[float | None, float | None]]
+) -> dict[str, float]:
+    ttft, tpot, ends, tokens = [], [], [], 0
+    for spec, (first, last) in zip(specs, times, strict=True):
+        if first is None or last is None:
+            continue
+        ttft.append(first - spec.arrival)
+        if spec.max_tokens > 1:
+            tpot.append((last - first) / (spec.max_tokens - 1))
+        ends.append(last)
+        tokens += spec.max_tokens
+    end = max([*ends, *(s.arrival for s in specs)], default=0.0)
+    return {
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "tpot_p50_s": _pct(tpot, 50),
+        "tpot_p99_s": _pct(tpot, 99),
+        "output_tok_s": tokens / end if end > 0 else math.nan,
+        "duration_s": end,
+        "num_completed": float(len(ends)),
+    }
+
+
+def validate_service(
+    model: str,
+    specs: Sequence[Any],
+    engine_args: dict[str, Any],
+    cost: Any,
+    *,
+    workers: int,
+    threads: int,
+    max_waiting: int = 16,
+    partitions: int = 8,
+    fetch_max_wait_ms: int = 5,
+    shape_cache: int | None = None,
+) -> dict[str, Any]:
+    from inflight.plan.simulate import FleetConfig, ServicePath, simulate
+    from inflight.plan.traffic import from_specs
+    from inflight.plan.validate import FIGURES, compare
+
+    measured = measure_service(
+        model,
+        specs,
+        engine_args,
+        workers=workers,
+        threads=threads,
+        max_waiting=max_waiting,
+        partitions=partitions,
+        fetch_max_wait_ms=fetch_max_wait_ms,
+    )
+    fleet = FleetConfig(
+        workers=workers,
+        partitions=partitions,
+        max_waiting=max_waiting,
+        engine=engine_args,
+        service=ServicePath(intake_s=fetch_max_wait_ms / 1e3),
+        # Workers start cold but for the warm-up's prompts and small decode batches.
+        cold_shapes=True,
+        warm_shapes=frozenset([*range(1, 9), 24, 130, 500]),
+        shape_cache=shape_cache,
+    )
+    result = simulate(from_specs(specs), cost, fleet)
+    predicted = {k: float(result[k]) for k in (*FIGURES, "utilisation")}
+    return {
+        "workers": workers,
+        "threads_per_worker": threads,
+        "num_requests": len(specs),
+        "path": "service",
+        "measured": measured,
+        "predicted_from_calibration": predicted,
+        "error_from_calibration": compare(measured, predicted),
+    }
+
+
+def report_service(result: dict[str, Any], tolerance: float = 0.2) -> str:
+    from inflight.plan.validate import FIGURES
+
+    m, p, e = result["measured"], result["predicted_from_calibration"], result["error_from_calibration"]
+    lines = [
+        f"service path: {result['workers']} worker(s), {result['threads_per_worker']} thread(s) each, "
+        f"{result['num_requests']} requests, {int(m['num_completed'])} completed",
+        f"{'figure':<13} {'measured':>10} {'predicted':>10} {'error':>7}",
+    ]
+    for k in FIGURES:
+        mark = "  <- over" if abs(e[k]) > tolerance else ""
+        lines.append(f"{k:<13} {m[k]:>10.4g} {p[k]:>10.4g} {100 * e[k]:>+6.0f}%{mark}")
+    lines.append(
+        f"intake: measured {1e3 * m['measured_intake_s']:.1f} ms (lowest decile), modelled: fetch_max_wait; "
+        f"simulated utilisation {p['utilisation']:.2f}"
+    )
+    return "\n".join(lines)
