@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from inflight.plan.validate import _pct
+from bench.stats import percentile as _pct
 
 
 async def _stream(client: Any, spec: Any, t0: float, name: str) -> tuple[float | None, float | None]:

@@ -113,3 +113,19 @@ def run_both(tiny_model_path: Path, tmp_path: Path) -> None:
     }
     text = report(result)
     assert "ttft_p99_s" in text and "utilisation: measured" in text and "decode" in text
+
+
+def test_service_figures_from_stream_times() -> None:
+    # a: 4 tokens, first at 0.1 s, last at 0.4 s (TPOT 0.1 s); b: one token at 0.6 s (no TPOT);
+    # c never answered: not counted. 5 tokens over 0.6 s.
+    from bench.workload import RequestSpec
+    from inflight.plan.service_replay import service_figures
+
+    specs = [
+        RequestSpec("a", 0.0, (5, 6), 4),
+        RequestSpec("b", 0.5, (5,), 1),
+        RequestSpec("c", 0.55, (5,), 3),
+    ]
+    f = service_figures(specs, [(0.1, 0.4), (0.6, 0.6), (None, None)])
+    assert f["ttft_p50_s"] == pytest.approx(0.1) and f["tpot_p50_s"] == pytest.approx(0.1)
+    assert f["output_tok_s"] == pytest.approx(5 / 0.6) and f["num_completed"] == 2
