@@ -83,8 +83,11 @@ def run_both(tiny_model_path: Path, tmp_path: Path) -> None:
             for k in from_run
         }
     )
-    for key in ("output_tok_s", "ttft_p50_s", "tpot_p50_s"):
-        assert abs(from_run[key]) <= TOLERANCE, (key, measured[key], from_run[key])
+    # TTFT P50 is ~10 ms on the tiny model: one descheduled step on this shared 2-core host moves it
+    # by a third (a clean-clone CI run here saw -42% while the other figures held), so it gets twice
+    # the band; throughput and TPOT are averages over many steps and keep it.
+    for key, band in (("output_tok_s", TOLERANCE), ("ttft_p50_s", 2 * TOLERANCE), ("tpot_p50_s", TOLERANCE)):
+        assert abs(from_run[key]) <= band, (key, measured[key], from_run[key])
         assert 1 / GROSS <= 1 + from_calibration[key] <= GROSS, (key, measured[key], from_calibration[key])
 
     # The diagnosis accounts for the run: every step in one kind, the model fitted on them predicts
