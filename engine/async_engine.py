@@ -20,6 +20,7 @@ from engine.llm_engine import LLMEngine, Prompt
 from engine.metrics import EngineMetrics, SchedulerStats
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.streams import Stream, stream_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, Stream] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -144,7 +145,7 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(fut)
 
     # ---- requests --------------------------------------------------------------------------
-    async def generate(
+    def generate(
         self,
         prompt: Prompt,
         params: SamplingParams,
@@ -158,14 +159,10 @@ class AsyncLLMEngine:
         slo_tpot_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs. Leaving the iterator early (or cancelling) aborts the request."""
-        if self._thread is None:
-            await self.start()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
-        finished = added = False
-        try:
+
+        async def add() -> None:
+            if self._thread is None:
+                await self.start()
             await self._call(
                 lambda: self.engine.add_request(
                     request_id,
@@ -179,20 +176,12 @@ class AsyncLLMEngine:
                     slo_tpot_s=slo_tpot_s,
                 )
             )
-            added = True
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise RuntimeError("the engine loop has died") from item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if added and not finished and self.dead_error is None:
-                self._commands.put(lambda: self.engine.abort_request(request_id))
-                self._wake.set()
+
+        def abort() -> None:
+            self._commands.put(lambda: self.engine.abort_request(request_id))
+            self._wake.set()
+
+        return stream_outputs(self._streams, request_id, add, abort, lambda: self.dead_error is not None)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; the stream then ends with finish_reason "abort"."""

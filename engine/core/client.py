@@ -12,6 +12,7 @@ to the event loop in one callback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -32,6 +33,7 @@ from engine.core.messages import (
     StepMessage,
 )
 from engine.metrics import EngineMetrics, SchedulerStats
+from engine.streams import Stream, stream_outputs
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -64,7 +66,7 @@ class EngineCoreClient:
         self.max_model_len = 0
         self.description = ""
         self.dead_error: BaseException | None = None
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, Stream] = {}
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._seq = itertools.count()
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -165,7 +167,7 @@ class EngineCoreClient:
                 conn.close()
 
     # ---- requests ------------------------------------------------------------------------------
-    async def generate(
+    def generate(
         self,
         prompt: list[int] | str,
         params: SamplingParams,
@@ -179,41 +181,23 @@ class EngineCoreClient:
         slo_tpot_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs. Leaving the iterator early (or cancelling) aborts the request."""
-        if self._proc is None:
-            await self.start()
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = stream
-        finished = added = False
-        try:
-            await self._ask(
-                lambda seq: AddRequest(
-                    seq,
-                    request_id,
-                    prompt,
-                    params,
-                    priority,
-                    resume_token_ids,
-                    resume_by_index,
-                    indexes,
-                    slo_ttft_s,
-                    slo_tpot_s,
-                )
-            )
-            added = True
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise RuntimeError("the engine loop has died") from item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if added and not finished and self.dead_error is None:
-                self._outbox.put(AbortRequest(request_id))
+        add = AddRequest(
+            -1, request_id, prompt, params, priority, resume_token_ids, resume_by_index, indexes,
+            slo_ttft_s, slo_tpot_s,
+        )  # fmt: skip
+
+        async def send() -> None:
+            if self._proc is None:
+                await self.start()
+            await self._ask(lambda seq: dataclasses.replace(add, seq=seq))
+
+        return stream_outputs(
+            self._streams,
+            request_id,
+            send,
+            lambda: self._outbox.put(AbortRequest(request_id)),
+            lambda: self.dead_error is not None,
+        )
 
     async def abort(self, request_id: str) -> None:
         """Abort a request wherever it is; the stream then ends with finish_reason "abort"."""
