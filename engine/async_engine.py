@@ -80,12 +80,7 @@ class AsyncLLMEngine:
         return len(self._streams)
 
     def kv_stats(self) -> dict[str, float]:
-        load = self.engine.load
-        return {
-            "num_free_blocks": load.num_free_blocks,
-            "num_total_blocks": load.num_total_blocks,
-            "usage": load.kv_usage,
-        }
+        return self.engine.load.kv_stats()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:

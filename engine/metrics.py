@@ -30,6 +30,14 @@ class SchedulerStats:
     num_allocation_failures: int = 0  # cumulative: times the pool said "no room"
     num_total_blocks: int = 0
 
+    def kv_stats(self) -> dict[str, float]:
+        """The KV cache's figures as the worker's /stats reports them."""
+        return {
+            "num_free_blocks": self.num_free_blocks,
+            "num_total_blocks": self.num_total_blocks,
+            "usage": self.kv_usage,
+        }
+
 
 @dataclass
 class StepRecord:

@@ -95,12 +95,7 @@ class EngineCoreClient:
         return None if self._proc is None else self._proc.pid
 
     def kv_stats(self) -> dict[str, float]:
-        load = self.load
-        return {
-            "num_free_blocks": load.num_free_blocks,
-            "num_total_blocks": load.num_total_blocks,
-            "usage": load.kv_usage,
-        }
+        return self.load.kv_stats()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
