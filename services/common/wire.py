@@ -85,6 +85,9 @@ class RequestMessage:
     # before, and a message without them decodes as None.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Whether a client reads the tokens as they come (SSE). False (a whole response, a job): the worker
+    # may hold token events back a little and send them in fewer round trips. Absent: True.
+    stream: bool = True
 
     def encode(self) -> bytes:
         fields = {k: v for k, v in vars(self).items() if not (k.startswith("slo_") and v is None)}
@@ -118,6 +121,7 @@ class RequestMessage:
             add_generation_prompt=bool(obj.get("add_generation_prompt", True)),
             slo_ttft_ms=_optional_ms(obj, "slo_ttft_ms"),
             slo_tpot_ms=_optional_ms(obj, "slo_tpot_ms"),
+            stream=bool(obj.get("stream", True)),
         )
 
 

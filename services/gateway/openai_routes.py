@@ -73,7 +73,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 async def _serve(
     gw: Gateway, request: Request, kind: Kind, body: _Sampling, prepared: Prepared, logprobs: int | None
 ) -> Any:
-    msg, sub = await gw.enqueue(kind, prepared, job=False, subscribe=True)
+    msg, sub = await gw.enqueue(kind, prepared, job=False, subscribe=True, stream=bool(body.stream))
     assert sub is not None
     builder = ResponseBuilder(kind, msg.id, msg.model, int(msg.created), body.n, gw.info.tokenizer, logprobs)
     if body.stream:

@@ -42,6 +42,7 @@ class Gateway:
         *,
         job: bool,
         subscribe: bool,
+        stream: bool = False,
         extra: dict[str, str | int | float] | None = None,
     ) -> tuple[RequestMessage, Subscription | None]:
         prefix = "job" if job else ("cmpl" if kind == "completion" else "chatcmpl")
@@ -59,6 +60,7 @@ class Gateway:
             add_generation_prompt=prepared.add_generation_prompt,
             slo_ttft_ms=prepared.slo_ttft_ms,
             slo_tpot_ms=prepared.slo_tpot_ms,
+            stream=stream,
         )
         record: dict[str, str | int | float] = {
             "kind": kind,

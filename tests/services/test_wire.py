@@ -52,6 +52,15 @@ def test_text_request_round_trip() -> None:
         assert again.add_generation_prompt is add
 
 
+def test_stream_flag_round_trips_and_defaults_to_streaming() -> None:
+    msg = _request()
+    for stream in (True, False):
+        assert RequestMessage.decode(dataclasses.replace(msg, stream=stream).encode()).stream is stream
+    older = json.loads(msg.encode())
+    del older["stream"]  # a message from a gateway that predates the field
+    assert RequestMessage.decode(json.dumps(older)).stream is True  # token by token, as it was
+
+
 def test_every_sampling_field_is_named_on_the_wire() -> None:
     """A field added to SamplingParams must be added to the wire schema on purpose (and the version
     bumped if old readers would misread it): this fails until it is."""

@@ -25,7 +25,7 @@ from services.common.settings import Settings
 from services.common.store import Store, connect_redis
 from services.common.wire import COMPLETED, DeltaEvent, DoneEvent, RequestMessage, encode_event
 from services.common.wire_sampling import WireSampling
-from services.worker.publisher import Publisher, PublishError
+from services.worker.publisher import HOLD_S, Publisher, PublishError
 from services.worker.run import Final, Outcome, PendingDelta, Run
 from services.worker.runner import Runner
 from tests.services.stack import REDIS_PASSWORD
@@ -113,6 +113,44 @@ async def test_publisher_merges_numbers_and_finishes_in_order(parts: Parts) -> N
     assert await p.store.owner(run.id) is None and not run.holds_lease
     assert list(run.output.choices) == [0] and run.output.choice(0).token_ids == [11, 12, 13, 14]
     assert p.fenced == []
+
+
+async def test_publisher_holds_back_what_nobody_streams(parts: Parts) -> None:
+    """A whole-response request's deltas wait (at most HOLD_S) and go out with its finish; a
+    streamed one's go out as they come."""
+    p, worker = parts, parts.settings.worker_id
+    whole = await _admitted(p, _message(SamplingParams(), stream=False))
+    streamed = await _admitted(p, _message(SamplingParams(), stream=True))
+    for run in (whole, streamed):
+        assert (await p.store.start(run.id, worker, lease_s=5, seed=1, ttl_s=60)).outcome == "ok"
+        run.holds_lease = True
+    trips = p.publisher.num_round_trips
+    for token in range(8):
+        p.publisher.emit(whole, PendingDelta(0, [token], "x"))
+        await asyncio.sleep(0.005)  # a step's time apart, as an engine produces them
+    assert await p.store.read_log(whole.id) == []  # held back
+    assert p.publisher.num_round_trips == trips
+    await p.publisher.finish(whole, Final(COMPLETED, fields={"status": COMPLETED}))
+    log = await p.store.read_log(whole.id)
+    assert [type(e) for e in log] == [DeltaEvent, DoneEvent] and log[0].token_ids == list(range(8))
+    assert p.publisher.num_round_trips - trips == 1
+
+    p.publisher.emit(streamed, PendingDelta(0, [1], "a"))
+    for _ in range(100):
+        if await p.store.read_log(streamed.id):
+            break
+        await asyncio.sleep(0.005)
+    assert len(await p.store.read_log(streamed.id)) == 1  # sent without waiting for anything
+
+    # Held back, but not for ever: the timer sends it (progress, and little lost to a crash).
+    long = await _admitted(p, _message(SamplingParams(), stream=False))
+    assert (await p.store.start(long.id, worker, lease_s=5, seed=1, ttl_s=60)).outcome == "ok"
+    long.holds_lease = True
+    began = time.monotonic()
+    p.publisher.emit(long, PendingDelta(0, [7], "y"))
+    while not await p.store.read_log(long.id):
+        assert time.monotonic() - began < HOLD_S + 1.0
+        await asyncio.sleep(0.01)
 
 
 async def test_publisher_fences_a_run_whose_lease_moved(parts: Parts) -> None:
