@@ -171,8 +171,27 @@ def test_one_trace_across_gateway_and_worker(traced: tuple[Stack, OTLPReceiver])
     assert a["gen_ai.usage.input_tokens"] == resp.json()["usage"]["prompt_tokens"]
     assert 0 <= a["inflight.latency.time_to_first_token"] <= a["inflight.latency.e2e"]
 
-    # Token events go out through Redis: the first publish under the engine span, the final one
-    # (the done event and the record) under the consume span.
+    # Nobody streams this response, so its token events were held back and went out with the done
+    # event and the record: one publish, under the consume span, carrying every event.
     publishes = [s for s in spans if s.name.startswith("publish")]
-    assert any(p.parent_span_id == engine.span_id for p in publishes)
-    assert any(p.parent_span_id == consume.span_id and p.attributes.get("inflight.final") for p in publishes)
+    (final,) = publishes
+    assert final.parent_span_id == consume.span_id and final.attributes.get("inflight.final")
+    assert final.attributes["messaging.batch.message_count"] >= 2  # the tokens' delta(s) and the done event
+
+    # Streamed, the first tokens go out at once: their publish is under the engine span.
+    streamed_trace = "1bf8762a27de54ee9559fc322d91420d"
+    headers = {"traceparent": f"00-{streamed_trace}-{CLIENT_SPAN}-01"}
+    with httpx.stream(
+        "POST", f"{stack.url}/v1/completions", json={**body, "stream": True}, headers=headers, timeout=60
+    ) as streamed:
+        assert streamed.status_code == 200 and "[DONE]" in streamed.read().decode()
+
+    def published(spans: list[Span]) -> bool:
+        mine = [s for s in spans if s.trace_id == streamed_trace]
+        return sum(s.name.startswith("publish") for s in mine) >= 2 and any(
+            s.name.startswith("engine.request") for s in mine
+        )
+
+    mine = [s for s in rx.wait_for(published) if s.trace_id == streamed_trace]
+    engine = _one(mine, name="engine.request text_completion")
+    assert any(p.parent_span_id == engine.span_id for p in mine if p.name.startswith("publish"))
