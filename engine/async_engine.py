@@ -68,19 +68,8 @@ class AsyncLLMEngine:
         return self.engine.load
 
     @property
-    def num_waiting(self) -> int:
-        return self.engine.load.num_waiting
-
-    @property
-    def num_running(self) -> int:
-        return self.engine.load.num_running
-
-    @property
     def num_unfinished(self) -> int:
         return len(self._streams)
-
-    def kv_stats(self) -> dict[str, float]:
-        return self.engine.load.kv_stats()
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:

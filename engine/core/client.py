@@ -79,23 +79,12 @@ class EngineCoreClient:
 
     # ---- read from the event loop ---------------------------------------------------------
     @property
-    def num_waiting(self) -> int:
-        return self.load.num_waiting
-
-    @property
-    def num_running(self) -> int:
-        return self.load.num_running
-
-    @property
     def num_unfinished(self) -> int:
         return len(self._streams)
 
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
-
-    def kv_stats(self) -> dict[str, float]:
-        return self.load.kv_stats()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:

@@ -36,7 +36,6 @@ logger = logging.getLogger(__name__)
 INSPECTIONS: dict[str, Callable[[Any], Any]] = {
     "kv_integrity": lambda engine: engine.kv.check_integrity(),
     "num_free_blocks": lambda engine: engine.kv.num_free_blocks,
-    "num_unfinished": lambda engine: len(engine._groups),
 }
 
 

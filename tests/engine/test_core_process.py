@@ -33,7 +33,7 @@ async def core(tiny_llama_path: Path):  # type: ignore[no-untyped-def]
 async def kv_clean(client: EngineCoreClient) -> bool:
     await client.inspect("kv_integrity")  # raises (through the reply) if the pool's books disagree
     free = await client.inspect("num_free_blocks")
-    return bool(free == client.kv_stats()["num_total_blocks"] and free > 0)
+    return bool(free == client.load.num_total_blocks and free > 0)
 
 
 async def test_streams_what_the_in_process_engine_generates(
