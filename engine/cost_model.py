@@ -2,7 +2,8 @@
 
     T(step) = fixed + per_token * num_tokens + per_seq * num_seqs + per_context * sum_context
 
-``num_tokens`` are the tokens scheduled (prefill chunks and decodes), ``num_seqs`` the rows of the
+``num_tokens`` are the tokens scheduled (prefill chunks and decodes; where the engine rounds a step's
+rows up to whole GEMM tiles, bf16 on CPU, the rows it pads to: ``row_grain``), ``num_seqs`` the rows of the
 batch, ``sum_context`` the tokens each row attends over (its computed tokens plus the new ones), summed.
 The terms follow what a step does: the matmuls scale with tokens, sampling and per-row bookkeeping with
 rows, attention with context, and launch and Python overhead is fixed. Apart from those, ``first_shape``:
@@ -25,9 +26,11 @@ import itertools
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from engine.models.row_padding import RowPadding
 
 COST_MODEL_VERSION = 1
 TERMS = ("fixed", "per_token", "per_seq", "per_context")
@@ -59,17 +62,27 @@ class StepCostModel:
     # The calibration's samples as (num_tokens, num_seqs, sum_context, seconds): kept so a fit can be
     # checked or redone; the model itself never reads them.
     samples: tuple[tuple[int, int, int, float], ...] = ()
+    # The engine's row padding (engine/models/row_padding.py): a step of n tokens computes
+    # rows(n) >= n of them in its token-wise ops. grain 1: none.
+    row_grain: int = 1
+    row_limit: int = 0
 
     def __post_init__(self) -> None:
         for name in (*TERMS, "first_shape"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        object.__setattr__(self, "_padding", RowPadding(self.row_grain, self.row_limit))
+
+    def rows(self, num_tokens: int) -> int:
+        """The rows a step of ``num_tokens`` tokens computes (and its shape, for first_shape)."""
+        padding: RowPadding = self._padding  # type: ignore[attr-defined]
+        return padding.padded(num_tokens)
 
     def step_time(self, num_tokens: int, num_seqs: int, sum_context: int) -> float:
         return (
             self.fixed
-            + self.per_token * num_tokens
+            + self.per_token * self.rows(num_tokens)
             + self.per_seq * num_seqs
             + self.per_context * sum_context
         )
@@ -104,7 +117,9 @@ class StepCostModel:
     def from_json(cls, raw: dict[str, Any]) -> StepCostModel:
         if raw.get("version") != COST_MODEL_VERSION:
             raise ValueError(f"cost model version {raw.get('version')!r} is not {COST_MODEL_VERSION}")
-        unknown = set(raw) - {"version", *TERMS, "first_shape", "host", "engine", "fit", "samples"}
+        known = {"version", *TERMS, "first_shape", "host", "engine", "fit", "samples"}
+        known |= {"row_grain", "row_limit"}
+        unknown = set(raw) - known
         if unknown:
             raise ValueError(f"unknown cost model field(s): {', '.join(sorted(unknown))}")
         return cls(
@@ -114,6 +129,8 @@ class StepCostModel:
             engine=dict(raw.get("engine", {})),
             fit={k: float(v) for k, v in raw.get("fit", {}).items()},
             samples=tuple((int(t), int(n), int(c), float(x)) for t, n, c, x in raw.get("samples", ())),
+            row_grain=int(raw.get("row_grain", 1)),  # absent: fitted before the engine padded rows
+            row_limit=int(raw.get("row_limit", 0)),
         )
 
     @classmethod
@@ -188,17 +205,22 @@ def fit(
     host: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
     first_shape_samples: Sequence[StepSample] = (),
+    row_padding: tuple[int, int] = (1, 0),
 ) -> StepCostModel:
     """Fit the linear terms on ``samples`` (steps of token counts the process had run before) and,
     given the steps that ran a token count for the first time, ``first_shape`` as their median excess
-    over the fitted model (a median: one descheduled step must not set it)."""
+    over the fitted model (a median: one descheduled step must not set it). ``row_padding``: the
+    engine's (grain, limit); the token term is fitted on the rows a step computes."""
+    padding = RowPadding(*row_padding)
+    samples = [replace(s, num_tokens=padding.padded(s.num_tokens)) for s in samples]
     coef = fit_nnls(samples)
     # The relative-error fit follows the shape; queueing follows the mean step time, which descheduled
     # steps on a busy host push up. Scaled so that the predicted total equals the measured total.
     predicted = sum(sum(c * x for c, x in zip(coef, s.features(), strict=True)) for s in samples)
     scale = sum(s.seconds for s in samples) / predicted if predicted > 0 else 1.0
     fixed, per_token, per_seq, per_context = (c * scale for c in coef)
-    model = StepCostModel(fixed, per_token, per_seq, per_context)
+    grain, limit = padding.grain, padding.limit
+    model = StepCostModel(fixed, per_token, per_seq, per_context, row_grain=grain, row_limit=limit)
     first_shape = 0.0
     if first_shape_samples:
         excess = sorted(
@@ -217,4 +239,6 @@ def fit(
         engine=engine or {},
         fit=errors,
         samples=tuple((s.num_tokens, s.num_seqs, s.sum_context, s.seconds) for s in samples),
+        row_grain=padding.grain,
+        row_limit=padding.limit,
     )

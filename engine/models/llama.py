@@ -14,9 +14,14 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.models import onednn
 from engine.models.rotary import apply_rotary, cos_sin_cache
 
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+# What fills the rows a step is padded with (ModelOps.row_padding): any valid id and position; no
+# real row reads them.
+PAD_TOKEN_ID = 0
+PAD_POSITION = 0
 _LINEARS = {  # layer dict key -> weight name under model.layers.{i}.
     "qkv": "self_attn.qkv_proj.weight",
     "o": "self_attn.o_proj.weight",
@@ -37,16 +42,22 @@ class ModelOps:
     # SmolLM2's shapes; the same kernels, so the same results). float32 stays on MKL's sgemm, whose
     # results the token-exact HF parity tests pin. 0 = off; else the batch size the packing targets.
     prepack_rows: int = 0
+    # With packed weights, a step's row count is rounded up to whole GEMM tiles (engine/models/
+    # onednn.py) up to this many rows (the token budget); None: not padded.
+    row_padding: onednn.RowPadding | None = None
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         if not self.prepack_rows:
             return weight
-        return torch.ops.mkldnn._reorder_linear_weight(weight, self.prepack_rows)
+        return onednn.pack(weight, self.prepack_rows)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.prepack_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            return onednn.linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def padded_rows(self, n: int) -> int:
+        return n if self.row_padding is None else self.row_padding.padded(n)
 
     def _cpu(self, x: torch.Tensor) -> bool:
         return self.use_cpu_kernels and x.dtype in _CPU_KERNEL_DTYPES
@@ -140,6 +151,10 @@ class LlamaForCausalLM:
                 for key, name in _LINEARS.items():
                     layer[key] = ops.pack(self.w.pop(f"model.layers.{i}.{name}"))
             self.w.pop("lm_head.weight", None)
+            if ops.row_padding is not None:
+                limit = ops.row_padding.limit
+                packed = [(w, limit) for k in _LINEARS if (w := self.layers[0][k]) is not None]
+                onednn.warm_up([*packed, (self.lm_head, ops.prepack_rows)], ops.row_padding)
 
     def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
@@ -162,6 +177,13 @@ class LlamaForCausalLM:
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
         eps = self.config.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        padded = self.ops.padded_rows(num_tokens)
+        if padded > num_tokens:
+            # Rows past the real tokens only ride through the row-wise ops (norms, linears, MLP);
+            # attention and the KV store see the real ones (_attention), and they are dropped below.
+            input_ids = F.pad(input_ids, (0, padded - num_tokens), value=PAD_TOKEN_ID)
+            positions = F.pad(positions, (0, padded - num_tokens), value=PAD_POSITION)
         hidden = F.embedding(input_ids, self.w["model.embed_tokens.weight"])
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -176,7 +198,7 @@ class LlamaForCausalLM:
             hidden = self._mlp(layer, x)
         assert residual is not None
         out, _ = self.ops.add_rms_norm(hidden, residual, self.w["model.norm.weight"], eps)
-        return out
+        return out[:num_tokens]
 
     def _attention(
         self,
@@ -197,10 +219,15 @@ class LlamaForCausalLM:
             # The torch path wants dense inputs; the C++ and Triton kernels read the strided views.
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         q, k = self.ops.rotary(positions, q, k, self.rope_cache)
+        real = metadata.num_tokens
+        if real < num_tokens:  # padded rows (ModelOps.row_padding): never stored, never attended
+            q, k, v = q[:real], k[:real], v[:real]
         # Store first: a request's own new tokens must be visible to its causal attention.
         self.backend.store_kv(k, v, kv_cache, metadata)
-        attn = self.backend.forward(q, kv_cache, metadata, self.scale)  # [T, Hq, D]
-        return self.ops.linear(attn.reshape(num_tokens, self.q_size), layer["o"])
+        attn = self.backend.forward(q, kv_cache, metadata, self.scale).reshape(real, self.q_size)
+        if real < num_tokens:
+            attn = F.pad(attn, (0, 0, 0, num_tokens - real))
+        return self.ops.linear(attn, layer["o"])
 
     def _mlp(self, layer: dict[str, torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
         assert layer["gate_up"] is not None and layer["down"] is not None
@@ -208,4 +235,8 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32."""
-        return self.ops.linear(hidden, self.lm_head).float()
+        n = hidden.shape[0]
+        padded = self.ops.padded_rows(n)
+        if padded > n:
+            hidden = F.pad(hidden, (0, 0, 0, padded - n))
+        return self.ops.linear(hidden, self.lm_head)[:n].float()

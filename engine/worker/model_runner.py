@@ -15,6 +15,7 @@ import torch
 from engine.attention.backend import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig
 from engine.kv_cache.manager import cdiv
+from engine.models import onednn
 from engine.models.llama import LlamaForCausalLM, ModelOps
 from engine.models.loader import load_weights
 from engine.sampling.sampler import Sampler, SamplingRow
@@ -30,15 +31,6 @@ _DEFAULT_CPU_KV_BYTES = 2 << 30
 _GPU_MEMORY_UTILIZATION = 0.9
 
 
-def _can_prepack(dtype: torch.dtype) -> bool:
-    """bf16 weights pack into oneDNN's layout where torch was built with oneDNN (x86 CPU wheels)."""
-    return (
-        dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -51,6 +43,8 @@ class ModelRunner:
             torch.float32,
             torch.bfloat16,
         )
+        prepack = use_cpu_kernels and onednn.can_prepack(config.dtype)
+        max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
         weights = load_weights(
             config.model_path, mc, config.dtype, self.device, config.load_format, config.seed
         )
@@ -61,7 +55,8 @@ class ModelRunner:
             ModelOps(
                 use_triton=use_triton_ops,
                 use_cpu_kernels=use_cpu_kernels,
-                prepack_rows=config.max_num_seqs if use_cpu_kernels and _can_prepack(config.dtype) else 0,
+                prepack_rows=config.max_num_seqs if prepack else 0,
+                row_padding=onednn.RowPadding(onednn.row_grain(), max_rows) if prepack else None,
             ),
             config.max_model_len,
         )

@@ -22,7 +22,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.cost_model import StepCostModel, StepSample, fit
-from inflight.plan.replay import StepTiming, note_shape
+from engine.models.row_padding import RowPadding
+from inflight.plan.replay import StepTiming, note_shape, row_padding
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,17 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
                 continue
             batch = eng.metrics.steps[-1].batch
             tokens = sum(n for _, n, _ in batch)
-            new = note_shape(tokens) < 0
+            new = note_shape(rows(tokens)) < 0
             if keep:
                 waited += max(0.0, seconds - cpu)
                 sample = StepSample(tokens, len(batch), sum(n + done for _, n, done in batch), seconds)
                 (first_shape if new else samples).append(sample)
 
+    padding = row_padding(eng)
+    rows = RowPadding(*padding).padded
+    if padding[0] > 1:  # every padded count's kernels were built when the model loaded
+        for size in RowPadding(*padding).sizes():
+            note_shape(size)
     run([24, 130], 4, keep=False)  # warm-up: first-call allocations happen here
     budget, max_len = cfg.max_num_batched_tokens, cfg.max_model_len
     for _ in range(grid.repeats):
@@ -125,7 +131,9 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
                     join = max((p for p in grid.prefill_tokens if p <= min(budget, max_len - 2)), default=0)
                     run([c] * s, grid.decode_steps + 1, keep=True, join=join)
     if grid.served_s > 0:
-        grid_fit = fit(samples, first_shape_samples=first_shape, engine=_settings(model, eng))
+        grid_fit = fit(
+            samples, first_shape_samples=first_shape, engine=_settings(model, eng), row_padding=padding
+        )
         for step in _serve(eng, grid.served_s, grid_fit):
             waited += max(0.0, step.wall - step.cpu)
             sample = StepSample(step.num_tokens, step.num_seqs, step.sum_context, step.wall)
@@ -133,7 +141,13 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
     log(f"{len(samples) + len(first_shape)} steps timed ({len(first_shape)} of a new token count)")
     settings = _settings(model, eng)
     threads = torch.get_num_threads()
-    cost = fit(samples, host=host_info(threads), engine=settings, first_shape_samples=first_shape)
+    cost = fit(
+        samples,
+        host=host_info(threads),
+        engine=settings,
+        first_shape_samples=first_shape,
+        row_padding=padding,
+    )
     if threads == 1:
         # A busy host stretches steps by the time the process waits for a core: a model fitted on
         # such steps predicts that host's load, not the engine. Kept so describe() can say so.

@@ -33,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.models.row_padding import RowPadding
+
 
 @dataclass(frozen=True)
 class StepTiming:
@@ -81,6 +83,7 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
 
     for tokens in sorted(_warm_shapes(engine)):
         note_shape(tokens)
+    rows = RowPadding(*row_padding(engine)).padded
     order = PROCESS_SHAPES
     run = WorkerRun({s.request_id: [] for s in specs}, warm_shapes=frozenset(order))
     timer = _GCTimer()
@@ -110,6 +113,7 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
             if engine.metrics.num_steps > before:
                 rec = engine.metrics.steps[-1]
                 tokens = sum(n for _, n, _ in rec.batch)
+                shape = rows(tokens)
                 run.steps.append(
                     StepTiming(
                         start=start - t0,
@@ -125,8 +129,8 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
                             for rid, n, done in rec.batch
                             if n == 1 and done >= prompt_lens.get(rid, 1 << 30)
                         ),
-                        new_shape=tokens not in order,
-                        recency=note_shape(tokens),
+                        new_shape=shape not in order,
+                        recency=note_shape(shape),
                     )
                 )
             last_end = end
@@ -156,9 +160,18 @@ def note_shape(tokens: int) -> int:
     return -1
 
 
+def row_padding(engine: Any) -> tuple[int, int]:
+    """The in-process engine's row padding as (grain, limit); (1, 0) where it pads none."""
+    padding = engine.runner.model.ops.row_padding
+    return (1, 0) if padding is None else (padding.grain, padding.limit)
+
+
 def _warm_shapes(engine: Any) -> set[int]:
-    """The token counts of the steps the engine ran before the trace (its warm-up)."""
-    return {sum(n for _, n, _ in rec.batch) for rec in engine.metrics.steps}
+    """The shapes the engine built before the trace: its warm-up steps' row counts, and every padded
+    count when it pads (all built when the model loaded)."""
+    padding = RowPadding(*row_padding(engine))
+    ran = {padding.padded(sum(n for _, n, _ in rec.batch)) for rec in engine.metrics.steps}
+    return ran | (set(padding.sizes()) if padding.grain > 1 else set())
 
 
 def make_engine(model: str, engine_args: dict[str, Any]) -> Any:

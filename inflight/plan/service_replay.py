@@ -169,6 +169,7 @@ def validate_service(
     fetch_max_wait_ms: int = 5,
     shape_cache: int | None = None,
 ) -> dict[str, Any]:
+    from engine.models.row_padding import RowPadding
     from inflight.plan.simulate import FleetConfig, ServicePath, simulate
     from inflight.plan.traffic import from_specs
     from inflight.plan.validate import FIGURES, compare
@@ -189,9 +190,11 @@ def validate_service(
         max_waiting=max_waiting,
         engine=engine_args,
         service=ServicePath(intake_s=fetch_max_wait_ms / 1e3),
-        # Workers start cold but for the warm-up's prompts and small decode batches.
+        # Workers start cold but for the warm-up's prompts and small decode batches, and every padded
+        # row count where the engine pads (built when the model loaded).
         cold_shapes=True,
-        warm_shapes=frozenset([*range(1, 9), 24, 130, 500]),
+        warm_shapes=frozenset(cost.rows(n) for n in (*range(1, 9), 24, 130, 500))
+        | frozenset(RowPadding(cost.row_grain, cost.row_limit).sizes() if cost.row_grain > 1 else ()),
         shape_cache=shape_cache,
     )
     result = simulate(from_specs(specs), cost, fleet)

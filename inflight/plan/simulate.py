@@ -166,7 +166,7 @@ def simulate(
             cost.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
             + fleet.service.step_overhead_s
         )
-        dt += _first_shape(wk, cost, out.total_num_scheduled_tokens, fleet.shape_cache)
+        dt += _first_shape(wk, cost, cost.rows(out.total_num_scheduled_tokens), fleet.shape_cache)
         wk.busy = True
         wk.steps += 1
         wk.busy_s += dt
@@ -251,8 +251,9 @@ def simulate(
 
 
 def _first_shape(wk: _Worker, cost: StepCostModel, num_tokens: int, cache: int | None) -> float:
-    """What a step of ``num_tokens`` tokens pays for its shape: cost.first_shape if the worker has not
-    run that count or has run ``cache`` others since; 0 if shapes are not modelled."""
+    """What a step of ``num_tokens`` rows (cost.rows: padded) pays for its shape: cost.first_shape
+    if the worker has not run that count or has run ``cache`` others since; 0 if shapes are not
+    modelled."""
     seen = wk.seen
     if seen is None:
         return 0.0
@@ -287,9 +288,10 @@ def _fast_forward(
     )
     num_seqs = len(running)
     if wk.seen is not None:
-        if num_seqs not in wk.seen:
+        shape = cost.rows(num_seqs)
+        if shape not in wk.seen:
             return None  # its first step pays the new shape: stepped alone, the run follows
-        wk.seen.move_to_end(num_seqs)
+        wk.seen.move_to_end(shape)
     context = sum(r.num_tokens for r in running)
     room = max_waiting is None or sched.num_waiting < max_waiting
     if room and wk.next_arrival:

@@ -114,7 +114,12 @@ def step_samples(runs: Sequence[WorkerRun], *, new_shape: bool = False) -> list[
 
 def refit_on_run(runs: Sequence[WorkerRun], cost: StepCostModel) -> StepCostModel:
     """A cost model fitted on the run's own steps, as calibrate fits its grid."""
-    return fit(step_samples(runs), engine=cost.engine, first_shape_samples=step_samples(runs, new_shape=True))
+    return fit(
+        step_samples(runs),
+        engine=cost.engine,
+        first_shape_samples=step_samples(runs, new_shape=True),
+        row_padding=(cost.row_grain, cost.row_limit),
+    )
 
 
 def step_overhead(runs: Sequence[WorkerRun]) -> float:

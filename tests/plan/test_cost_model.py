@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,25 @@ def test_calibrate_quick_fits_the_engine(
     assert cost.fit["num_samples"] == len(cost.samples) >= 8 and math.isfinite(cost.fit["rel_rms"])
     # A longer prefill is predicted to cost more than a one-token decode.
     assert cost.step_time(128, 1, 128) > cost.step_time(1, 1, 33)
+
+
+def test_padded_rows_are_charged_and_fitted() -> None:
+    """An engine that rounds a step's rows up to 16 computes 32 rows for 17 tokens: the model charges
+    what it computes, fits on it, and keeps the padding through JSON."""
+    truth = StepCostModel(0.004, 1e-4, 2e-4, 3e-6, row_grain=16, row_limit=512)
+    assert truth.step_time(17, 1, 17) - truth.step_time(32, 1, 17) == 0.0
+    assert truth.step_time(600, 1, 0) == pytest.approx(0.004 + 600 * 1e-4 + 2e-4)  # past the limit: as is
+    rng = random.Random(5)
+    samples = []
+    for _ in range(60):
+        n, s = rng.randint(1, 512), rng.randint(1, 32)
+        c = n + rng.randint(0, 4000)
+        samples.append(StepSample(n, s, c, truth.step_time(n, s, c)))
+    model = fit(samples, row_padding=(16, 512))
+    assert model.per_token == pytest.approx(1e-4, rel=1e-6)
+    assert model.fit["rel_max"] < 1e-9
+    unpadded = fit(samples)  # the same steps read as if every token were a row: a worse fit
+    assert unpadded.fit["rel_max"] > 1e-3
+    again = StepCostModel.from_json(json.loads(json.dumps(model.to_json())))
+    assert (again.row_grain, again.row_limit) == (16, 512)
+    assert again.step_time(17, 2, 40) == model.step_time(17, 2, 40)

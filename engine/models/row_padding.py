@@ -1,0 +1,28 @@
+"""Row counts rounded up to whole GEMM tiles (why: engine/models/onednn.py). Pure Python: the model
+pads with it, and the step-cost model (engine/cost_model.py) charges a step for the rows it pads to."""
+
+from __future__ import annotations
+
+# Past this many rows the grain coarsens, so that a large token budget still fits oneDNN's cache of
+# 1,024 primitives (five weight shapes a row count: qkv, o, gate_up, down, lm_head).
+FINE_ROWS = 1024
+COARSE_GRAIN = 64
+
+
+class RowPadding:
+    """Row counts rounded up to ``grain`` (``COARSE_GRAIN`` past ``FINE_ROWS``), up to ``limit``:
+    a count above it (a prompt longer than the token budget) runs as it is."""
+
+    def __init__(self, grain: int, limit: int) -> None:
+        self.grain = grain
+        self.limit = limit
+
+    def padded(self, n: int) -> int:
+        if self.grain <= 1 or n > self.limit:
+            return n
+        grain = self.grain if n <= FINE_ROWS else COARSE_GRAIN
+        return min(-(-n // grain) * grain, self.limit)
+
+    def sizes(self) -> list[int]:
+        """Every row count ``padded`` can return for 1..limit."""
+        return sorted({self.padded(n) for n in range(1, self.limit + 1)})
