@@ -66,6 +66,12 @@ class StepCostModel:
     # rows(n) >= n of them in its token-wise ops. grain 1: none.
     row_grain: int = 1
     row_limit: int = 0
+    # How steps vary around the model, measured on served steps in the order they ran: the standard
+    # deviation of log(measured / modelled) and its lag-1 autocorrelation. Not used by step_time;
+    # the simulator draws each step's factor from it (tails depend on it: a request of a few tokens
+    # meeting a run of slow steps sets the P99, which the mean alone never shows).
+    noise_sigma: float = 0.0
+    noise_phi: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (*TERMS, "first_shape"):
@@ -118,7 +124,7 @@ class StepCostModel:
         if raw.get("version") != COST_MODEL_VERSION:
             raise ValueError(f"cost model version {raw.get('version')!r} is not {COST_MODEL_VERSION}")
         known = {"version", *TERMS, "first_shape", "host", "engine", "fit", "samples"}
-        known |= {"row_grain", "row_limit"}
+        known |= {"row_grain", "row_limit", "noise_sigma", "noise_phi"}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"unknown cost model field(s): {', '.join(sorted(unknown))}")
@@ -131,6 +137,8 @@ class StepCostModel:
             samples=tuple((int(t), int(n), int(c), float(x)) for t, n, c, x in raw.get("samples", ())),
             row_grain=int(raw.get("row_grain", 1)),  # absent: fitted before the engine padded rows
             row_limit=int(raw.get("row_limit", 0)),
+            noise_sigma=float(raw.get("noise_sigma", 0.0)),
+            noise_phi=float(raw.get("noise_phi", 0.0)),
         )
 
     @classmethod
@@ -199,6 +207,24 @@ def fit_errors(model: StepCostModel, samples: Sequence[StepSample]) -> dict[str,
     }
 
 
+def fit_noise(model: StepCostModel, ordered: Sequence[StepSample]) -> tuple[float, float]:
+    """(sigma, phi) of log(measured / modelled) over steps in the order they ran (see noise_sigma)."""
+    logs = [
+        math.log(s.seconds / t)
+        for s in ordered
+        if s.seconds > 0 and (t := model.step_time(s.num_tokens, s.num_seqs, s.sum_context)) > 0
+    ]
+    if len(logs) < 3:
+        return 0.0, 0.0
+    mean = sum(logs) / len(logs)
+    dev = [x - mean for x in logs]
+    var = sum(d * d for d in dev) / len(dev)
+    if var <= 0:
+        return 0.0, 0.0
+    phi = sum(a * b for a, b in itertools.pairwise(dev)) / (len(dev) - 1) / var
+    return math.sqrt(var), min(max(phi, 0.0), 0.99)
+
+
 def fit(
     samples: Sequence[StepSample],
     *,
@@ -206,11 +232,14 @@ def fit(
     engine: dict[str, Any] | None = None,
     first_shape_samples: Sequence[StepSample] = (),
     row_padding: tuple[int, int] = (1, 0),
+    noise_samples: Sequence[StepSample] | None = None,
 ) -> StepCostModel:
     """Fit the linear terms on ``samples`` (steps of token counts the process had run before) and,
     given the steps that ran a token count for the first time, ``first_shape`` as their median excess
     over the fitted model (a median: one descheduled step must not set it). ``row_padding``: the
-    engine's (grain, limit); the token term is fitted on the rows a step computes."""
+    engine's (grain, limit); the token term is fitted on the rows a step computes. ``noise_samples``:
+    served steps in the order they ran, to measure the variability on (default: none, no noise; a
+    calibration grid repeats each shape in a tight loop and says nothing of a served sequence)."""
     padding = RowPadding(*row_padding)
     samples = [replace(s, num_tokens=padding.padded(s.num_tokens)) for s in samples]
     coef = fit_nnls(samples)
@@ -227,6 +256,7 @@ def fit(
             s.seconds - model.step_time(s.num_tokens, s.num_seqs, s.sum_context) for s in first_shape_samples
         )
         first_shape = max(0.0, excess[len(excess) // 2])
+    sigma, phi = fit_noise(model, noise_samples) if noise_samples else (0.0, 0.0)
     errors = fit_errors(model, samples)
     errors["num_first_shape_samples"] = float(len(first_shape_samples))
     return StepCostModel(
@@ -241,4 +271,6 @@ def fit(
         samples=tuple((s.num_tokens, s.num_seqs, s.sum_context, s.seconds) for s in samples),
         row_grain=padding.grain,
         row_limit=padding.limit,
+        noise_sigma=sigma,
+        noise_phi=phi,
     )

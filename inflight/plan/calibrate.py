@@ -130,6 +130,7 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
                 ):
                     join = max((p for p in grid.prefill_tokens if p <= min(budget, max_len - 2)), default=0)
                     run([c] * s, grid.decode_steps + 1, keep=True, join=join)
+    served: list[StepSample] = []  # in the order they ran: what the step-time noise is measured on
     if grid.served_s > 0:
         grid_fit = fit(
             samples, first_shape_samples=first_shape, engine=_settings(model, eng), row_padding=padding
@@ -138,6 +139,8 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
             waited += max(0.0, step.wall - step.cpu)
             sample = StepSample(step.num_tokens, step.num_seqs, step.sum_context, step.wall)
             (first_shape if step.new_shape else samples).append(sample)
+            if not step.new_shape:
+                served.append(sample)
     log(f"{len(samples) + len(first_shape)} steps timed ({len(first_shape)} of a new token count)")
     settings = _settings(model, eng)
     threads = torch.get_num_threads()
@@ -147,6 +150,7 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
         engine=settings,
         first_shape_samples=first_shape,
         row_padding=padding,
+        noise_samples=served,
     )
     if threads == 1:
         # A busy host stretches steps by the time the process waits for a core: a model fitted on
@@ -210,6 +214,11 @@ def describe(cost: StepCostModel) -> str:
         f"fit over {int(f.get('num_samples', 0))} steps: relative RMS error "
         f"{100 * f.get('rel_rms', 0):.1f}%, worst {100 * f.get('rel_max', 0):.1f}%"
     )
+    if cost.noise_sigma > 0:
+        text += (
+            f"\nserved steps vary around it: std of log(measured / model) {cost.noise_sigma:.3f}, "
+            f"lag-1 correlation {cost.noise_phi:.2f} (the simulator draws each step's factor from it)"
+        )
     waited = f.get("waiting_for_cpu_share")
     if waited is not None:
         text += f"\nwaiting for a core: {100 * waited:.1f}% of step time"

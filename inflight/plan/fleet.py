@@ -46,6 +46,9 @@ class FleetConfig:
     cold_shapes: bool = False
     warm_shapes: frozenset[int] = frozenset()
     shape_cache: int | None = None
+    # Each step's time is the cost model's times a factor drawn from its measured variability
+    # (noise_sigma, noise_phi; mean 1), seeded by this; None: every step exactly the model's.
+    noise_seed: int | None = 0
 
     @property
     def num_partitions(self) -> int:

@@ -25,7 +25,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cost_model import StepCostModel
@@ -33,6 +33,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
 from inflight.plan.fleet import FleetConfig, ServicePath, SimRequest, engine_config
+from inflight.plan.noise import StepNoise
 
 _TOKEN = 7  # every simulated sample: its value never matters (EOS is ignored)
 # The inputs live in fleet.py; named here too, where callers have always imported them from.
@@ -52,6 +53,7 @@ class _Worker:
     busy_s: float = 0.0  # time in steps (and the loop's overhead between them)
     seen: OrderedDict[int, None] | None = None  # token counts kept warm, least recent first (None: off)
     in_flight: Any = None  # the SchedulerOutput of the step now running (None: a fast-forward)
+    noise: StepNoise = field(default_factory=lambda: StepNoise(0.0, 0.0, 0))
 
 
 def _clock_of(worker: _Worker) -> Callable[[], float]:
@@ -97,6 +99,8 @@ def simulate(
         worker = _Worker(w, None, deque(), deque())  # type: ignore[arg-type]
         worker.seen = OrderedDict.fromkeys(sorted(fleet.warm_shapes)) if fleet.cold_shapes else None
         worker.sched = Scheduler(cfg, kv, {-1}, cost=cost, clock=_clock_of(worker))
+        if fleet.noise_seed is not None:
+            worker.noise = StepNoise(cost.noise_sigma, cost.noise_phi, fleet.noise_seed * 100_003 + w)
         workers.append(worker)
     owner = [p % fleet.workers for p in range(n_part)]
     routed = [(i, r, owner[r.partition_key % n_part]) for i, r in enumerate(requests)]
@@ -165,7 +169,7 @@ def simulate(
         dt = (
             cost.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
             + fleet.service.step_overhead_s
-        )
+        ) * wk.noise.step()
         dt += _first_shape(wk, cost, cost.rows(out.total_num_scheduled_tokens), fleet.shape_cache)
         wk.busy = True
         wk.steps += 1
@@ -294,9 +298,10 @@ def _fast_forward(
         wk.seen.move_to_end(shape)
     context = sum(r.num_tokens for r in running)
     room = max_waiting is None or sched.num_waiting < max_waiting
+    factor = wk.noise.run(k)  # drawn for the longest run; the horizon below is in model time
     if room and wk.next_arrival:
         # Steps 1..k-1 must end before the next arrival: one arriving during step m joins step m + 1.
-        horizon = wk.next_arrival[0] - wk.now
+        horizon = (wk.next_arrival[0] - wk.now) / factor
         lo, hi = 1, k
         while lo < hi:  # the largest m <= k with the first m - 1 steps ending before the horizon
             mid = (lo + hi + 1) // 2
@@ -314,7 +319,7 @@ def _fast_forward(
     )
     if need > kv.num_free_blocks:
         return None
-    run = cost.decode_run_time(num_seqs, context, k) + k * overhead
+    run = (cost.decode_run_time(num_seqs, context, k) + k * overhead) * factor
     end = wk.now + run
     for r in list(running):
         kv.allocate_slots(r, k)

@@ -119,6 +119,7 @@ def refit_on_run(runs: Sequence[WorkerRun], cost: StepCostModel) -> StepCostMode
         engine=cost.engine,
         first_shape_samples=step_samples(runs, new_shape=True),
         row_padding=(cost.row_grain, cost.row_limit),
+        noise_samples=step_samples(runs),
     )
 
 
@@ -137,21 +138,31 @@ def predict(
     step_overhead_s: float = 0.0,
     warm_shapes: frozenset[int] | None = None,
     shape_cache: int | None = None,
+    draws: int = 8,
 ) -> dict[str, float]:
     """The same trace through the simulator: ``workers`` workers, one partition each, nothing between
     the driver and the engines but the loop's time between steps. With ``warm_shapes`` (the token
-    counts the engines' warm-up ran), workers start cold, as the run's engines did."""
-    fleet = FleetConfig(
-        workers=workers,
-        max_waiting=None,
-        engine=engine_args,
-        service=ServicePath(step_overhead_s=step_overhead_s),
-        cold_shapes=warm_shapes is not None,
-        warm_shapes=warm_shapes or frozenset(),
-        shape_cache=shape_cache,
-    )
-    result = simulate(from_specs(specs), cost, fleet)
-    return {k: float(result[k]) for k in (*FIGURES, "utilisation")}
+    counts the engines' warm-up ran), workers start cold, as the run's engines did. Each figure is
+    the mean over ``draws`` draws of the step-time noise (inflight/plan/noise.py): the measured run
+    is one draw of the real noise, and a P99 over a few hundred requests moves with it."""
+    sims = [
+        simulate(
+            from_specs(specs),
+            cost,
+            FleetConfig(
+                workers=workers,
+                max_waiting=None,
+                engine=engine_args,
+                service=ServicePath(step_overhead_s=step_overhead_s),
+                cold_shapes=warm_shapes is not None,
+                warm_shapes=warm_shapes or frozenset(),
+                shape_cache=shape_cache,
+                noise_seed=seed,
+            ),
+        )
+        for seed in range(draws if cost.noise_sigma > 0 else 1)
+    ]
+    return {k: statistics.fmean(float(r[k]) for r in sims) for k in (*FIGURES, "utilisation")}
 
 
 def compare(measured: dict[str, float], predicted: dict[str, float]) -> dict[str, float]:
