@@ -24,7 +24,7 @@ from engine.metrics import SchedulerStats
 from engine.request import Request, RequestStatus
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.policy import WaitingQueue, make_waiting_queue, priority_key
-from engine.sched.slo import SLOQueue, is_lost, lost_message, step_time_cap
+from engine.sched.slo import SLOQueue, lost_message, step_time_cap
 from engine.sched.tokens import add_token, check_stop
 
 
@@ -146,10 +146,11 @@ class Scheduler:
     def _slo_prepare(self) -> None:
         now = self.clock()
         assert isinstance(self.waiting, SLOQueue)
-        self.waiting.reorder(now)
+        context = sum(r.num_computed_tokens for r in self.running)
+        self.waiting.reorder(now, (len(self.running), context))
         if self.config.slo_reject:
             budget = self.config.max_num_batched_tokens
-            for request in [r for r in self.waiting if is_lost(r, now, self.cost, budget)]:
+            for request in self.waiting.lost():
                 message = lost_message(request, now, self.cost, budget)
                 self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
                 request.error = message

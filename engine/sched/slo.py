@@ -6,8 +6,12 @@ Urgency of a waiting request at time ``now`` (smaller first), a (class, instant)
     class 1  its TTFT deadline can still be met: by latest start = deadline - estimated prefill time
              (the same order as slack = latest start - now); no deadline: latest start =
              arrival + slo_starvation_s, so it is never passed over forever
-    class 2  lost (now + prefill estimate > deadline): by arrival, served when nothing else waits,
-             or with slo_reject finished at once with an error so it stops taking capacity
+    class 2  lost: by arrival, served when nothing else waits, or with slo_reject finished at once
+             with an error so it stops taking capacity. Lost means its first token cannot come before
+             its deadline even if it ran alone now, or (with the running batch known: ``reorder``)
+             once the prefills ahead of it in this order have run: the queue is walked in urgency
+             order, and a request whose projected first token is late is moved here instead of
+             pushing every request behind it late too (EDF's domino effect under overload)
 
 Example, cost 10 ms fixed + 0.1 ms a token, now = 1.0 s: A arrived 0.2 s, TTFT 1 s, 500 tokens
 (prefill ~60 ms: latest start 1.14 s); B arrived 0.9 s, TTFT 0.3 s, 100 tokens (~20 ms: 1.18 s);
@@ -59,6 +63,8 @@ class SLOQueue:
         self._now = -math.inf
         self._items: list[Request] = []
         self._sorted = True
+        self._running: tuple[int, int] | None = None  # (rows, context) of the batch, if known
+        self._lost: list[Request] = []
 
     def urgency(self, request: Request) -> tuple[int, float]:
         arrival = request.timeline.arrival
@@ -70,14 +76,47 @@ class SLOQueue:
         latest_start = deadline - prefill_estimate(request, self.cost, self.budget)
         return (1, latest_start) if latest_start >= self._now else (2, arrival)
 
-    def reorder(self, now: float) -> None:
+    def reorder(self, now: float, running: tuple[int, int] | None = None) -> None:
+        """Order as of ``now``; ``running`` = (rows, summed context) of the batch the prefills will
+        share steps with, which makes the order queue-aware (see the module docstring)."""
         self._now = now
+        self._running = running
         self._sorted = False
 
     def _sort(self) -> None:
-        if not self._sorted:
-            self._items.sort(key=self.urgency)  # stable: ties keep arrival order
-            self._sorted = True
+        if self._sorted:
+            return
+        keys = {id(r): self.urgency(r) for r in self._items}
+        if self.cost is not None and self._running is not None:
+            self._queue_aware(keys)
+        self._items.sort(key=lambda r: keys[id(r)])  # stable: ties keep arrival order
+        self._lost = [r for r in self._items if keys[id(r)][0] == 2 and ttft_deadline(r) is not None]
+        self._sorted = True
+
+    def _queue_aware(self, keys: dict[int, tuple[int, float]]) -> None:
+        """Walk the queue in urgency order, projecting when each first token comes if the prefills
+        ahead run first, ``budget`` tokens a step next to the running rows; a request projected late
+        goes to class 2 and takes no place in the projection."""
+        assert self.cost is not None and self._running is not None
+        rows, context = self._running
+        step = self.cost.step_time(self.budget + rows, rows + 1, context + self.budget)
+        ahead = 0  # prefill tokens of the requests kept ahead
+        for r in sorted(self._items, key=lambda r: keys[id(r)]):
+            if keys[id(r)][0] == 2:
+                continue
+            remaining = max(1, r.num_tokens - r.num_computed_tokens)
+            deadline = ttft_deadline(r)
+            # Whole steps of a full chunk; the last one partly full is still a whole step.
+            done = self._now + math.ceil((ahead + remaining) / self.budget) * step
+            if deadline is not None and keys[id(r)][0] == 1 and done > deadline:
+                keys[id(r)] = (2, r.timeline.arrival)
+                continue
+            ahead += remaining
+
+    def lost(self) -> list[Request]:
+        """Waiting requests whose TTFT deadline is lost, as of the last ``reorder``."""
+        self._sort()
+        return list(self._lost)
 
     def add(self, request: Request) -> None:
         self._items.append(request)
@@ -122,8 +161,9 @@ def lost_message(request: Request, now: float, cost: StepCostModel | None, budge
     assert request.slo_ttft_s is not None
     waited = now - request.timeline.arrival
     need = prefill_estimate(request, cost, budget)
+    why = "" if is_lost(request, now, cost, budget) else ", after the prefills of more urgent requests"
     return (
         f"slo_ttft_unmet: the time-to-first-token deadline of {request.slo_ttft_s * 1e3:.0f} ms can no "
-        f"longer be met (waited {waited * 1e3:.0f} ms, prefill needs about {need * 1e3:.0f} ms); "
+        f"longer be met (waited {waited * 1e3:.0f} ms, prefill needs about {need * 1e3:.0f} ms{why}); "
         "rejected early by the slo policy (slo_reject)"
     )

@@ -100,6 +100,36 @@ def test_slo_reject_finishes_lost_requests_before_they_take_capacity() -> None:
     assert out.num_scheduled_tokens == {"E": 8, "A": 500, "B": 4}
 
 
+def test_a_request_late_behind_the_queue_is_lost_though_alone_it_would_not_be() -> None:
+    """Three 500-token prompts, deadline 1.1 s, now 1.0 s: alone each needs 60 ms, but a full step
+    (512 tokens) takes 61.2 ms, so the second and third first tokens come at 1.122 s at best. Under
+    EDF all three would run late; queue-aware, the first is kept and the other two are lost."""
+    q = SLOQueue(COST, 512, starvation_s=30.0)
+    reqs = [req(name, 500, 0.9, 0.2) for name in "XYZ"]
+    for r in reqs:
+        q.add(r)
+    q.reorder(1.0)  # the running batch unknown: each judged alone
+    assert q.lost() == []
+    q.reorder(1.0, (0, 0))
+    assert [r.request_id for r in q.lost()] == ["Y", "Z"]
+    assert [r.request_id for r in q] == ["X", "Y", "Z"]  # the lost by arrival, behind
+    # A running batch makes steps longer: with 400 rows decoding even X is late (10 + 0.1 * 912 ms).
+    q.reorder(1.0, (400, 4000))
+    assert [r.request_id for r in q.lost()] == ["X", "Y", "Z"]
+
+
+def test_slo_reject_drops_what_the_queue_makes_late_and_says_why() -> None:
+    sched = slo_scheduler(COST, Clock(1.0), reject=True, max_num_batched_tokens=512, num_blocks=512)
+    for name in "XYZ":
+        sched.add_request(req(name, 500, 0.9, 0.2))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"X": 500}
+    assert [r.request_id for r in sched.rejected] == ["Y", "Z"]
+    error = sched.rejected[0].error
+    assert error is not None and "after the prefills of more urgent requests" in error
+    assert sched.kv.block_ids("Y") == [] and sched.kv.block_ids("Z") == []
+
+
 def test_prefill_chunks_are_cut_to_hold_the_running_tpot_deadline() -> None:
     # 10 ms a step, 1 ms a token: R decoding with TPOT 50 ms leaves 50 - 10 - 1 = 39 ms: 39 tokens.
     cost = StepCostModel(0.010, 1e-3, 0.0, 0.0)
