@@ -2,12 +2,15 @@
 
     python -m bench.gpu_graph_check --out bench-results
 
-Two checks, written to graph_check.json (exit status 1 if either fails):
-  * replay == eager: every decode step replayed from a graph is also run eagerly through the same padded
-    buffers and metadata (GraphedDecode with capture=False). Same kernels, same launch parameters,
-    same inputs, so the hidden states must be identical. Storing K/V twice is harmless: both runs
-    write the same values into the same slots.
-  * tokens: greedy outputs of the graph path equal those of the unpadded eager path (no graphs),
+Three checks, written to graph_check.json (exit status 1 if any fails):
+  * decode replay == eager: every decode step replayed from a graph is also run eagerly through the
+    same padded buffers and metadata (GraphedDecode with capture=False). Same kernels, same launch
+    parameters, same inputs, so the hidden states must be identical. Storing K/V twice is harmless:
+    both runs write the same values into the same slots.
+  * piecewise replay == eager: the same for every mixed step (chunked prefills next to decodes),
+    replayed from the piecewise graphs around eager attention and run through the same padded
+    segments eagerly (PiecewiseGraphs with capture=False).
+  * tokens: greedy outputs of the graph paths equal those of the unpadded eager path (no graphs),
     whose split-K partition follows the step's real lengths rather than the captured max_model_len
     (all but two of the streams; float32 near-ties aside, see below).
 Every engine loop stops after a step cap, so a step that makes no progress fails instead of hanging.
@@ -28,6 +31,7 @@ from engine.attention.backend import AttentionMetadata
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.worker.cuda_graph import GraphedDecode
+from engine.worker.piecewise_graph import PiecewiseGraphs
 
 SMALL_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -47,6 +51,9 @@ SMALL_LLAMA: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 MAX_MODEL_LEN = 4096  # captured graphs see this as max_seq_len; the prompts stay far below it
+# The token budget: the longer prompts are chunked next to decodes, and the piecewise graphs capture
+# 40 sizes up to it (2048 would be 56, for no more coverage here).
+MAX_NUM_BATCHED_TOKENS = 512
 
 
 def generate(
@@ -89,11 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "config.json").write_text(json.dumps(SMALL_LLAMA))
         engine = LLMEngine.from_engine_args(
-            tmp, dtype="float32", load_format="dummy", max_model_len=MAX_MODEL_LEN, max_num_seqs=32, seed=0
+            tmp,
+            dtype="float32",
+            load_format="dummy",
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=32,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            seed=0,
         )
         runner = engine.runner
-        graphs = runner.graphs
+        graphs, piecewise = runner.graphs, runner.piecewise
         assert graphs is not None, "CUDA graphs were not captured"
+        assert piecewise is not None, "piecewise CUDA graphs were not captured (the log says why)"
         eager_padded = GraphedDecode(
             runner.model,
             runner.kv_caches,
@@ -116,10 +130,26 @@ def main(argv: list[str] | None = None) -> int:
             steps.append(metadata.num_seqs)
             return got
 
+        eager_pieces = PiecewiseGraphs(runner.model, runner.kv_caches, piecewise.buckets, capture=False)
+        replay_pieces = piecewise.run
+        piece_diffs: list[float] = []
+        piece_tokens: list[int] = []
+
+        def checked_pieces(
+            input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata
+        ) -> torch.Tensor:
+            got = replay_pieces(input_ids, positions, metadata).clone()
+            want = eager_pieces.run(input_ids, positions, metadata)
+            piece_diffs.append(float((got - want).abs().max()))
+            piece_tokens.append(metadata.num_tokens)
+            return got
+
         graphs.run = checked_run  # type: ignore[method-assign,assignment]
+        piecewise.run = checked_pieces  # type: ignore[method-assign]
         with_graphs = generate(engine, prompts, params, max_steps)
         graphs.run = replay  # type: ignore[method-assign]
-        runner.graphs = None
+        piecewise.run = replay_pieces  # type: ignore[method-assign]
+        runner.graphs = runner.piecewise = None
         without = generate(engine, prompts, params, max_steps)
         engine.kv.check_integrity()
 
@@ -132,11 +162,24 @@ def main(argv: list[str] | None = None) -> int:
     )
     # Same kernels and launch parameters on the same inputs should be bitwise equal; the pass line
     # allows float32 noise in case cuBLAS picks another algorithm under capture, and says which.
+    result.update(
+        piecewise_steps=len(piece_tokens),
+        piecewise_token_counts=sorted(set(piece_tokens)),
+        piecewise_sizes=len(piecewise.buckets),
+        max_abs_diff_piecewise_vs_eager_padded=max(piece_diffs, default=float("nan")),
+    )
     result["bitwise_equal"] = bool(steps) and max(diffs) == 0.0
+    result["piecewise_bitwise_equal"] = bool(piece_tokens) and max(piece_diffs) == 0.0
     # The unpadded path multiplies other row counts (cuBLAS may pick other kernels) and splits
     # attention by the real lengths: float32 rounding apart, so a near-tie may flip one greedy
     # stream in a few hundred tokens. Two of 24 may differ; the replay itself must match.
-    ok = bool(steps) and max(diffs) <= 1e-5 and same >= len(prompts) - 2
+    ok = (
+        bool(steps)
+        and max(diffs) <= 1e-5
+        and bool(piece_tokens)
+        and max(piece_diffs) <= 1e-5
+        and same >= len(prompts) - 2
+    )
     result["passed"] = ok
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@
 #                past 2^31 elements, split-K at the captured max_model_len, the fused
 #                sampler vs the torch sampler at a 128k vocabulary)                      140 s
 #   kernel_bench paged decode attention vs copy bandwidth                                 40 s
-#   graph_check  CUDA-graph replay vs the same padded step run eagerly (bitwise), and
+#   graph_check  CUDA-graph replay vs the same padded step run eagerly (bitwise): decode
+#                graphs, and piecewise graphs around eager attention for mixed steps;
 #                the unpadded eager path's greedy tokens                                  40 s
 #   engine_bench Llama-3-8B-shaped bf16, dummy weights: decode step vs the bandwidth
 #                bound, batch-1 graphs vs eager, a greedy workload and one at

@@ -8,9 +8,12 @@ A variant is a set of constexpr values. Per model and dtype, the per-step choice
 
 Integer arguments that change every step are not specialised on (``do_not_specialize``), and the
 other kernels (norms, rotary, SiLU, KV store) have one variant per model, compiled by the first
-forward (the CUDA-graph warm-up). The launches below use tiny tensors with the model's layout
-(q as a view into a fused QKV row, as the model passes it), so they take milliseconds once
-compiled.
+forward (the CUDA-graph warm-up). The piecewise graphs of mixed steps (engine/worker/
+piecewise_graph.py) add no variant: their token-wise segments compile in each size's warm-up
+before capture, and the attention between them launches on the views the eager model passes (q, k,
+v of a fused QKV row, the step's real rows and metadata), so it picks the prefill variants below.
+The launches below use tiny tensors with the model's layout (q as a view into a fused QKV row, as
+the model passes it), so they take milliseconds once compiled.
 """
 
 from __future__ import annotations

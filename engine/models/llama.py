@@ -168,6 +168,12 @@ class LlamaForCausalLM:
             "down": self.w[p + "mlp.down_proj.weight"],
         }
 
+    # ---- the forward, in segments --------------------------------------------------------------
+    # forward() runs embed, then per layer pre_attention -> attention -> post_attention, then
+    # final_norm. Everything but attention is token-wise, so the piecewise CUDA graphs
+    # (engine/worker/piecewise_graph.py) capture those segments over padded rows and run attention
+    # eagerly between them: both paths run these same functions.
+
     @torch.inference_mode()
     def forward(
         self,
@@ -176,58 +182,104 @@ class LlamaForCausalLM:
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] after the final norm
-        eps = self.config.rms_norm_eps
         num_tokens = input_ids.shape[0]
         padded = self.ops.padded_rows(num_tokens)
         if padded > num_tokens:
             # Rows past the real tokens only ride through the row-wise ops (norms, linears, MLP);
-            # attention and the KV store see the real ones (_attention), and they are dropped below.
+            # attention and the KV store see the real ones (attention()), and they are dropped below.
             input_ids = F.pad(input_ids, (0, padded - num_tokens), value=PAD_TOKEN_ID)
             positions = F.pad(positions, (0, padded - num_tokens), value=PAD_POSITION)
-        hidden = F.embedding(input_ids, self.w["model.embed_tokens.weight"])
+        hidden = self.embed(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            assert layer["input_norm"] is not None and layer["post_norm"] is not None
-            if residual is None:
-                residual = hidden
-                x = self.ops.rms_norm(hidden, layer["input_norm"], eps)
-            else:
-                x, residual = self.ops.add_rms_norm(hidden, residual, layer["input_norm"], eps)
-            x = self._attention(layer, x, positions, kv_cache, metadata)
-            x, residual = self.ops.add_rms_norm(x, residual, layer["post_norm"], eps)
-            hidden = self._mlp(layer, x)
+        assert len(kv_caches) == len(self.layers)
+        for i, kv_cache in enumerate(kv_caches):
+            qkv, residual = self.pre_attention(i, hidden, residual, positions)
+            attn = self.attention(qkv, kv_cache, metadata)
+            hidden, residual = self.post_attention(i, attn, residual)
         assert residual is not None
-        out, _ = self.ops.add_rms_norm(hidden, residual, self.w["model.norm.weight"], eps)
-        return out[:num_tokens]
+        return self.final_norm(hidden, residual)[:num_tokens]
 
-    def _attention(
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        return F.embedding(input_ids, self.w["model.embed_tokens.weight"])
+
+    def pre_attention(
         self,
-        layer: dict[str, torch.Tensor | None],
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
+        i: int,
+        hidden: torch.Tensor,  # [T, hidden]: the embedding (layer 0) or the previous layer's MLP output
+        residual: torch.Tensor | None,  # [T, hidden]; None before layer 0
+        positions: torch.Tensor,  # [T] int64
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # qkv [T, q_size + 2 * kv_size] rotated, residual
+        """Layer i's input norm, QKV projection and rotary."""
+        layer = self.layers[i]
+        assert layer["input_norm"] is not None and layer["qkv"] is not None
+        eps = self.config.rms_norm_eps
+        if residual is None:
+            residual = hidden
+            x = self.ops.rms_norm(hidden, layer["input_norm"], eps)
+        else:
+            x, residual = self.ops.add_rms_norm(hidden, residual, layer["input_norm"], eps)
+        qkv = self.ops.linear(x, layer["qkv"], layer["qkv_bias"])
+        q, k, _ = self._split_qkv(qkv)
+        q_rot, k_rot = self.ops.rotary(positions, q, k, self.rope_cache)
+        if q_rot is not q:
+            # The torch op returns new tensors; the fused QKV row is what a step hands on.
+            q.copy_(q_rot)
+            k.copy_(k_rot)
+        return qkv, residual
+
+    def attention(
+        self,
+        qkv: torch.Tensor,  # [rows, q_size + 2 * kv_size] from pre_attention; rows >= num_tokens
+        kv_cache: torch.Tensor,  # this layer's [2, num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        assert layer["qkv"] is not None and layer["o"] is not None
-        qkv = self.ops.linear(x, layer["qkv"], layer["qkv_bias"])  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = x.shape[0]
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        out: torch.Tensor | None = None,  # [rows, q_size]: written in rows < num_tokens only
+    ) -> torch.Tensor:  # [rows, q_size]
+        """KV store and paged attention over the step's real tokens (metadata.num_tokens); rows past
+        them (padding: ModelOps.row_padding, or a CUDA-graph bucket) are never stored, never attended,
+        and come back zero, or as ``out`` held them (its owner keeps them harmless)."""
+        rows, real = qkv.shape[0], metadata.num_tokens
+        q, k, v = self._split_qkv(qkv[:real])
         if not (self.ops.use_cpu_kernels or self.ops.use_triton):
             # The torch path wants dense inputs; the C++ and Triton kernels read the strided views.
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        q, k = self.ops.rotary(positions, q, k, self.rope_cache)
-        real = metadata.num_tokens
-        if real < num_tokens:  # padded rows (ModelOps.row_padding): never stored, never attended
-            q, k, v = q[:real], k[:real], v[:real]
         # Store first: a request's own new tokens must be visible to its causal attention.
         self.backend.store_kv(k, v, kv_cache, metadata)
         attn = self.backend.forward(q, kv_cache, metadata, self.scale).reshape(real, self.q_size)
-        if real < num_tokens:
-            attn = F.pad(attn, (0, 0, 0, num_tokens - real))
-        return self.ops.linear(attn, layer["o"])
+        if out is not None:
+            out[:real].copy_(attn)
+            return out
+        if real < rows:
+            attn = F.pad(attn, (0, 0, 0, rows - real))
+        return attn
+
+    def post_attention(
+        self,
+        i: int,
+        attn: torch.Tensor,  # [T, q_size]
+        residual: torch.Tensor,  # [T, hidden]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # the MLP's output [T, hidden], residual
+        """Layer i's output projection, residual add and post-attention norm, and MLP."""
+        layer = self.layers[i]
+        assert layer["o"] is not None and layer["post_norm"] is not None
+        x = self.ops.linear(attn, layer["o"])
+        x, residual = self.ops.add_rms_norm(x, residual, layer["post_norm"], self.config.rms_norm_eps)
+        return self._mlp(layer, x), residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        out, _ = self.ops.add_rms_norm(
+            hidden, residual, self.w["model.norm.weight"], self.config.rms_norm_eps
+        )
+        return out
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, q_size + 2 * kv_size] -> views q [T, Hq, D], k and v [T, Hkv, D]."""
+        n = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (
+            q.view(n, self.num_heads, self.head_dim),
+            k.view(n, self.num_kv_heads, self.head_dim),
+            v.view(n, self.num_kv_heads, self.head_dim),
+        )
 
     def _mlp(self, layer: dict[str, torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
         assert layer["gate_up"] is not None and layer["down"] is not None

@@ -16,6 +16,8 @@ length inside the kernel, so a short context at a large max_model_len runs no em
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from engine.attention.backend import AttentionMetadata
@@ -43,6 +45,7 @@ class GraphedDecode:
         max_model_len: int,
         device: torch.device,
         capture: bool = True,
+        pool: Any = None,  # a CUDA graph pool handle to share (the piecewise graphs')
     ) -> None:
         """capture=False runs the same padded buffers eagerly: the CPU tests use it to check the
         padding logic, which is all of this class that does not need a GPU."""
@@ -60,6 +63,7 @@ class GraphedDecode:
         self.block_tables = torch.zeros((n, max_blocks_per_req), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = pool
         if capture:
             self._capture_all()
 
@@ -89,16 +93,15 @@ class GraphedDecode:
         return self.model.forward(self.input_ids[:b], self.positions[:b], self.kv_caches, metadata)
 
     def _capture_all(self) -> None:
-        pool = None
         # Largest first, so smaller graphs fit in the memory pool the largest one reserved.
         for b in reversed(self.buckets):
             metadata = self._metadata(b)
             self._forward(b, metadata)  # warm-up: triton compiles and autotunes outside capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self.pool):
                 self.outputs[b] = self._forward(b, metadata)
-            pool = graph.pool()
+            self.pool = graph.pool()
             self.graphs[b] = graph
         torch.cuda.synchronize()
 

@@ -7,6 +7,7 @@ per-step diffs, and the runner keeps its own rows (``InputBatch``).
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -23,12 +24,15 @@ from engine.sched.output import SchedulerOutput
 from engine.worker.cuda_graph import GraphedDecode
 from engine.worker.input_batch import InputBatch
 from engine.worker.overlap import StepHandle, StepOverlap
+from engine.worker.piecewise_graph import PiecewiseGraphs, piecewise_buckets
 from engine.worker.staging import InputStaging
 from engine.worker.step_io import PreparedInputs, RunnerOutput
 
 # Without an explicit size, the CPU cache holds every sequence at full length, capped at this.
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 _GPU_MEMORY_UTILIZATION = 0.9
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -86,7 +90,10 @@ class ModelRunner:
         # Async scheduling: steps run behind the engine thread (a worker thread on CPU, the stream on CUDA).
         self.overlap = StepOverlap(self) if config.async_scheduling else None
         self.graphs: GraphedDecode | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if config.enable_cuda_graph and self.device.type == "cuda":
+            # Mixed steps first: their largest size reserves the pool the decode graphs then share.
+            self.piecewise = self._capture_piecewise()
             self.graphs = GraphedDecode(
                 self.model,
                 self.kv_caches,
@@ -94,7 +101,18 @@ class ModelRunner:
                 self.max_blocks_per_req,
                 config.max_model_len,
                 self.device,
+                pool=self.piecewise.pool if self.piecewise is not None else None,
             )
+
+    def _capture_piecewise(self) -> PiecewiseGraphs | None:
+        buckets = piecewise_buckets(self.config.max_num_batched_tokens)
+        try:
+            return PiecewiseGraphs(self.model, self.kv_caches, buckets)
+        except RuntimeError:
+            # Not yet run on a GPU: a failed capture costs mixed steps their graphs (they run eager,
+            # as before), not the engine. scripts/gpu_check.sh's graph_check fails on it.
+            log.exception("piecewise CUDA graphs not captured; mixed steps run eager")
+            return None
 
     def _make_staging(self, pin: bool) -> InputStaging:
         tokens, seqs = self.config.max_num_batched_tokens, self.config.max_num_seqs
@@ -220,10 +238,13 @@ class ModelRunner:
         return prepared
 
     def forward(self, inputs: PreparedInputs) -> torch.Tensor:
-        """Hidden states [T, hidden]: a captured graph for decode-only steps that fit one, else eager."""
+        """Hidden states [T, hidden]: decode-only steps replay a whole-model graph; other steps up
+        to the largest piecewise size replay graphs around eager attention; larger ones run eager."""
         meta = inputs.metadata
         if self.graphs is not None and meta.decode_only and meta.num_seqs <= self.graphs.max_batch:
             return self.graphs.run(inputs.input_ids, inputs.positions, meta)
+        if self.piecewise is not None and meta.num_tokens <= self.piecewise.max_tokens:
+            return self.piecewise.run(inputs.input_ids, inputs.positions, meta)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, meta)
 
     @torch.inference_mode()
