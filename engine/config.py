@@ -129,6 +129,10 @@ class EngineArgs:
     slo_tpot_s: float | None = None
     slo_reject: bool = False
     slo_starvation_s: float = 30.0
+    # Share of the TPOT deadline a step is not planned into: steps vary around the cost model (about
+    # 20-30% on a CPU host), and a request whose every step is planned at its TPOT exactly misses it
+    # half the time.
+    slo_tpot_headroom: float = 0.2
     slo_cost_model: str | None = None
     batching: Literal["continuous", "static"] = "continuous"
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
@@ -158,6 +162,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if not 0.0 <= self.slo_tpot_headroom < 1.0:
+            raise ValueError(f"slo_tpot_headroom must be in [0, 1), got {self.slo_tpot_headroom}")
         if self.batching not in ("continuous", "static"):
             raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
@@ -203,6 +209,7 @@ class EngineConfig:
     slo_tpot_s: float | None = None
     slo_reject: bool = False
     slo_starvation_s: float = 30.0
+    slo_tpot_headroom: float = 0.2
     slo_cost_model: str | None = None
     async_scheduling: bool = False
     async_scheduling_reason: str = "default"  # why it is on or off, for the engine's start-up log
@@ -290,6 +297,7 @@ class EngineConfig:
             slo_tpot_s=args.slo_tpot_s,
             slo_reject=args.slo_reject,
             slo_starvation_s=args.slo_starvation_s,
+            slo_tpot_headroom=args.slo_tpot_headroom,
             slo_cost_model=args.slo_cost_model,
             async_scheduling=overlap,
             async_scheduling_reason=overlap_reason,

@@ -157,7 +157,8 @@ class Scheduler:
                 self.rejected.append(request)
         # Decodes first, so the prefill chunks after them are sized against what the step already holds.
         self.running.sort(key=lambda r: self._target_tokens(r) - r.num_computed_tokens > 1)
-        self._step_cap = step_time_cap(self.running) if self.cost is not None else None
+        cap = step_time_cap(self.running) if self.cost is not None else None
+        self._step_cap = None if cap is None else cap * (1.0 - self.config.slo_tpot_headroom)
         self._prefill_granted = False
 
     def _slo_chunk(self, out: SchedulerOutput, request: Request, num_new: int) -> int:

@@ -131,19 +131,24 @@ def test_slo_reject_drops_what_the_queue_makes_late_and_says_why() -> None:
 
 
 def test_prefill_chunks_are_cut_to_hold_the_running_tpot_deadline() -> None:
-    # 10 ms a step, 1 ms a token: R decoding with TPOT 50 ms leaves 50 - 10 - 1 = 39 ms: 39 tokens.
+    # 10 ms a step, 1 ms a token: R decoding with TPOT 50 ms, of which 20% is headroom, leaves
+    # 40 - 10 - 1 = 29 ms: 29 tokens.
     cost = StepCostModel(0.010, 1e-3, 0.0, 0.0)
     clock = Clock(0.0)
     sched = slo_scheduler(cost, clock, max_num_batched_tokens=256, num_blocks=256)
+    assert sched.config.slo_tpot_headroom == 0.2
     sched.add_request(req("R", 4, 0.0, None, tpot=0.05))
     step(sched)  # R prefilled, first token out
     sched.add_request(req("W", 200, 0.0, 10.0))
     sched.add_request(req("W2", 50, 0.0, 20.0))
     out = step(sched)
-    assert out.num_scheduled_tokens == {"R": 1, "W": 39}  # nothing left for W2
+    assert out.num_scheduled_tokens == {"R": 1, "W": 29}  # nothing left for W2
     out = step(sched)
-    assert out.num_scheduled_tokens == {"R": 1, "W": 39}
-    assert sched.requests["W"].num_computed_tokens == 78
+    assert out.num_scheduled_tokens == {"R": 1, "W": 29}
+    assert sched.requests["W"].num_computed_tokens == 58
+    # Without headroom the step is planned up to the deadline itself: 50 - 10 - 1 = 39 tokens.
+    sched.config = dataclasses.replace(sched.config, slo_tpot_headroom=0.0)
+    assert step(sched).num_scheduled_tokens == {"R": 1, "W": 39}
 
 
 def test_one_block_of_prefill_still_runs_when_decodes_fill_the_step() -> None:
@@ -206,6 +211,7 @@ def test_engine_loads_the_cost_model_and_holds_tpot_with_it(tiny_llama_path: Pat
         str(tiny_llama_path),
         scheduling_policy="slo",
         slo_tpot_s=0.02,
+        slo_tpot_headroom=0.0,  # the whole 20 ms planned: the arithmetic above
         slo_cost_model=str(cost_path),
         max_model_len=256,
         num_blocks=64,
