@@ -80,10 +80,15 @@ class StepCostModel:
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
         object.__setattr__(self, "_padding", RowPadding(self.row_grain, self.row_limit))
 
+    @property
+    def padding(self) -> RowPadding:
+        """The engine's row padding this model was measured with."""
+        padding: RowPadding = self._padding  # type: ignore[attr-defined]
+        return padding
+
     def rows(self, num_tokens: int) -> int:
         """The rows a step of ``num_tokens`` tokens computes (and its shape, for first_shape)."""
-        padding: RowPadding = self._padding  # type: ignore[attr-defined]
-        return padding.padded(num_tokens)
+        return self.padding.padded(num_tokens)
 
     def step_time(self, num_tokens: int, num_seqs: int, sum_context: int) -> float:
         return (
@@ -231,16 +236,16 @@ def fit(
     host: dict[str, Any] | None = None,
     engine: dict[str, Any] | None = None,
     first_shape_samples: Sequence[StepSample] = (),
-    row_padding: tuple[int, int] = (1, 0),
+    row_padding: RowPadding | None = None,
     noise_samples: Sequence[StepSample] | None = None,
 ) -> StepCostModel:
     """Fit the linear terms on ``samples`` (steps of token counts the process had run before) and,
     given the steps that ran a token count for the first time, ``first_shape`` as their median excess
     over the fitted model (a median: one descheduled step must not set it). ``row_padding``: the
-    engine's (grain, limit); the token term is fitted on the rows a step computes. ``noise_samples``:
+    engine's; the token term is fitted on the rows a step computes. ``noise_samples``:
     served steps in the order they ran, to measure the variability on (default: none, no noise; a
     calibration grid repeats each shape in a tight loop and says nothing of a served sequence)."""
-    padding = RowPadding(*row_padding)
+    padding = row_padding or RowPadding(1, 0)
     samples = [replace(s, num_tokens=padding.padded(s.num_tokens)) for s in samples]
     coef = fit_nnls(samples)
     # The relative-error fit follows the shape; queueing follows the mean step time, which descheduled

@@ -26,3 +26,8 @@ class RowPadding:
     def sizes(self) -> list[int]:
         """Every row count ``padded`` can return for 1..limit."""
         return sorted({self.padded(n) for n in range(1, self.limit + 1)})
+
+    def built(self) -> list[int]:
+        """The row counts whose kernels an engine padding this way builds when it loads (none when
+        it pads nothing)."""
+        return self.sizes() if self.grain > 1 else []

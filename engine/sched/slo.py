@@ -87,21 +87,22 @@ class SLOQueue:
         if self._sorted:
             return
         keys = {id(r): self.urgency(r) for r in self._items}
-        if self.cost is not None and self._running is not None:
-            self._queue_aware(keys)
         self._items.sort(key=lambda r: keys[id(r)])  # stable: ties keep arrival order
+        if self.cost is not None and self._running is not None and self._queue_aware(keys):
+            self._items.sort(key=lambda r: keys[id(r)])  # the newly lost move behind
         self._lost = [r for r in self._items if keys[id(r)][0] == 2 and ttft_deadline(r) is not None]
         self._sorted = True
 
-    def _queue_aware(self, keys: dict[int, tuple[int, float]]) -> None:
-        """Walk the queue in urgency order, projecting when each first token comes if the prefills
-        ahead run first, ``budget`` tokens a step next to the running rows; a request projected late
-        goes to class 2 and takes no place in the projection."""
+    def _queue_aware(self, keys: dict[int, tuple[int, float]]) -> bool:
+        """Walk the queue (sorted by ``keys``), projecting when each first token comes if the
+        prefills ahead run first, ``budget`` tokens a step next to the running rows; a request
+        projected late goes to class 2 and takes no place in the projection. True if any did."""
         assert self.cost is not None and self._running is not None
         rows, context = self._running
         step = self.cost.step_time(self.budget + rows, rows + 1, context + self.budget)
         ahead = 0  # prefill tokens of the requests kept ahead
-        for r in sorted(self._items, key=lambda r: keys[id(r)]):
+        moved = False
+        for r in self._items:
             if keys[id(r)][0] == 2:
                 continue
             remaining = max(1, r.num_tokens - r.num_computed_tokens)
@@ -110,8 +111,10 @@ class SLOQueue:
             done = self._now + math.ceil((ahead + remaining) / self.budget) * step
             if deadline is not None and keys[id(r)][0] == 1 and done > deadline:
                 keys[id(r)] = (2, r.timeline.arrival)
+                moved = True
                 continue
             ahead += remaining
+        return moved
 
     def lost(self) -> list[Request]:
         """Waiting requests whose TTFT deadline is lost, as of the last ``reorder``."""

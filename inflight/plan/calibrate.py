@@ -22,8 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.cost_model import StepCostModel, StepSample, fit
-from engine.models.row_padding import RowPadding
-from inflight.plan.replay import StepTiming, note_shape, row_padding
+from inflight.plan.replay import StepTiming, engine_padding, note_shape
 
 
 @dataclass(frozen=True)
@@ -110,11 +109,10 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
                 sample = StepSample(tokens, len(batch), sum(n + done for _, n, done in batch), seconds)
                 (first_shape if new else samples).append(sample)
 
-    padding = row_padding(eng)
-    rows = RowPadding(*padding).padded
-    if padding[0] > 1:  # every padded count's kernels were built when the model loaded
-        for size in RowPadding(*padding).sizes():
-            note_shape(size)
+    padding = engine_padding(eng)
+    rows = padding.padded
+    for size in padding.built():  # built when the model loaded
+        note_shape(size)
     run([24, 130], 4, keep=False)  # warm-up: first-call allocations happen here
     budget, max_len = cfg.max_num_batched_tokens, cfg.max_model_len
     for _ in range(grid.repeats):

@@ -83,7 +83,7 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
 
     for tokens in sorted(_warm_shapes(engine)):
         note_shape(tokens)
-    rows = RowPadding(*row_padding(engine)).padded
+    rows = engine_padding(engine).padded
     order = PROCESS_SHAPES
     run = WorkerRun({s.request_id: [] for s in specs}, warm_shapes=frozenset(order))
     timer = _GCTimer()
@@ -160,18 +160,18 @@ def note_shape(tokens: int) -> int:
     return -1
 
 
-def row_padding(engine: Any) -> tuple[int, int]:
-    """The in-process engine's row padding as (grain, limit); (1, 0) where it pads none."""
-    padding = engine.runner.model.ops.row_padding
-    return (1, 0) if padding is None else (padding.grain, padding.limit)
+def engine_padding(engine: Any) -> RowPadding:
+    """The in-process engine's row padding (grain 1 where it pads none)."""
+    padding: RowPadding | None = engine.runner.model.ops.row_padding
+    return padding or RowPadding(1, 0)
 
 
 def _warm_shapes(engine: Any) -> set[int]:
     """The shapes the engine built before the trace: its warm-up steps' row counts, and every padded
     count when it pads (all built when the model loaded)."""
-    padding = RowPadding(*row_padding(engine))
+    padding = engine_padding(engine)
     ran = {padding.padded(sum(n for _, n, _ in rec.batch)) for rec in engine.metrics.steps}
-    return ran | (set(padding.sizes()) if padding.grain > 1 else set())
+    return ran | set(padding.built())
 
 
 def make_engine(model: str, engine_args: dict[str, Any]) -> Any:

@@ -169,7 +169,6 @@ def validate_service(
     fetch_max_wait_ms: int = 5,
     shape_cache: int | None = None,
 ) -> dict[str, Any]:
-    from engine.models.row_padding import RowPadding
     from inflight.plan.simulate import FleetConfig, ServicePath, simulate
     from inflight.plan.traffic import from_specs
     from inflight.plan.validate import FIGURES, compare
@@ -194,7 +193,7 @@ def validate_service(
         # row count where the engine pads (built when the model loaded).
         cold_shapes=True,
         warm_shapes=frozenset(cost.rows(n) for n in (*range(1, 9), 24, 130, 500))
-        | frozenset(RowPadding(cost.row_grain, cost.row_limit).sizes() if cost.row_grain > 1 else ()),
+        | frozenset(cost.padding.built()),
         shape_cache=shape_cache,
     )
     result = simulate(from_specs(specs), cost, fleet)

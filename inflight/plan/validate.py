@@ -118,7 +118,7 @@ def refit_on_run(runs: Sequence[WorkerRun], cost: StepCostModel) -> StepCostMode
         step_samples(runs),
         engine=cost.engine,
         first_shape_samples=step_samples(runs, new_shape=True),
-        row_padding=(cost.row_grain, cost.row_limit),
+        row_padding=cost.padding,
         noise_samples=step_samples(runs),
     )
 

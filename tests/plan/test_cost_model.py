@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.cost_model import StepCostModel, StepSample, fit
+from engine.models.row_padding import RowPadding
 from inflight.cli import main
 
 
@@ -127,7 +128,7 @@ def test_padded_rows_are_charged_and_fitted() -> None:
         n, s = rng.randint(1, 512), rng.randint(1, 32)
         c = n + rng.randint(0, 4000)
         samples.append(StepSample(n, s, c, truth.step_time(n, s, c)))
-    model = fit(samples, row_padding=(16, 512))
+    model = fit(samples, row_padding=RowPadding(16, 512))
     assert model.per_token == pytest.approx(1e-4, rel=1e-6)
     assert model.fit["rel_max"] < 1e-9
     unpadded = fit(samples)  # the same steps read as if every token were a row: a worse fit
