@@ -24,7 +24,7 @@ from engine.metrics import SchedulerStats
 from engine.request import Request, RequestStatus
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.policy import WaitingQueue, make_waiting_queue, priority_key
-from engine.sched.slo import SLOQueue, lost_message, step_time_cap
+from engine.sched.slo import SLOQueue, lost_message, seat_fits, step_time_cap
 from engine.sched.tokens import add_token, check_stop
 
 
@@ -52,14 +52,14 @@ class Scheduler:
         self.clock = clock
         self.slo = config.scheduling_policy == "slo"
         self.waiting: WaitingQueue = (
-            SLOQueue(cost, config.max_num_batched_tokens, config.slo_starvation_s)
+            SLOQueue(cost, config.max_num_batched_tokens, config.slo_starvation_s, config.block_size)
             if self.slo
             else make_waiting_queue(config.scheduling_policy)
         )
         # slo policy: requests finished early because their TTFT deadline was lost (slo_reject); the
         # engine takes them after each schedule() and reports them.
         self.rejected: list[Request] = []
-        self._step_cap: float | None = None  # slo: this step's time bound (tightest running TPOT)
+        self._step_cap: float | None = None  # slo: this step's time bound (see slo.step_time_cap)
         self._prefill_granted = False  # slo: a prefill chunk already ran this step
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (not finished) requests by id
@@ -146,10 +146,16 @@ class Scheduler:
     def _slo_prepare(self) -> None:
         now = self.clock()
         assert isinstance(self.waiting, SLOQueue)
+        cfg = self.config
+        rows = len(self.running)
         context = sum(r.num_computed_tokens for r in self.running)
-        self.waiting.reorder(now, (len(self.running), context))
-        if self.config.slo_reject:
-            budget = self.config.max_num_batched_tokens
+        self._step_cap = None
+        if self.cost is not None:
+            floor = self.cost.step_time(rows, rows, context) if rows else 0.0
+            self._step_cap = step_time_cap(self.running, now, cfg.slo_tpot_headroom, cfg.max_model_len, floor)
+        self.waiting.reorder(now, (rows, context, self._step_cap))
+        if cfg.slo_reject:
+            budget = cfg.max_num_batched_tokens
             for request in self.waiting.lost():
                 message = lost_message(request, now, self.cost, budget)
                 self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
@@ -157,8 +163,6 @@ class Scheduler:
                 self.rejected.append(request)
         # Decodes first, so the prefill chunks after them are sized against what the step already holds.
         self.running.sort(key=lambda r: self._target_tokens(r) - r.num_computed_tokens > 1)
-        cap = step_time_cap(self.running) if self.cost is not None else None
-        self._step_cap = None if cap is None else cap * (1.0 - self.config.slo_tpot_headroom)
         self._prefill_granted = False
 
     def _slo_chunk(self, out: SchedulerOutput, request: Request, num_new: int) -> int:
@@ -244,6 +248,12 @@ class Scheduler:
                     break
                 budget = self._budget_left(out)
                 continue
+            if (
+                self.slo
+                and self.cost is not None
+                and not seat_fits(self.cost, self.running, request, cfg.slo_tpot_headroom)
+            ):
+                break  # one more row would push the decode step past the TPOT: wait for a seat
             hits, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if not cfg.enable_chunked_prefill and num_new > budget:

@@ -17,10 +17,17 @@ Example, cost 10 ms fixed + 0.1 ms a token, now = 1.0 s: A arrived 0.2 s, TTFT 1
 (prefill ~60 ms: latest start 1.14 s); B arrived 0.9 s, TTFT 0.3 s, 100 tokens (~20 ms: 1.18 s);
 C arrived 0.1 s, TTFT 0.9 s, 500 tokens (1.0 + 0.06 > 1.0: lost). Order: A, B, C.
 
-Chunk sizing: once a running request has produced its first token, its TPOT deadline bounds every
-step (a step is at least one token of latency for every running row). The step's predicted time must
-stay within the smallest such deadline, so each prefill chunk is cut to what the cost model says still
-fits. One chunk of at least a block still runs each step, so decodes can never starve prefills.
+Chunk sizing: once a running request streams, its TPOT bounds the steps it shares. TPOT is the mean
+gap between its tokens, so the bound is its slack spread over the tokens it has left (a request ahead
+of its target lends time to a prefill chunk, one behind takes it back; see ``step_time_cap``), less
+the headroom for steps that run slower than the cost model says. Each prefill chunk is cut to what the
+cost model says still fits the tightest bound. One chunk of at least a block still runs each step, so
+decodes can never starve prefills.
+
+Seats: a request joins the running batch only while a decode step of every running row plus its own
+stays within the tightest TPOT (``seat_fits``). Past that point even decode-only steps are late for
+every row, which no chunk cutting can repair; the request waits, and with the queue-aware walk its
+TTFT may be lost instead.
 """
 
 from __future__ import annotations
@@ -56,14 +63,18 @@ def is_lost(request: Request, now: float, cost: StepCostModel | None, budget: in
 class SLOQueue:
     """Waiting requests in urgency order as of the last ``reorder(now)`` (see the module docstring)."""
 
-    def __init__(self, cost: StepCostModel | None, budget: int, starvation_s: float) -> None:
+    def __init__(
+        self, cost: StepCostModel | None, budget: int, starvation_s: float, block_size: int = 16
+    ) -> None:
         self.cost = cost
         self.budget = budget
+        self.block_size = block_size  # the smallest chunk a step always grants a prefill
         self.starvation_s = starvation_s
         self._now = -math.inf
         self._items: list[Request] = []
         self._sorted = True
-        self._running: tuple[int, int] | None = None  # (rows, context) of the batch, if known
+        # (rows, context, step cap) of the batch the prefills share steps with, if known
+        self._running: tuple[int, int, float | None] | None = None
         self._lost: list[Request] = []
 
     def urgency(self, request: Request) -> tuple[int, float]:
@@ -76,9 +87,10 @@ class SLOQueue:
         latest_start = deadline - prefill_estimate(request, self.cost, self.budget)
         return (1, latest_start) if latest_start >= self._now else (2, arrival)
 
-    def reorder(self, now: float, running: tuple[int, int] | None = None) -> None:
-        """Order as of ``now``; ``running`` = (rows, summed context) of the batch the prefills will
-        share steps with, which makes the order queue-aware (see the module docstring)."""
+    def reorder(self, now: float, running: tuple[int, int, float | None] | None = None) -> None:
+        """Order as of ``now``; ``running`` = (rows, summed context, step-time cap or None) of the
+        batch the prefills will share steps with, which makes the order queue-aware (see the module
+        docstring)."""
         self._now = now
         self._running = running
         self._sorted = False
@@ -95,11 +107,15 @@ class SLOQueue:
 
     def _queue_aware(self, keys: dict[int, tuple[int, float]]) -> bool:
         """Walk the queue (sorted by ``keys``), projecting when each first token comes if the
-        prefills ahead run first, ``budget`` tokens a step next to the running rows; a request
-        projected late goes to class 2 and takes no place in the projection. True if any did."""
+        prefills ahead run first, a chunk a step next to the running rows (the budget, or what the
+        step cap leaves of it); a request projected late goes to class 2 and takes no place in the
+        projection. True if any did."""
         assert self.cost is not None and self._running is not None
-        rows, context = self._running
-        step = self.cost.step_time(self.budget + rows, rows + 1, context + self.budget)
+        rows, context, cap = self._running
+        chunk = self.budget
+        if cap is not None:
+            chunk = min(chunk, max(self.block_size, self.cost.max_chunk(cap, rows, rows, context, 0)))
+        step = self.cost.step_time(chunk + rows, rows + 1, context + chunk)
         ahead = 0  # prefill tokens of the requests kept ahead
         moved = False
         for r in self._items:
@@ -108,7 +124,7 @@ class SLOQueue:
             remaining = max(1, r.num_tokens - r.num_computed_tokens)
             deadline = ttft_deadline(r)
             # Whole steps of a full chunk; the last one partly full is still a whole step.
-            done = self._now + math.ceil((ahead + remaining) / self.budget) * step
+            done = self._now + math.ceil((ahead + remaining) / chunk) * step
             if deadline is not None and keys[id(r)][0] == 1 and done > deadline:
                 keys[id(r)] = (2, r.timeline.arrival)
                 moved = True
@@ -147,17 +163,59 @@ class SLOQueue:
         return iter(list(self._items))
 
 
-def step_time_cap(running: list[Request]) -> float | None:
-    """The tightest TPOT deadline among running requests already streaming tokens (None: no bound).
+def remaining_tokens(request: Request, max_model_len: int) -> int:
+    """Output tokens the request may still produce (its max_tokens, else up to the model length)."""
+    limit = max_model_len - request.num_prompt_tokens
+    if request.max_tokens is not None:
+        limit = min(limit, request.max_tokens)
+    return max(1, limit - request.num_output_tokens - request.num_output_placeholders)
+
+
+def step_time_cap(
+    running: list[Request], now: float, headroom: float, max_model_len: int, floor: float = 0.0
+) -> float | None:
+    """The longest this step may take with every streaming request still on course for its TPOT.
+
+    TPOT is a request's mean gap between tokens, so a request that streamed faster than its target
+    has slack a longer step may spend, and one behind needs shorter steps. A request with ``left``
+    tokens to go, ``done`` gaps since its first token at ``first`` and target ``t`` (its TPOT less
+    the headroom) stays on course if each remaining step takes at most
+    ``(first + (done + left) * t - now) / left``: its slack spread over what it has left (max_tokens
+    is an upper bound on ``left``, so an early EOS only finds it further ahead). The step's cap is
+    the smallest of these. A request whose cap is below ``floor`` (the decode-only step: no step is
+    shorter) cannot be brought back on course; it is left out rather than holding every prefill to a
+    block a step for the rest of its life. None: no request bounds the step.
 
     Async scheduling: a first token still in flight (a placeholder) counts; the request decodes now.
     """
-    caps = [
-        r.slo_tpot_s
-        for r in running
-        if r.slo_tpot_s is not None and (r.timeline.first_token is not None or r.num_output_placeholders)
-    ]
+    caps = []
+    for r in running:
+        if r.slo_tpot_s is None:
+            continue
+        first = r.timeline.first_token
+        if first is None:
+            if not r.num_output_placeholders:
+                continue  # not streaming yet: its TTFT, not its TPOT, is at stake
+            first = now
+        target = r.slo_tpot_s * (1.0 - headroom)
+        done = max(0, r.num_new_output_tokens + r.num_output_placeholders - 1)
+        left = remaining_tokens(r, max_model_len)
+        cap = (first + (done + left) * target - now) / left
+        if cap >= floor:
+            caps.append(cap)
     return min(caps) if caps else None
+
+
+def seat_fits(cost: StepCostModel, running: list[Request], request: Request, headroom: float) -> bool:
+    """Whether a decode step of the running rows plus ``request`` still fits the tightest TPOT among
+    them: admitting a request past that point slows every row's decode beyond what chunk cutting can
+    give back, so it waits (or is lost) instead of making the whole batch late."""
+    tpots = [r.slo_tpot_s for r in (*running, request) if r.slo_tpot_s is not None]
+    if not tpots or not running:
+        return True
+    rows = len(running) + 1
+    context = sum(r.num_tokens for r in running) + request.num_tokens
+    return cost.step_time(rows, rows, context) <= min(tpots) * (1.0 - headroom)
 
 
 def lost_message(request: Request, now: float, cost: StepCostModel | None, budget: int) -> str:
