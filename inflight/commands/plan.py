@@ -88,6 +88,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     val.add_argument("--tolerance", type=float, default=0.2, help="relative error allowed a figure")
     val.add_argument("--out", default="plan-validate.json", help="where to write every figure (JSON)")
 
+    pre = sub.add_parser(
+        "preset",
+        help="a roofline ESTIMATE of the cost model for a GPU this host cannot calibrate (e.g. h200)",
+    )
+    pre.add_argument("--list", action="store_true", help="the GPUs and named model shapes, then exit")
+    pre.add_argument("--gpu", default=None, help="h200, h100, a100-80gb, l4 (see --list)")
+    pre.add_argument("--model", default=None, help="a named shape (see --list) or a checkpoint directory")
+    pre.add_argument("--out", default=None, help="where to write the cost model (JSON)")
+    pre.add_argument("--max-num-seqs", type=int, default=256)
+    pre.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    pre.add_argument("--max-model-len", type=int, default=8192)
+    pre.add_argument("--block-size", type=int, default=16)
+    pre.add_argument("--mbu", type=float, default=None, help="share of peak HBM bandwidth (default 0.8)")
+    pre.add_argument("--mfu", type=float, default=None, help="share of peak bf16 FLOP/s (default 0.5)")
+    pre.add_argument("--gpu-memory-utilization", type=float, default=None, help="(default 0.9)")
+    pre.add_argument(
+        "--step-overhead-ms", type=float, default=None, help="CPU time a step (default 1.5: no CUDA graphs)"
+    )
+    pre.add_argument("--seq-overhead-us", type=float, default=None, help="CPU time a row (default 10)")
+
     pol = sub.add_parser("policies", help="fcfs vs priority vs slo on bursty arrivals (goodput)")
     pol.add_argument("--cost", default=None, help="COST.json (--real: default calibrate first)")
     pol.add_argument("--slo", nargs="+", default=None, help="ttft:MS tpot:MS (--real: default from --cost)")
@@ -229,6 +249,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from inflight.plan.simulate import FleetConfig, simulate
 
     cost = StepCostModel.load(args.cost)
+    _warn_if_estimate(cost)
     fleet = FleetConfig(
         workers=args.workers,
         partitions=args.partitions,
@@ -261,6 +282,7 @@ def _size(args: argparse.Namespace) -> int:
         raise SystemExit("--slo needs both ttft:MS and tpot:MS")
     target = Target(slo.ttft_s, slo.tpot_s)
     cost = StepCostModel.load(args.cost)
+    _warn_if_estimate(cost)
     fixed: list[SimRequest] | None = None
     if args.trace:
         raw = _trace(args.trace, args.model)
@@ -339,6 +361,75 @@ def _validate(args: argparse.Namespace) -> int:
     return run_from_args(args, _model_path(args.model), {"async_scheduling": SEQUENTIAL_STEPS})
 
 
+def _preset(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from inflight.plan import presets
+    from inflight.plan.calibrate import describe
+
+    if args.list:
+        for gpu in presets.GPUS.values():
+            print(
+                f"{gpu.name:>10}: {gpu.description}; {gpu.hbm_bytes_per_s / 1e12:g} TB/s, "
+                f"{gpu.bf16_flops / 1e12:g} dense bf16 TFLOP/s (datasheet)"
+            )
+        print("models (or a checkpoint directory with a config.json):")
+        for shape in presets.MODELS.values():
+            print(f"  {shape.describe()}")
+        return 0
+    if not (args.gpu and args.model and args.out):
+        raise SystemExit("plan preset needs --gpu, --model and --out (or --list)")
+    given = {
+        "mbu": args.mbu,
+        "mfu": args.mfu,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "step_overhead_s": None if args.step_overhead_ms is None else args.step_overhead_ms / 1e3,
+        "seq_overhead_s": None if args.seq_overhead_us is None else args.seq_overhead_us / 1e6,
+    }
+    try:
+        assumptions = replace(presets.Assumptions(), **{k: v for k, v in given.items() if v is not None})
+        settings = presets.Settings(
+            args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size
+        )
+        cost = presets.build(args.gpu, args.model, settings, assumptions)
+    except presets.PresetError as err:
+        raise SystemExit(f"plan preset: {err}") from None
+    cost.save(args.out)
+    print(describe(cost))
+    memory = cost.host["memory"]
+    print(
+        f"{presets.model_shape(args.model).describe()}; KV cache {cost.engine['num_blocks']} blocks of "
+        f"{args.block_size} ({memory['kv_bytes'] / 1e9:.1f} GB after {memory['weight_bytes'] / 1e9:.1f} GB "
+        f"of weights and {memory['reserve_bytes'] / 1e9:.1f} GB reserved)"
+    )
+    fit = cost.fit
+    print(
+        "linear fit vs the roofline by kind (rel RMS / worst): "
+        + ", ".join(
+            f"{kind} {100 * fit[kind + '_rel_rms']:.0f}% / {100 * fit[kind + '_rel_max']:.0f}%"
+            for kind in ("decode", "prefill", "mixed")
+            if kind + "_rel_rms" in fit
+        )
+    )
+    times = presets.reference_times(cost)
+    for name in (n for n in times if not n.endswith("_model_s")):
+        label, model = name.removesuffix("_s"), times[name.removesuffix("_s") + "_model_s"]
+        print(f"{label:>15}: roofline {times[name] * 1e3:8.2f} ms, linear model {model * 1e3:8.2f} ms")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _warn_if_estimate(cost: Any) -> None:
+    """One line on stderr when a planner command runs on a preset's estimate, not a calibration."""
+    import sys
+
+    from inflight.plan.presets import estimate_line
+
+    line = estimate_line(cost)
+    if line:
+        print(f"warning: {line}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.plan_command == "calibrate":
         return _calibrate(args)
@@ -350,4 +441,6 @@ def run(args: argparse.Namespace) -> int:
         return _policies(args)
     if args.plan_command == "validate":
         return _validate(args)
+    if args.plan_command == "preset":
+        return _preset(args)
     raise AssertionError(args.plan_command)

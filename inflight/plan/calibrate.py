@@ -204,6 +204,10 @@ def _serve(eng: Any, seconds: float, grid_fit: StepCostModel) -> list[StepTiming
 
 
 def describe(cost: StepCostModel) -> str:
+    from inflight.plan.presets import estimate_line
+
+    if (estimate := estimate_line(cost)) is not None:  # a roofline preset (plan/presets.py), not measured
+        return estimate + "\n" + describe(replace(cost, host={**cost.host, "estimate": False}))
     f = cost.fit
     text = (
         f"T(step) = {cost.fixed * 1e3:.3f} ms + {cost.per_token * 1e6:.2f} us/token + "
