@@ -98,19 +98,6 @@ class StepCostModel:
             + self.per_context * sum_context
         )
 
-    def scaled(self, factor: float) -> StepCostModel:
-        """Every step ``factor`` times as long: the same engine on a host running at another speed."""
-        if not math.isfinite(factor) or factor <= 0:
-            raise ValueError(f"factor must be finite and > 0, got {factor}")
-        return replace(
-            self,
-            fixed=self.fixed * factor,
-            per_token=self.per_token * factor,
-            per_seq=self.per_seq * factor,
-            per_context=self.per_context * factor,
-            first_shape=self.first_shape * factor,
-        )
-
     def max_chunk(
         self, seconds: float, num_tokens: int, num_seqs: int, sum_context: int, computed: int
     ) -> int:

@@ -85,13 +85,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure through the gateway, Kafka and a worker process each (plan/service_replay.py)",
     )
-    val.add_argument(
-        "--probe-s",
-        type=float,
-        default=5.0,
-        help="seconds of the calibration's served mix each worker serves just before and after the "
-        "trace, to scale the calibration to the host's speed at the run (0: no probe)",
-    )
     val.add_argument("--tolerance", type=float, default=0.2, help="relative error allowed a figure")
     val.add_argument("--out", default="plan-validate.json", help="where to write every figure (JSON)")
 

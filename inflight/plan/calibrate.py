@@ -176,31 +176,6 @@ def _settings(model: str, eng: Any) -> dict[str, Any]:
     }
 
 
-def served_specs(
-    max_model_len: int,
-    max_num_seqs: int,
-    vocab: int,
-    seconds: float,
-    rate: float,
-    *,
-    seed: int = 4242,
-    prefix: str = "cal",
-) -> list[Any]:
-    """``seconds`` of the benchmark's mix at ``rate`` (bounded to four batches' worth), scaled to
-    ``max_model_len``: what ``_serve`` and the validation's host-speed probes serve."""
-    from bench.workload import LengthMix, synthetic
-
-    half, quarter = max_model_len // 2, max_model_len // 4
-    mix = LengthMix(
-        short_prompt=(16, max(16, min(128, quarter))),
-        long_prompt=(max(16, min(256, quarter)), max(16, min(512, half))),
-        output=(8, max(8, min(256, quarter))),
-    )
-    # At most four batches' worth: if the rate overrates the engine, the backlog stays short.
-    n = max(8, min(round(seconds * rate), 4 * max_num_seqs))
-    return synthetic(n, rate, vocab, mix=mix, seed=seed, prefix=prefix)
-
-
 def _serve(eng: Any, seconds: float, grid_fit: StepCostModel) -> list[StepTiming]:
     """Steps of the benchmark's mix served open loop at 0.7x the capacity the grid's fit simulates.
 
@@ -209,12 +184,21 @@ def _serve(eng: Any, seconds: float, grid_fit: StepCostModel) -> list[StepTiming
     new. On the tiny engine the grid alone predicted a served run's steps 27-42% short by kind; a
     served segment in the samples measures the mix a planner is asked about. Its trace (seed 4242)
     is not the validation's."""
+    from bench.workload import LengthMix, synthetic
     from inflight.plan.policies import capacity
     from inflight.plan.replay import replay
 
     cfg = eng.config
+    half, quarter = cfg.max_model_len // 2, cfg.max_model_len // 4
+    mix = LengthMix(
+        short_prompt=(16, max(16, min(128, quarter))),
+        long_prompt=(max(16, min(256, quarter)), max(16, min(512, half))),
+        output=(8, max(8, min(256, quarter))),
+    )
     rate = 0.7 * capacity(grid_fit, 200, {}, 4242)
-    specs = served_specs(cfg.max_model_len, cfg.max_num_seqs, cfg.model.vocab_size, seconds, rate)
+    # At most four batches' worth: if the grid's fit overrates the engine, the backlog stays short.
+    n = max(8, min(round(seconds * rate), 4 * cfg.max_num_seqs))
+    specs = synthetic(n, rate, cfg.model.vocab_size, mix=mix, seed=4242, prefix="cal")
     run = replay(eng, specs, time.monotonic(), {s.request_id: s.num_prompt_tokens for s in specs})
     return run.steps
 

@@ -59,10 +59,6 @@ class WorkerRun:
     gc_collections: int = 0
     threads: int = 1
     warm_shapes: frozenset[int] = frozenset()  # token counts the warm-up ran before the trace
-    # Steps of the host-speed probe served just before and just after the trace (replay_fleet's
-    # ``probe``), by every worker at once, as co-located as the trace itself.
-    probe_before: list[StepTiming] = field(default_factory=list)
-    probe_after: list[StepTiming] = field(default_factory=list)
 
 
 class _GCTimer:
@@ -194,15 +190,6 @@ def make_engine(model: str, engine_args: dict[str, Any]) -> Any:
     return engine
 
 
-def _probe(engine: Any, specs: Sequence[Any], tag: str) -> list[StepTiming]:
-    """Serve ``specs`` (ids prefixed with ``tag``) from now on; their steps."""
-    from dataclasses import replace
-
-    specs = [replace(s, request_id=f"{tag}-{s.request_id}") for s in specs]
-    run = replay(engine, specs, time.monotonic(), {s.request_id: s.num_prompt_tokens for s in specs})
-    return run.steps
-
-
 def _worker_main(
     model: str,
     specs: list[Any],
@@ -210,49 +197,29 @@ def _worker_main(
     threads: int,
     barrier: Any,
     results: Any,
-    probe: list[Any] | None = None,
 ) -> None:
     import torch
 
     torch.set_num_threads(threads)
     engine = make_engine(model, engine_args)
-    barrier.wait()  # every engine loaded and warm
-    before = _probe(engine, probe, "probe-before") if probe else []
-    barrier.wait()  # and probed: the trace starts for all at once
+    barrier.wait()  # every engine loaded and warm: the trace starts for all at once
     t0 = time.monotonic()
     run = replay(engine, specs, t0, {s.request_id: s.num_prompt_tokens for s in specs})
     run.threads = threads
-    if probe:
-        barrier.wait()  # the after-probes run side by side too
-        run.probe_before, run.probe_after = before, _probe(engine, probe, "probe-after")
     results.put(run)
 
 
 def replay_fleet(
-    model: str,
-    parts: Sequence[Sequence[Any]],
-    engine_args: dict[str, Any],
-    threads: int,
-    probe: Sequence[Any] | None = None,
+    model: str, parts: Sequence[Sequence[Any]], engine_args: dict[str, Any], threads: int
 ) -> list[WorkerRun]:
-    """One engine process per part (a worker's share of the trace), started together. With
-    ``probe``, every worker also serves those requests just before and just after its part, all
-    workers at once (WorkerRun.probe_before / probe_after)."""
+    """One engine process per part (a worker's share of the trace), started together."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no torch state or threads inherited
     barrier = ctx.Barrier(len(parts))
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_worker_main,
-            args=(
-                model,
-                sorted(p, key=lambda s: s.arrival),
-                engine_args,
-                threads,
-                barrier,
-                results,
-                list(probe or ()),
-            ),
+            args=(model, sorted(p, key=lambda s: s.arrival), engine_args, threads, barrier, results),
             daemon=True,
         )
         for p in parts

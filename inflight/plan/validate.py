@@ -17,16 +17,8 @@ Why a prediction misses, and what this module reports so that a run says which i
   modelled (FleetConfig.step_overhead_s, measured here); the rest is reported so a run on a busy host
   is recognised as such instead of being read as a model error.
 
-Three predictions: from the calibration made beforehand (what the planner does); from the same
-calibration scaled to the host's speed at the run (``host_speed``: every worker serves a short probe
-of the calibration's served mix just before and just after the trace, side by side as in the run,
-and the calibration is scaled by measured / modelled over those steps); and from a model fitted on
-the run's own steps (the simulator's fidelity, free of host drift since calibration). A shared
-2-core VM here drifts by 20-30% within minutes (the same grid point timed twice in one calibration
-differed by up to 35%), and near saturation queueing amplifies a step-time error of that size into
-30-47% on the latencies; the probes are how a prediction made on such a host is judged by the model's
-error rather than by the host's drift. The verdict uses the probe-scaled prediction when there is
-one; the unscaled one is always reported next to it.
+Two predictions: from the calibration made beforehand (what the planner does) and from a model
+fitted on the run's own steps (the simulator's fidelity, free of host drift since calibration).
 """
 
 from __future__ import annotations
@@ -74,11 +66,9 @@ def measure(
     workers: int = 1,
     threads: int = 1,
     in_process: bool = False,
-    probe: Sequence[Any] | None = None,
 ) -> list[WorkerRun]:
-    """Replay ``specs`` on ``workers`` engines (with ``probe``: each also serves it just before and
-    just after, see replay_fleet). ``in_process`` (one worker only, no probe) runs the engine in this
-    process with its current threads, which spares a test the start of a fresh interpreter."""
+    """Replay ``specs`` on ``workers`` engines. ``in_process`` (one worker only) runs the engine in
+    this process with its current threads, which spares a test the start of a fresh interpreter."""
     specs = sorted(specs, key=lambda s: s.arrival)
     if in_process:
         if workers != 1:
@@ -92,7 +82,7 @@ def measure(
 
         run.threads = torch.get_num_threads()
         return [run]
-    return replay_fleet(model, route(specs, workers), engine_args, threads, probe)
+    return replay_fleet(model, route(specs, workers), engine_args, threads)
 
 
 def figures(specs: Sequence[Any], runs: Sequence[WorkerRun]) -> dict[str, float]:
@@ -131,14 +121,6 @@ def refit_on_run(runs: Sequence[WorkerRun], cost: StepCostModel) -> StepCostMode
         row_padding=cost.padding,
         noise_samples=step_samples(runs),
     )
-
-
-def host_speed(steps: Sequence[StepTiming], cost: StepCostModel) -> float:
-    """Measured over modelled time of ``steps`` (first steps of a token count left out): how much
-    slower than at calibration the host ran them; nan without steps."""
-    kept = [s for s in steps if not s.new_shape]
-    modelled = sum(cost.step_time(s.num_tokens, s.num_seqs, s.sum_context) for s in kept)
-    return sum(s.wall for s in kept) / modelled if modelled > 0 else math.nan
 
 
 def step_overhead(runs: Sequence[WorkerRun]) -> float:
@@ -267,11 +249,9 @@ def validate(
     workers: int,
     threads: int,
     shape_cache: int | None = None,
-    probe: Sequence[Any] | None = None,
 ) -> dict[str, Any]:
-    """Measure, predict (three ways, see the module docstring), diagnose: the whole comparison for
-    one fleet size."""
-    runs = measure(model, specs, engine_args, workers=workers, threads=threads, probe=probe)
+    """Measure, predict twice, diagnose: the whole comparison for one fleet size."""
+    runs = measure(model, specs, engine_args, workers=workers, threads=threads)
     measured = figures(specs, runs)
     overhead = step_overhead(runs)
     warm = frozenset.intersection(*(run.warm_shapes for run in runs))
@@ -279,7 +259,7 @@ def validate(
     from_cal = predict(specs, cost, engine_args, workers=workers, **sim)
     refit = refit_on_run(runs, cost)
     from_run = predict(specs, refit, engine_args, workers=workers, **sim)
-    result: dict[str, Any] = {
+    return {
         "workers": workers,
         "threads_per_worker": threads,
         "num_requests": len(specs),
@@ -291,28 +271,6 @@ def validate(
         "run_fit": refit.fit,
         "diagnosis": diagnose(runs, cost, measured["duration_s"], shape_cache or SHAPE_CACHE),
     }
-    probe_steps = [s for run in runs for s in (*run.probe_before, *run.probe_after)]
-    if probe_steps:
-        speed = host_speed(probe_steps, cost)
-        at_speed = predict(specs, cost.scaled(speed), engine_args, workers=workers, **sim)
-        result.update(
-            host_speed={
-                "before": host_speed([s for run in runs for s in run.probe_before], cost),
-                "after": host_speed([s for run in runs for s in run.probe_after], cost),
-                "trace": host_speed([s for run in runs for s in run.steps], cost),
-                "probe_steps": len(probe_steps),
-                "scale": speed,
-            },
-            predicted_at_run_speed=at_speed,
-            error_at_run_speed=compare(measured, at_speed),
-        )
-    return result
-
-
-def verdict_errors(result: dict[str, Any]) -> dict[str, float]:
-    """The errors a validation is judged by: at the run's host speed when probed, else raw."""
-    errors: dict[str, float] = result.get("error_at_run_speed") or result["error_from_calibration"]
-    return errors
 
 
 def _ms(value: float) -> str:
@@ -323,28 +281,16 @@ def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
     """A table of the figures and the diagnosis, errors past ``tolerance`` marked."""
     m, cal, run = result["measured"], result["predicted_from_calibration"], result["predicted_from_run_steps"]
     ecal, erun = result["error_from_calibration"], result["error_from_run_steps"]
-    speed, espeed = result.get("predicted_at_run_speed"), result.get("error_at_run_speed")
-    judged = verdict_errors(result)
     lines = [
         f"{result['workers']} worker(s), {result['threads_per_worker']} thread(s) each, "
         f"{result['num_requests']} requests",
-        f"{'figure':<13} {'measured':>10} {'calibration':>12} {'error':>7}"
-        + (f" {'at run speed':>12} {'error':>7}" if speed else "")
-        + f" {'run steps':>10} {'error':>7}",
+        f"{'figure':<13} {'measured':>10} {'calibration':>12} {'error':>7} {'run steps':>10} {'error':>7}",
     ]
     for k in FIGURES:
-        mark = "  <- over" if abs(judged[k]) > tolerance else ""
-        at = f" {speed[k]:>12.4g} {100 * espeed[k]:>+6.0f}%" if speed and espeed else ""
+        mark = "  <- over" if abs(ecal[k]) > tolerance else ""
         lines.append(
-            f"{k:<13} {m[k]:>10.4g} {cal[k]:>12.4g} {100 * ecal[k]:>+6.0f}%{at} {run[k]:>10.4g} "
+            f"{k:<13} {m[k]:>10.4g} {cal[k]:>12.4g} {100 * ecal[k]:>+6.0f}% {run[k]:>10.4g} "
             f"{100 * erun[k]:>+6.0f}%{mark}"
-        )
-    if "host_speed" in result:
-        h = result["host_speed"]
-        lines.append(
-            f"host speed (measured / calibrated step time): probe before {h['before']:.2f}, after "
-            f"{h['after']:.2f} ({h['probe_steps']} steps; the prediction at run speed uses "
-            f"{h['scale']:.2f}); the trace's own steps {h['trace']:.2f}"
         )
     d = result["diagnosis"]
     lines.append(
@@ -412,14 +358,6 @@ def run_from_args(args: Any, model: str, pinned: dict[str, Any]) -> int:
     if rate is None:
         rate = args.load * capacity(cost, 500, engine_args, args.seed)
         print(f"{rate:.3g} req/s a worker ({args.load:g} x the simulated capacity)", flush=True)
-    probe = None
-    if args.probe_s > 0:  # the calibration's served mix, at the rate calibrate serves it
-        from inflight.plan.calibrate import served_specs
-
-        probe_rate = 0.7 * capacity(cost, 200, {}, 4242)
-        probe = served_specs(
-            args.max_model_len, args.max_num_seqs, vocab, args.probe_s, probe_rate, prefix="probe"
-        )
     results = []
     for workers in sizes:
         specs = synthetic(args.num_requests * workers, rate * workers, vocab, seed=args.seed)
@@ -430,17 +368,17 @@ def run_from_args(args: Any, model: str, pinned: dict[str, Any]) -> int:
             result = validate_service(model, specs, engine_args, cost, workers=workers, **kw)
             print(report_service(result, args.tolerance), flush=True)
         else:
-            kw = {"threads": threads, "shape_cache": args.shape_cache, "probe": probe}
+            kw = {"threads": threads, "shape_cache": args.shape_cache}
             result = validate(model, specs, engine_args, cost, workers=workers, **kw)
             print(report(result, args.tolerance), flush=True)
         results.append(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cost": cost.to_json(), "runs": results}, indent=1) + "\n")
     over = [
-        f"{r['workers']} worker(s) {k} {100 * verdict_errors(r)[k]:+.0f}%"
+        f"{r['workers']} worker(s) {k} {100 * r['error_from_calibration'][k]:+.0f}%"
         for r in results
         for k in FIGURES
-        if abs(verdict_errors(r)[k]) > args.tolerance
+        if abs(r["error_from_calibration"][k]) > args.tolerance
     ]
     verdict = f"over {100 * args.tolerance:.0f}%: {', '.join(over)}" if over else "all within"
     print(f"wrote {args.out}; {verdict}")

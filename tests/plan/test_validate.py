@@ -20,12 +20,10 @@ import torch
 from bench.workload import LengthMix, synthetic
 from engine.cost_model import StepCostModel
 from inflight.cli import main
-from inflight.plan.replay import StepTiming, replay_fleet
 from inflight.plan.validate import (
     compare,
     diagnose,
     figures,
-    host_speed,
     measure,
     predict,
     refit_on_run,
@@ -134,39 +132,3 @@ def test_service_figures_from_stream_times() -> None:
     f = service_figures(specs, [(0.1, 0.4), (0.6, 0.6), (None, None)])
     assert f["ttft_p50_s"] == pytest.approx(0.1) and f["tpot_p50_s"] == pytest.approx(0.1)
     assert f["output_tok_s"] == pytest.approx(5 / 0.6) and f["num_completed"] == 2
-
-
-def test_host_speed_is_measured_over_modelled_time_without_first_shapes() -> None:
-    cost = StepCostModel(0.010, 1e-4, 0.0, 0.0)
-    steps = [
-        StepTiming(0.0, 1.5 * cost.step_time(100, 1, 100), 0.0, 0.0, 0.0, 100, 1, 100, 0, False),
-        StepTiming(0.0, 1.5 * cost.step_time(10, 10, 500), 0.0, 0.0, 0.0, 10, 10, 500, 10, False),
-        StepTiming(0.0, 9.0, 0.0, 0.0, 0.0, 64, 1, 64, 0, True),  # a first shape: left out
-    ]
-    assert host_speed(steps, cost) == pytest.approx(1.5)
-    scaled = cost.scaled(1.5)
-    assert scaled.step_time(10, 10, 500) == pytest.approx(1.5 * cost.step_time(10, 10, 500))
-    with pytest.raises(ValueError):
-        cost.scaled(0.0)
-
-
-def test_fleet_workers_probe_the_host_before_and_after_the_trace(tiny_model_path: Path) -> None:
-    # A worker process (spawned, as plan validate runs them) serves the probe, the trace, the probe.
-    engine_args = {
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 128,
-        "max_model_len": 256,
-        "num_blocks": 256,
-        "async_scheduling": False,
-    }
-    mix = LengthMix(short_prompt=(16, 32), long_prompt=(48, 64), output=(4, 8))
-    specs = synthetic(6, 20.0, 1024, mix=mix, seed=3)
-    probe = synthetic(4, 20.0, 1024, mix=mix, seed=4, prefix="p")
-    [run] = replay_fleet(str(tiny_model_path), [specs], engine_args, 1, probe)
-    assert sorted(run.token_times) == sorted(s.request_id for s in specs)  # probes kept apart
-    assert all(len(run.token_times[s.request_id]) == s.max_tokens for s in specs)
-    probe_tokens = sum(s.max_tokens for s in probe)
-    for steps in (run.probe_before, run.probe_after):
-        # Every probe request prefilled and decoded in these steps: one token a row that completes.
-        assert steps and sum(s.num_seqs for s in steps) >= probe_tokens
-    assert run.steps[0].start >= 0 and all(s.wall > 0 for s in run.probe_after)
