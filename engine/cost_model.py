@@ -72,6 +72,13 @@ class StepCostModel:
     # meeting a run of slow steps sets the P99, which the mean alone never shows).
     noise_sigma: float = 0.0
     noise_phi: float = 0.0
+    # The variability has two parts (a step's factor is the product of both): a fast one, correlated
+    # over a few steps (noise_phi), and a slow one, the host drifting over seconds (a lag-1
+    # correlation of noise_slow_phi, close to 1), holding noise_slow_share of the log variance. The
+    # slow part is what a request streaming for a hundred steps cannot average away: it sets TPOT and
+    # TTFT P99s. Absent (0) in models fitted before it: one AR(1) process.
+    noise_slow_share: float = 0.0
+    noise_slow_phi: float = 0.0
 
     def __post_init__(self) -> None:
         for name in (*TERMS, "first_shape"):
@@ -129,7 +136,7 @@ class StepCostModel:
         if raw.get("version") != COST_MODEL_VERSION:
             raise ValueError(f"cost model version {raw.get('version')!r} is not {COST_MODEL_VERSION}")
         known = {"version", *TERMS, "first_shape", "host", "engine", "fit", "samples"}
-        known |= {"row_grain", "row_limit", "noise_sigma", "noise_phi"}
+        known |= {"row_grain", "row_limit", "noise_sigma", "noise_phi", "noise_slow_share", "noise_slow_phi"}
         unknown = set(raw) - known
         if unknown:
             raise ValueError(f"unknown cost model field(s): {', '.join(sorted(unknown))}")
@@ -144,6 +151,8 @@ class StepCostModel:
             row_limit=int(raw.get("row_limit", 0)),
             noise_sigma=float(raw.get("noise_sigma", 0.0)),
             noise_phi=float(raw.get("noise_phi", 0.0)),
+            noise_slow_share=float(raw.get("noise_slow_share", 0.0)),
+            noise_slow_phi=float(raw.get("noise_slow_phi", 0.0)),
         )
 
     @classmethod
@@ -212,22 +221,67 @@ def fit_errors(model: StepCostModel, samples: Sequence[StepSample]) -> dict[str,
     }
 
 
-def fit_noise(model: StepCostModel, ordered: Sequence[StepSample]) -> tuple[float, float]:
-    """(sigma, phi) of log(measured / modelled) over steps in the order they ran (see noise_sigma)."""
+@dataclass(frozen=True)
+class NoiseFit:
+    """How served steps vary around the model: see StepCostModel.noise_*."""
+
+    sigma: float = 0.0
+    phi: float = 0.0
+    slow_share: float = 0.0
+    slow_phi: float = 0.0
+
+
+# Candidate lag-1 correlations for the two parts. The slow part's are per step: 0.97 holds for about
+# 30 steps (a second of 30 ms steps).
+_FAST_PHIS = tuple(i / 20 for i in range(20))  # 0 .. 0.95
+_SLOW_PHIS = (0.8, 0.85, 0.9, 0.93, 0.95, 0.96, 0.97, 0.98, 0.985, 0.99, 0.995)
+_SHARES = tuple(i / 20 for i in range(21))
+_MAX_LAG = 40
+
+
+def fit_noise(model: StepCostModel, ordered: Sequence[StepSample]) -> NoiseFit:
+    """The variability of log(measured / modelled) over steps in the order they ran: its standard
+    deviation, and the two AR(1) parts whose summed autocorrelation, share * slow_phi^k +
+    (1 - share) * phi^k, best matches the measured one at lags 1..40 (least squares over a grid;
+    fewer lags when there are few steps, and one part when there are too few to tell two apart)."""
     logs = [
         math.log(s.seconds / t)
         for s in ordered
         if s.seconds > 0 and (t := model.step_time(s.num_tokens, s.num_seqs, s.sum_context)) > 0
     ]
     if len(logs) < 3:
-        return 0.0, 0.0
+        return NoiseFit()
     mean = sum(logs) / len(logs)
     dev = [x - mean for x in logs]
     var = sum(d * d for d in dev) / len(dev)
     if var <= 0:
-        return 0.0, 0.0
-    phi = sum(a * b for a, b in itertools.pairwise(dev)) / (len(dev) - 1) / var
-    return math.sqrt(var), min(max(phi, 0.0), 0.99)
+        return NoiseFit()
+    max_lag = min(_MAX_LAG, len(dev) // 5)
+
+    def acf(k: int) -> float:
+        return sum(dev[i] * dev[i + k] for i in range(len(dev) - k)) / (len(dev) - k) / var
+
+    phi1 = min(max(acf(1), 0.0), 0.99)
+    if max_lag < 10:
+        return NoiseFit(math.sqrt(var), phi1)
+    measured = [acf(k) for k in range(1, max_lag + 1)]
+    lags = range(1, max_lag + 1)
+    best = (math.inf, phi1, 0.0, 0.0)
+    for slow_phi in _SLOW_PHIS:
+        slow = [slow_phi**k for k in lags]
+        for phi in _FAST_PHIS:
+            if phi >= slow_phi:
+                continue
+            fast = [phi**k for k in lags]
+            for share in _SHARES:
+                err = sum(
+                    (r - share * a - (1 - share) * b) ** 2
+                    for r, a, b in zip(measured, slow, fast, strict=True)
+                )
+                if err < best[0]:
+                    best = (err, phi, share, slow_phi)
+    _, phi, share, slow_phi = best
+    return NoiseFit(math.sqrt(var), phi, share, slow_phi if share > 0 else 0.0)
 
 
 def fit(
@@ -261,7 +315,7 @@ def fit(
             s.seconds - model.step_time(s.num_tokens, s.num_seqs, s.sum_context) for s in first_shape_samples
         )
         first_shape = max(0.0, excess[len(excess) // 2])
-    sigma, phi = fit_noise(model, noise_samples) if noise_samples else (0.0, 0.0)
+    noise = fit_noise(model, noise_samples) if noise_samples else NoiseFit()
     errors = fit_errors(model, samples)
     errors["num_first_shape_samples"] = float(len(first_shape_samples))
     return StepCostModel(
@@ -276,6 +330,8 @@ def fit(
         samples=tuple((s.num_tokens, s.num_seqs, s.sum_context, s.seconds) for s in samples),
         row_grain=padding.grain,
         row_limit=padding.limit,
-        noise_sigma=sigma,
-        noise_phi=phi,
+        noise_sigma=noise.sigma,
+        noise_phi=noise.phi,
+        noise_slow_share=noise.slow_share,
+        noise_slow_phi=noise.slow_phi,
     )

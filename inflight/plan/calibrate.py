@@ -218,8 +218,10 @@ def describe(cost: StepCostModel) -> str:
     )
     if cost.noise_sigma > 0:
         text += (
-            f"\nserved steps vary around it: std of log(measured / model) {cost.noise_sigma:.3f}, "
-            f"lag-1 correlation {cost.noise_phi:.2f} (the simulator draws each step's factor from it)"
+            f"\nserved steps vary around it: std of log(measured / model) {cost.noise_sigma:.3f}; "
+            f"{100 * (1 - cost.noise_slow_share):.0f}% of that variance fast (lag-1 correlation "
+            f"{cost.noise_phi:.2f}), {100 * cost.noise_slow_share:.0f}% slow (lag-1 correlation "
+            f"{cost.noise_slow_phi:.3f}); the simulator draws each step's factor from it"
         )
     waited = f.get("waiting_for_cpu_share")
     if waited is not None:

@@ -100,7 +100,13 @@ def simulate(
         worker.seen = OrderedDict.fromkeys(sorted(fleet.warm_shapes)) if fleet.cold_shapes else None
         worker.sched = Scheduler(cfg, kv, {-1}, cost=cost, clock=_clock_of(worker))
         if fleet.noise_seed is not None:
-            worker.noise = StepNoise(cost.noise_sigma, cost.noise_phi, fleet.noise_seed * 100_003 + w)
+            worker.noise = StepNoise(
+                cost.noise_sigma,
+                cost.noise_phi,
+                fleet.noise_seed * 100_003 + w,
+                cost.noise_slow_share,
+                cost.noise_slow_phi,
+            )
         workers.append(worker)
     owner = [p % fleet.workers for p in range(n_part)]
     routed = [(i, r, owner[r.partition_key % n_part]) for i, r in enumerate(requests)]

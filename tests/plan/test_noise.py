@@ -45,12 +45,49 @@ def test_fit_recovers_the_variability_of_served_steps() -> None:
     for _ in range(3000):
         n, s = rng.randint(1, 256), rng.randint(1, 16)
         steps.append(StepSample(n, s, n * 4, COST.step_time(n, s, n * 4) * noise.step()))
-    sigma, phi = fit_noise(COST, steps)
-    assert sigma == pytest.approx(0.25, rel=0.1)
-    assert phi == pytest.approx(0.7, abs=0.05)
+    got = fit_noise(COST, steps)
+    assert got.sigma == pytest.approx(0.25, rel=0.1)
+    # One AR(1) process: whatever parts the fit picks imply its autocorrelation, 0.7^k.
+    for k in (1, 5, 20):
+        implied = got.slow_share * got.slow_phi**k + (1 - got.slow_share) * got.phi**k
+        assert implied == pytest.approx(0.7**k, abs=0.05), k
     model = fit(steps, noise_samples=steps)
     assert model.noise_sigma > 0 and model.noise_phi > 0
     assert fit(steps).noise_sigma == 0.0  # no served steps given: no noise
+
+
+def test_two_parts_are_told_apart_and_the_slow_one_persists_through_long_runs() -> None:
+    # Half the variance fast (lag-1 0.5), half slow (0.98): the fit finds both from 4,000 steps.
+    noise = StepNoise(0.3, 0.5, seed=5, slow_share=0.5, slow_phi=0.98)
+    rng = random.Random(6)
+    steps = []
+    for _ in range(4000):
+        n, s = rng.randint(1, 256), rng.randint(1, 16)
+        steps.append(StepSample(n, s, n * 4, COST.step_time(n, s, n * 4) * noise.step()))
+    got = fit_noise(COST, steps)
+    assert got.sigma == pytest.approx(0.3, rel=0.15)
+    assert 0.3 <= got.slow_share <= 0.7 and got.slow_phi >= 0.95 and got.phi <= 0.7
+    # Long runs: with a slow part, the mean factors of consecutive 100-step runs stay correlated and
+    # vary more than with the same variance all fast; both have mean 1.
+    for share, low, high in ((0.0, -0.1, 0.1), (0.8, 0.4, 0.9)):
+        n = StepNoise(0.3, 0.5, seed=7, slow_share=share, slow_phi=0.995)
+        runs = [math.log(n.run(100)) for _ in range(3000)]
+        assert statistics.fmean(math.exp(r) for r in runs) == pytest.approx(1.0, abs=0.03)
+        assert low <= statistics.correlation(runs[:-1], runs[1:]) <= high
+    fast_only = StepNoise(0.3, 0.5, seed=8)
+    slow = StepNoise(0.3, 0.5, seed=8, slow_share=0.8, slow_phi=0.995)
+    spread = [statistics.pstdev([x.run(100) for _ in range(2000)]) for x in (fast_only, slow)]
+    assert spread[1] > 3 * spread[0]
+
+
+def test_a_long_run_draws_what_its_steps_would() -> None:
+    # run(k) draws the mean of k steps in one go: its mean and spread match k single steps'.
+    one = StepNoise(0.25, 0.6, seed=9, slow_share=0.5, slow_phi=0.97)
+    many = StepNoise(0.25, 0.6, seed=10, slow_share=0.5, slow_phi=0.97)
+    jumped = [math.log(one.run(64)) for _ in range(3000)]
+    stepped = [math.log(sum(many.step() for _ in range(64)) / 64) for _ in range(3000)]
+    assert statistics.fmean(jumped) == pytest.approx(statistics.fmean(stepped), abs=0.02)
+    assert statistics.pstdev(jumped) == pytest.approx(statistics.pstdev(stepped), rel=0.15)
 
 
 def test_noise_widens_the_tails_not_the_throughput() -> None:
