@@ -97,5 +97,5 @@ def engine_config(cost: StepCostModel, overrides: dict[str, Any]) -> Any:
         slo_tpot_s=s.get("slo_tpot_s"),
         slo_reject=bool(s.get("slo_reject", False)),
         slo_starvation_s=float(s.get("slo_starvation_s", 30.0)),
-        slo_tpot_headroom=float(s.get("slo_tpot_headroom", 0.2)),
+        slo_tpot_headroom=float(s.get("slo_tpot_headroom", 0.1)),
     )

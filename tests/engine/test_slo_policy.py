@@ -42,7 +42,14 @@ def slo_scheduler(
         num_blocks=num_blocks,
         block_size=block_size,
     )
-    cfg = dataclasses.replace(base.config, scheduling_policy="slo", slo_reject=reject, slo_starvation_s=30.0)
+    # Headroom 0.2 (not the default): the arithmetic in the tests below plans 80% of each TPOT.
+    cfg = dataclasses.replace(
+        base.config,
+        scheduling_policy="slo",
+        slo_reject=reject,
+        slo_starvation_s=30.0,
+        slo_tpot_headroom=0.2,
+    )
     kv = KVCacheManager(base.kv.num_total_blocks, cfg.block_size, cfg.enable_prefix_caching)
     return Scheduler(cfg, kv, {EOS}, cost=cost, clock=clock)
 

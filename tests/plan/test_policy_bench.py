@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.policy_bench import POLICIES
+from bench.policy_bench import POLICIES, steady_rate
 from engine.cost_model import StepCostModel
 from inflight.cli import main
 
@@ -53,3 +53,15 @@ def test_real_policy_benchmark_runs_and_accounts_for_every_request(
     assert (out / "policies.png").stat().st_size > 1000
     text = capsys.readouterr().out
     assert "measured burst" in text and all(p in text for p in POLICIES)
+
+
+def test_capacity_is_the_saturated_middle_of_the_burst() -> None:
+    # 40 completions: the first ten trickle in over 3.6 s (the prefill wall), the middle ones at 10 a
+    # second from 4 s to 6 s, the last nine over 4.5 s (the drain). Capacity is the middle's rate, not
+    # 40 / 10.5 s.
+    ends = [0.4 * (i + 1) for i in range(10)]
+    ends += [4.0 + 0.1 * i for i in range(21)]
+    ends += [6.0 + 0.5 * (i + 1) for i in range(9)]
+    assert steady_rate(ends) == pytest.approx(10.0)
+    with pytest.raises(RuntimeError):
+        steady_rate([1.0, 2.0])
