@@ -141,6 +141,7 @@ def steady_rate(ends: Sequence[float]) -> float:
 def row(cv: float, load: float, rate: float, policy: str, run: RunResult, slo: SLO) -> dict[str, Any]:
     s = summarize(run, slo)
     good = sum(1 for r in run.requests if slo.met(r))
+    done = [r for r in run.requests if r.completed]
     return {
         "cv": cv,
         "load": load,
@@ -150,6 +151,13 @@ def row(cv: float, load: float, rate: float, policy: str, run: RunResult, slo: S
         "num_completed": s["num_completed"],
         "num_good": good,
         "num_rejected_slo": sum(1 for r in run.requests if r.error and "slo_ttft_unmet" in r.error),
+        # Completed but late, by bound (a request late on both counts in both).
+        "num_ttft_missed": sum(
+            1 for r in done if slo.ttft_s is not None and (r.ttft is None or r.ttft > slo.ttft_s)
+        ),
+        "num_tpot_missed": sum(
+            1 for r in done if slo.tpot_s is not None and r.tpot is not None and r.tpot > slo.tpot_s
+        ),
         "duration_s": s["duration_s"],
         "goodput_req_s": s["goodput"],
         "request_throughput": s["request_throughput"],
@@ -201,8 +209,9 @@ def compare(
             rows.append(r)
             log(
                 f"cv {cv:g} load {load:g} {policy:<10} goodput {r['goodput_req_s']:.2f} req/s "
-                f"({r['num_good']}/{r['num_requests']}), TTFT p99 {r['ttft_p99_s']:.2f}s, "
-                f"TPOT p99 {1e3 * r['tpot_p99_s']:.0f}ms"
+                f"({r['num_good']}/{r['num_requests']}; late TTFT {r['num_ttft_missed']}, TPOT "
+                f"{r['num_tpot_missed']}, rejected {r['num_rejected_slo']}), TTFT p99 "
+                f"{r['ttft_p99_s']:.2f}s, TPOT p99 {1e3 * r['tpot_p99_s']:.0f}ms"
             )
     rows.sort(key=lambda r: (r["cv"], r["load"], POLICIES.index(r["policy"])))
     return {

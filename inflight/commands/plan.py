@@ -85,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="measure through the gateway, Kafka and a worker process each (plan/service_replay.py)",
     )
+    val.add_argument(
+        "--calibrate-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each worker calibrates itself just before the trace, side by side as they serve; the "
+        "verdict uses that calibration (default: on)",
+    )
     val.add_argument("--tolerance", type=float, default=0.2, help="relative error allowed a figure")
     val.add_argument("--out", default="plan-validate.json", help="where to write every figure (JSON)")
 

@@ -58,19 +58,41 @@ def host_info(threads: int) -> dict[str, Any]:
     }
 
 
+@dataclass
+class Timed:
+    """A calibration's measurements, before the fit: what several workers' calibrations pool."""
+
+    samples: list[StepSample]  # steps of token counts the process had run before
+    first_shape: list[StepSample]  # steps of a token count the process had not run before
+    served: list[StepSample]  # the served segment's steps in the order they ran (the noise's)
+    waited: float  # wall - CPU time over the timed steps (one thread: time spent waiting for a core)
+    settings: dict[str, Any]  # the engine settings (_settings)
+    row_grain: int
+    row_limit: int
+    threads: int
+
+
 def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any = print) -> StepCostModel:
+    from engine.llm_engine import LLMEngine
+
+    timed = time_steps(LLMEngine.from_engine_args(model, **engine_args), model, grid)
+    new = len(timed.first_shape)
+    log(f"{len(timed.samples) + new} steps timed ({new} of a new token count)")
+    return fit_timed([timed])
+
+
+def time_steps(eng: Any, model: str, grid: Grid) -> Timed:
+    """Time ``eng``'s steps over ``grid`` (see the module docstring)."""
     import torch
 
-    from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
 
-    eng = LLMEngine.from_engine_args(model, **engine_args)
     cfg = eng.config
     rng = random.Random(0)
     vocab = cfg.model.vocab_size
     samples: list[StepSample] = []
-    first_shape: list[StepSample] = []  # steps of a token count this process had not run before
-    waited = 0.0  # wall - CPU time over the timed steps (one thread: time spent waiting for a core)
+    first_shape: list[StepSample] = []
+    waited = 0.0
     counter = 0
 
     def add(n: int, params: SamplingParams) -> None:
@@ -128,7 +150,7 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
                 ):
                     join = max((p for p in grid.prefill_tokens if p <= min(budget, max_len - 2)), default=0)
                     run([c] * s, grid.decode_steps + 1, keep=True, join=join)
-    served: list[StepSample] = []  # in the order they ran: what the step-time noise is measured on
+    served: list[StepSample] = []
     if grid.served_s > 0:
         grid_fit = fit(
             samples, first_shape_samples=first_shape, engine=_settings(model, eng), row_padding=padding
@@ -139,21 +161,39 @@ def calibrate(model: str, grid: Grid, *, engine_args: dict[str, Any], log: Any =
             (first_shape if step.new_shape else samples).append(sample)
             if not step.new_shape:
                 served.append(sample)
-    log(f"{len(samples) + len(first_shape)} steps timed ({len(first_shape)} of a new token count)")
-    settings = _settings(model, eng)
-    threads = torch.get_num_threads()
+    return Timed(
+        samples,
+        first_shape,
+        served,
+        waited,
+        _settings(model, eng),
+        padding.grain,
+        padding.limit,
+        torch.get_num_threads(),
+    )
+
+
+def fit_timed(timed: list[Timed]) -> StepCostModel:
+    """One cost model from one or more calibrations of the same engine settings (workers timed side
+    by side pool their steps; the noise is measured on each one's served steps in turn)."""
+    from engine.models.row_padding import RowPadding
+
+    first = timed[0]
+    samples = [s for t in timed for s in t.samples]
+    first_shape = [s for t in timed for s in t.first_shape]
     cost = fit(
         samples,
-        host=host_info(threads),
-        engine=settings,
+        host=host_info(first.threads),
+        engine=first.settings,
         first_shape_samples=first_shape,
-        row_padding=padding,
-        noise_samples=served,
+        row_padding=RowPadding(first.row_grain, first.row_limit),
+        noise_samples=[s for t in timed for s in t.served],
     )
-    if threads == 1:
+    if first.threads == 1:
         # A busy host stretches steps by the time the process waits for a core: a model fitted on
         # such steps predicts that host's load, not the engine. Kept so describe() can say so.
         total = sum(s.seconds for s in samples) + sum(s.seconds for s in first_shape)
+        waited = sum(t.waited for t in timed)
         cost = replace(cost, fit={**cost.fit, "waiting_for_cpu_share": waited / total})
     return cost
 

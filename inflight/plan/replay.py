@@ -59,6 +59,9 @@ class WorkerRun:
     gc_collections: int = 0
     threads: int = 1
     warm_shapes: frozenset[int] = frozenset()  # token counts the warm-up ran before the trace
+    # The worker's own calibration just before the trace (replay_fleet's ``grid``): a
+    # calibrate.Timed, every worker timing its steps side by side as they then serve.
+    calibration: Any = None
 
 
 class _GCTimer:
@@ -197,29 +200,43 @@ def _worker_main(
     threads: int,
     barrier: Any,
     results: Any,
+    grid: Any = None,
 ) -> None:
     import torch
 
     torch.set_num_threads(threads)
     engine = make_engine(model, engine_args)
-    barrier.wait()  # every engine loaded and warm: the trace starts for all at once
+    timed = None
+    if grid is not None:
+        from inflight.plan.calibrate import time_steps
+
+        barrier.wait()  # every engine loaded: the calibrations run side by side
+        timed = time_steps(engine, model, grid)
+    barrier.wait()  # every engine loaded and warm (and calibrated): the trace starts for all at once
     t0 = time.monotonic()
     run = replay(engine, specs, t0, {s.request_id: s.num_prompt_tokens for s in specs})
     run.threads = threads
+    run.calibration = timed
     results.put(run)
 
 
 def replay_fleet(
-    model: str, parts: Sequence[Sequence[Any]], engine_args: dict[str, Any], threads: int
+    model: str,
+    parts: Sequence[Sequence[Any]],
+    engine_args: dict[str, Any],
+    threads: int,
+    grid: Any = None,
 ) -> list[WorkerRun]:
-    """One engine process per part (a worker's share of the trace), started together."""
+    """One engine process per part (a worker's share of the trace), started together. With ``grid``
+    (a calibrate.Grid) each worker first calibrates its own engine, all at once, and the trace
+    follows at once (WorkerRun.calibration)."""
     ctx = mp.get_context("spawn")  # a fresh interpreter: no torch state or threads inherited
     barrier = ctx.Barrier(len(parts))
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_worker_main,
-            args=(model, sorted(p, key=lambda s: s.arrival), engine_args, threads, barrier, results),
+            args=(model, sorted(p, key=lambda s: s.arrival), engine_args, threads, barrier, results, grid),
             daemon=True,
         )
         for p in parts

@@ -132,3 +132,30 @@ def test_service_figures_from_stream_times() -> None:
     f = service_figures(specs, [(0.1, 0.4), (0.6, 0.6), (None, None)])
     assert f["ttft_p50_s"] == pytest.approx(0.1) and f["tpot_p50_s"] == pytest.approx(0.1)
     assert f["output_tok_s"] == pytest.approx(5 / 0.6) and f["num_completed"] == 2
+
+
+def test_fleet_workers_calibrate_themselves_just_before_the_trace(tiny_model_path: Path) -> None:
+    # A worker process (spawned, as plan validate runs them) times the quick grid on its own engine,
+    # then serves the trace; the parent fits one cost model on what the workers timed.
+    from inflight.plan.calibrate import QUICK_GRID, fit_timed
+    from inflight.plan.replay import replay_fleet
+
+    engine_args = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 128,
+        "max_model_len": 256,
+        "num_blocks": 256,
+        "async_scheduling": False,
+    }
+    mix = LengthMix(short_prompt=(16, 32), long_prompt=(48, 64), output=(4, 8))
+    specs = synthetic(6, 20.0, 1024, mix=mix, seed=3)
+    [run] = replay_fleet(str(tiny_model_path), [specs], engine_args, 1, QUICK_GRID)
+    assert all(len(run.token_times[s.request_id]) == s.max_tokens for s in specs)
+    timed = run.calibration
+    assert timed is not None and len(timed.samples) > 20 and timed.served and timed.threads == 1
+    # Calibration steps are not the trace's: the trace's own steps start after them.
+    assert len(run.steps) < len(timed.samples) and all(s.start >= 0 for s in run.steps)
+    cost = fit_timed([timed, timed])  # two workers' worth pools into one model
+    assert cost.fit["num_samples"] == 2 * len(timed.samples)
+    assert cost.step_time(64, 4, 256) > cost.step_time(1, 1, 16) > 0
+    assert cost.engine["max_num_seqs"] == 8 and cost.noise_sigma > 0
