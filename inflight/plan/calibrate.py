@@ -36,9 +36,12 @@ class Grid:
     served_s: float = 0.0  # then this many seconds of the benchmark's mix served open loop (see _serve)
 
 
-# About 15 s on a quiet 2-core host with the bench preset (grid only, two threads) plus 10 s served, a
-# minute or more when other work shares the cores; --quick is a few seconds, for tests.
-DEFAULT_GRID = Grid((16, 128, 512), (1, 4, 16, 48), (32, 256, 1024), 12288, 8, 2, served_s=10.0)
+# About 15 s on a quiet 2-core host with the bench preset (grid only, two threads) plus 20 s served, a
+# minute or more when other work shares the cores; --quick is a few seconds, for tests. The served
+# segment sets the model's level (engine.cost_model.fit) and its noise, so it is the longer part: its
+# steps drift with the host for seconds at a time (lag-1 correlation 0.93 of the slow part), and 10 s
+# holds only a few such stretches.
+DEFAULT_GRID = Grid((16, 128, 512), (1, 4, 16, 48), (32, 256, 1024), 12288, 8, 2, served_s=20.0)
 QUICK_GRID = Grid((16, 128), (1, 4, 8, 16), (32, 192), 4096, 8, 2, served_s=1.0)
 # One-thread calibration: above this share of step time spent waiting for a core, describe() warns.
 BUSY_HOST_SHARE = 0.05

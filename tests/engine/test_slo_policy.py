@@ -125,6 +125,24 @@ def test_a_request_late_behind_the_queue_is_lost_though_alone_it_would_not_be() 
     assert [r.request_id for r in q.lost()] == ["X", "Y", "Z"]
 
 
+def test_a_request_probably_late_moves_behind_but_is_rejected_only_when_surely_late() -> None:
+    # The queue of the test above, with the cost model's measured noise 0.1 (steps one sigma faster
+    # take exp(-0.1) = 0.905 of the model): Y and Z are projected 0.1224 s from now, 22 ms late; one
+    # sigma faster they take 0.111 s, 11 ms late: surely lost at a 1.1 s deadline, but not at 1.115 s
+    # (late on the point projection only), where they still move behind X.
+    noisy = dataclasses.replace(COST, noise_sigma=0.1)
+    for ttft, rejected in ((0.2, ["Y", "Z"]), (0.215, [])):
+        q = SLOQueue(noisy, 512, starvation_s=30.0)
+        for name in "XYZ":
+            q.add(req(name, 500, 0.9, ttft))
+        q.reorder(1.0, (0, 0, None))
+        assert [r.request_id for r in q.lost()] == rejected, ttft
+        assert [r.request_id for r in q] == ["X", "Y", "Z"]
+        q.add(req("W", 16, 0.95, 1.0))  # in time: ahead of the probably-late ones
+        q.reorder(1.0, (0, 0, None))
+        assert [r.request_id for r in q][:2] == ["X", "W"]
+
+
 def test_slo_reject_drops_what_the_queue_makes_late_and_says_why() -> None:
     sched = slo_scheduler(COST, Clock(1.0), reject=True, max_num_batched_tokens=512, num_blocks=512)
     for name in "XYZ":
