@@ -59,8 +59,8 @@ bench: setup
 bench-service: setup
 	$(BIN)/inflight bench service --out bench-results
 
-# Issue 13, measured on a quiet host: the scheduling policies on the real engine (about 8 minutes; QUICK=1:
-# the tiny model in about a minute), and the planner's predictions against real engines (about 5 minutes).
+# Issue 13, measured on a quiet host: the scheduling policies on the real engine (about 17 minutes; QUICK=1:
+# the tiny model in about a minute), and the planner's predictions against real engines (about 3 minutes).
 .PHONY: bench-policies plan-validate
 bench-policies: setup
 	$(BIN)/inflight plan policies --real $(if $(QUICK),--quick) --out bench-results/policies

@@ -42,10 +42,11 @@ class Grid:
     duration_s: float  # seconds of arrivals a run (requests = duration x rate)
 
 
-# 24 runs of 10 s of arrivals plus their drains (the last long answers: a few seconds), a calibration,
-# the capacity burst and four warm-ups: about 8 minutes on a 2-core host with the bench preset (an
-# estimate: runs are sized in seconds, not requests, so a slower host sends fewer requests, not longer).
-DEFAULT_GRID = Grid((2.0, 4.0), (0.8, 1.0, 1.2), 10.0)
+# 24 runs of 30 s of arrivals plus their drains, a calibration, the capacity burst and four warm-ups:
+# 16-17 minutes on a 2-core host with the bench preset (measured twice). Runs are sized in seconds, not
+# requests, so a slower host sends fewer requests, not longer. 10 s was too short to see saturation:
+# the backlog a 1.2x load builds in 10 s is 2 s of work, which fcfs still served mostly in time.
+DEFAULT_GRID = Grid((2.0, 4.0), (0.8, 1.0, 1.2), 30.0)
 # The tiny model, two loads, 2.5 s runs: about a minute.
 QUICK_GRID = Grid((2.0, 4.0), (0.8, 1.2), 2.5)
 

@@ -38,13 +38,18 @@ def test_factor_has_mean_one_and_the_given_correlation() -> None:
     assert StepNoise(0.0, 0.5, seed=1).step() == 1.0 == StepNoise(0.0, 0.5, seed=1).run(100)
 
 
-def test_fit_recovers_the_variability_of_served_steps() -> None:
-    noise = StepNoise(0.25, 0.7, seed=2)
-    rng = random.Random(3)
+def served_steps(noise: StepNoise, count: int, seed: int) -> list[StepSample]:
+    """``count`` steps of random shapes in order, each the model's time times the noise's factor."""
+    rng = random.Random(seed)
     steps = []
-    for _ in range(3000):
+    for _ in range(count):
         n, s = rng.randint(1, 256), rng.randint(1, 16)
         steps.append(StepSample(n, s, n * 4, COST.step_time(n, s, n * 4) * noise.step()))
+    return steps
+
+
+def test_fit_recovers_the_variability_of_served_steps() -> None:
+    steps = served_steps(StepNoise(0.25, 0.7, seed=2), 3000, seed=3)
     got = fit_noise(COST, steps)
     assert got.sigma == pytest.approx(0.25, rel=0.1)
     # One AR(1) process: whatever parts the fit picks imply its autocorrelation, 0.7^k.
@@ -58,12 +63,7 @@ def test_fit_recovers_the_variability_of_served_steps() -> None:
 
 def test_two_parts_are_told_apart_and_the_slow_one_persists_through_long_runs() -> None:
     # Half the variance fast (lag-1 0.5), half slow (0.98): the fit finds both from 4,000 steps.
-    noise = StepNoise(0.3, 0.5, seed=5, slow_share=0.5, slow_phi=0.98)
-    rng = random.Random(6)
-    steps = []
-    for _ in range(4000):
-        n, s = rng.randint(1, 256), rng.randint(1, 16)
-        steps.append(StepSample(n, s, n * 4, COST.step_time(n, s, n * 4) * noise.step()))
+    steps = served_steps(StepNoise(0.3, 0.5, seed=5, slow_share=0.5, slow_phi=0.98), 4000, seed=6)
     got = fit_noise(COST, steps)
     assert got.sigma == pytest.approx(0.3, rel=0.15)
     assert 0.3 <= got.slow_share <= 0.7 and got.slow_phi >= 0.95 and got.phi <= 0.7
