@@ -132,9 +132,9 @@ class EngineArgs:
     # Share of the TPOT deadline a step is not planned into: steps vary around the cost model (about
     # 20-30% on a CPU host), and a request whose every step is planned at its TPOT exactly misses it
     # half the time. Small, because TPOT is a mean and the step cap spreads a stream's slack (a fast
-    # step gives back what a slow one took): simulated with the measured noise, 0.1 gave 3-15% more
-    # goodput than 0.2 across the policy grid, and at 0.2 the real benchmark's TPOT P99 sat at 0.81x
-    # the SLO.
+    # step gives back what a slow one took): simulated with the measured noise, 0.1 gave 1-10% more
+    # goodput than 0.2 in five of the policy grid's six cells (2% less in one), and at 0.2 the real
+    # benchmark's TPOT P99 sat at 0.81x the SLO.
     slo_tpot_headroom: float = 0.1
     slo_cost_model: str | None = None
     batching: Literal["continuous", "static"] = "continuous"
