@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.cost_model import StepCostModel, StepSample, fit
+from engine.models.row_padding import RowPadding
 from inflight.plan.replay import StepTiming, engine_padding, note_shape
 
 
@@ -70,8 +71,7 @@ class Timed:
     served: list[StepSample]  # the served segment's steps in the order they ran (the noise's)
     waited: float  # wall - CPU time over the timed steps (one thread: time spent waiting for a core)
     settings: dict[str, Any]  # the engine settings (_settings)
-    row_grain: int
-    row_limit: int
+    padding: RowPadding  # the engine's row padding
     threads: int
 
 
@@ -170,8 +170,7 @@ def time_steps(eng: Any, model: str, grid: Grid) -> Timed:
         served,
         waited,
         _settings(model, eng),
-        padding.grain,
-        padding.limit,
+        padding,
         torch.get_num_threads(),
     )
 
@@ -179,8 +178,6 @@ def time_steps(eng: Any, model: str, grid: Grid) -> Timed:
 def fit_timed(timed: list[Timed]) -> StepCostModel:
     """One cost model from one or more calibrations of the same engine settings (workers timed side
     by side pool their steps; the noise is measured on each one's served steps in turn)."""
-    from engine.models.row_padding import RowPadding
-
     first = timed[0]
     samples = [s for t in timed for s in t.samples]
     first_shape = [s for t in timed for s in t.first_shape]
@@ -189,7 +186,7 @@ def fit_timed(timed: list[Timed]) -> StepCostModel:
         host=host_info(first.threads),
         engine=first.settings,
         first_shape_samples=first_shape,
-        row_padding=RowPadding(first.row_grain, first.row_limit),
+        row_padding=first.padding,
         noise_samples=[s for t in timed for s in t.served],
     )
     if first.threads == 1:
