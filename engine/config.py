@@ -137,6 +137,10 @@ class EngineArgs:
     # benchmark's TPOT P99 sat at 0.81x the SLO.
     slo_tpot_headroom: float = 0.1
     slo_cost_model: str | None = None
+    # The policy plans with the cost model scaled by the host's speed as served steps measure it, a
+    # moving level over this many seconds (engine/sched/host_speed.py); None plans with the
+    # calibrated model as it is. Measured only when steps run one at a time (async scheduling off).
+    slo_speed_window_s: float | None = 1.0
     batching: Literal["continuous", "static"] = "continuous"
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     seed: int = 0
@@ -165,6 +169,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.slo_speed_window_s is not None and not self.slo_speed_window_s > 0:
+            raise ValueError(f"slo_speed_window_s must be > 0 or None, got {self.slo_speed_window_s}")
         if not 0.0 <= self.slo_tpot_headroom < 1.0:
             raise ValueError(f"slo_tpot_headroom must be in [0, 1), got {self.slo_tpot_headroom}")
         if self.batching not in ("continuous", "static"):
@@ -214,6 +220,7 @@ class EngineConfig:
     slo_starvation_s: float = 30.0
     slo_tpot_headroom: float = 0.1
     slo_cost_model: str | None = None
+    slo_speed_window_s: float | None = 1.0
     async_scheduling: bool = False
     async_scheduling_reason: str = "default"  # why it is on or off, for the engine's start-up log
 
@@ -302,6 +309,7 @@ class EngineConfig:
             slo_starvation_s=args.slo_starvation_s,
             slo_tpot_headroom=args.slo_tpot_headroom,
             slo_cost_model=args.slo_cost_model,
+            slo_speed_window_s=args.slo_speed_window_s,
             async_scheduling=overlap,
             async_scheduling_reason=overlap_reason,
         )

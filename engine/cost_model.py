@@ -118,6 +118,11 @@ class StepCostModel:
             return 1 << 30 if room >= 0 else 0
         return math.floor(room / slope + 1e-9)
 
+    def scaled(self, factor: float) -> StepCostModel:
+        """The same model on a host ``factor`` times slower: every term, the first-shape cost too."""
+        terms = (*TERMS, "first_shape")
+        return replace(self, **{t: getattr(self, t) * factor for t in terms})
+
     def decode_run_time(self, num_seqs: int, sum_context: int, num_steps: int) -> float:
         """Total time of ``num_steps`` decode-only steps of ``num_seqs`` rows, context growing by
         ``num_seqs`` a step (closed form of the arithmetic series)."""
@@ -239,6 +244,28 @@ _SHARES = tuple(i / 20 for i in range(21))
 _MAX_LAG = 40
 
 
+def ar1_mean_variance(sigma: float, phi: float, k: int) -> float:
+    """Variance of the mean of k consecutive values of a stationary AR(1) process of standard
+    deviation ``sigma`` and lag-1 correlation ``phi``."""
+    if sigma <= 0 or k <= 0:
+        return 0.0
+    if phi == 0:
+        return sigma**2 / k
+    inner = (1 + phi) / (1 - phi) - 2 * phi * (1 - phi**k) / (k * (1 - phi) ** 2)
+    return sigma**2 * inner / k
+
+
+def level_log_std(noise: NoiseFit, num_steps: int) -> float:
+    """How far the level of a model fitted on ``num_steps`` served steps may sit from the host's
+    long-run level, as a standard deviation of log: the mean of the measured noise over that many
+    steps. The slow part barely averages out (at a lag-1 correlation of 0.995, 1,000 steps hold about
+    three independent values), so a 20 s calibration's level moves by about as much as a trace's."""
+    share = min(max(noise.slow_share, 0.0), 1.0)
+    fast = ar1_mean_variance(noise.sigma * math.sqrt(1 - share), noise.phi, num_steps)
+    slow = ar1_mean_variance(noise.sigma * math.sqrt(share), noise.slow_phi, num_steps)
+    return math.sqrt(fast + slow)
+
+
 def fit_noise(model: StepCostModel, ordered: Sequence[StepSample]) -> NoiseFit:
     """The variability of log(measured / modelled) over steps in the order they ran: its standard
     deviation, and the two AR(1) parts whose summed autocorrelation, share * slow_phi^k +
@@ -323,6 +350,11 @@ def fit(
     noise = fit_noise(model, noise_samples) if noise_samples else NoiseFit()
     errors = fit_errors(model, samples)
     errors["num_first_shape_samples"] = float(len(first_shape_samples))
+    if noise_samples:
+        # Pooled calibrations (workers side by side) are counted as one run: a wider band than
+        # independent segments give, where the fit of the noise itself is rougher.
+        errors["level_log_std"] = level_log_std(noise, len(noise_samples))
+        errors["num_served_samples"] = float(len(noise_samples))
     return StepCostModel(
         fixed,
         per_token,

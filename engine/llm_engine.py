@@ -305,6 +305,10 @@ class LLMEngine:
                 self.metrics.on_finished(request)
             deltas[request.request_id] = (text, token, lp)
         outputs = self._collect(list(touched.values()), deltas)
+        if not self.config.async_scheduling:
+            # The whole step, as calibration timed it (schedule to outputs). An overlapped step's
+            # span holds its predecessor's tail, so async scheduling keeps the calibrated level.
+            self.scheduler.observe_step_time(step.out.modelled_s, time.monotonic() - step.start)
         self._step += 1
         self.load = self.scheduler.stats(step.out)
         self.metrics.on_step(

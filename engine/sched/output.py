@@ -65,6 +65,9 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # Finished since the previous step (the runner drops their rows).
     finished_req_ids: set[str] = field(default_factory=set)
+    # slo policy: the calibrated cost model's time for this step, which the engine compares with the
+    # step's measured time (Scheduler.observe_step_time); 0 when nothing measures the host's speed.
+    modelled_s: float = 0.0
 
     @property
     def num_seqs(self) -> int:

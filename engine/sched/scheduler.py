@@ -22,6 +22,7 @@ from engine.kv_cache.block_pool import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import SchedulerStats
 from engine.request import Request, RequestStatus
+from engine.sched.host_speed import HostSpeed
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from engine.sched.policy import WaitingQueue, make_waiting_queue, priority_key
 from engine.sched.slo import SLOQueue, lost_message, seat_fits, step_time_cap
@@ -51,6 +52,10 @@ class Scheduler:
         self.cost = cost
         self.clock = clock
         self.slo = config.scheduling_policy == "slo"
+        # slo: the calibrated model, which self.cost scales by the host's measured speed
+        self._calibrated = cost
+        window = config.slo_speed_window_s
+        self.host_speed = HostSpeed(window) if self.slo and cost is not None and window else None
         self.waiting: WaitingQueue = (
             SLOQueue(cost, config.max_num_batched_tokens, config.slo_starvation_s, config.block_size)
             if self.slo
@@ -141,7 +146,23 @@ class Scheduler:
         if admit and not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         self._describe_for_runner(out)
+        if self.host_speed is not None and self._calibrated is not None and not out.is_empty:
+            context = sum(
+                self.requests[rid].num_computed_tokens + n for rid, n in out.num_scheduled_tokens.items()
+            )
+            out.modelled_s = self._calibrated.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
         return out
+
+    def observe_step_time(self, modelled_s: float, measured_s: float) -> None:
+        """A step (or a run of steps, summed) took ``measured_s`` where the calibrated model said
+        ``modelled_s``: the slo policy plans the next steps with the model scaled to the host's
+        current speed (engine/sched/host_speed.py)."""
+        if self.host_speed is None or self._calibrated is None:
+            return
+        if self.host_speed.observe(modelled_s, measured_s):
+            self.cost = self._calibrated.scaled(self.host_speed.factor)
+            if isinstance(self.waiting, SLOQueue):
+                self.waiting.cost = self.cost
 
     def _slo_prepare(self) -> None:
         now = self.clock()

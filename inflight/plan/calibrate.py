@@ -14,6 +14,7 @@ steps a planner is asked about, in the order serving runs them.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import random
@@ -262,6 +263,12 @@ def describe(cost: StepCostModel) -> str:
             f"{100 * (1 - cost.noise_slow_share):.0f}% of that variance fast (lag-1 correlation "
             f"{cost.noise_phi:.2f}), {100 * cost.noise_slow_share:.0f}% slow (lag-1 correlation "
             f"{cost.noise_slow_phi:.3f}); the simulator draws each step's factor from it"
+        )
+    level = f.get("level_log_std", 0.0)
+    if level > 0:
+        text += (
+            f"\nits level, from {int(f.get('num_served_samples', 0))} served steps, is known to "
+            f"x{math.exp(-level):.2f}-x{math.exp(level):.2f} (one standard deviation of the noise's mean)"
         )
     waited = f.get("waiting_for_cpu_share")
     if waited is not None:

@@ -98,4 +98,5 @@ def engine_config(cost: StepCostModel, overrides: dict[str, Any]) -> Any:
         slo_reject=bool(s.get("slo_reject", False)),
         slo_starvation_s=float(s.get("slo_starvation_s", 30.0)),
         slo_tpot_headroom=float(s.get("slo_tpot_headroom", 0.1)),
+        slo_speed_window_s=s.get("slo_speed_window_s", 1.0),
     )

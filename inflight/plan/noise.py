@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 import random
 
+from engine.cost_model import ar1_mean_variance
+
 # Runs of more decode steps than this draw their mean factor in one go (see StepNoise.run).
 _EXACT_RUN = 32
 
@@ -37,13 +39,7 @@ class _AR1:
 
     def mean_variance(self, k: int) -> float:
         """Variance of the mean of k consecutive values of the stationary process."""
-        p = self.phi
-        if self.sigma <= 0:
-            return 0.0
-        if p == 0:
-            return self.sigma**2 / k
-        inner = (1 + p) / (1 - p) - 2 * p * (1 - p**k) / (k * (1 - p) ** 2)
-        return self.sigma**2 * inner / k
+        return ar1_mean_variance(self.sigma, self.phi, k)
 
     def run(self, k: int) -> float:
         """The mean of the next ``k`` values, drawn exactly given the current one (jointly with the

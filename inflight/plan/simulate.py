@@ -184,9 +184,11 @@ def simulate(
         wk.in_flight = out
 
     def end_step(wk: _Worker, t: float) -> None:
-        wk.now = t
         sched = wk.sched
         out, wk.in_flight = wk.in_flight, None
+        if out is not None:  # the step ran from wk.now to t: the slo policy's view of the host's speed
+            sched.observe_step_time(out.modelled_s, t - wk.now)
+        wk.now = t
         if out is not None:
             sampled = {}
             for rid, n in out.num_scheduled_tokens.items():
@@ -326,6 +328,7 @@ def _fast_forward(
     if need > kv.num_free_blocks:
         return None
     run = (cost.decode_run_time(num_seqs, context, k) + k * overhead) * factor
+    sched.observe_step_time(cost.decode_run_time(num_seqs, context, k), run)
     end = wk.now + run
     for r in list(running):
         kv.allocate_slots(r, k)

@@ -30,8 +30,10 @@ fitted on the run's own steps: the simulator's fidelity, free of any drift since
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from engine.cost_model import StepCostModel, StepSample, fit
@@ -121,14 +123,16 @@ def step_samples(runs: Sequence[WorkerRun], *, new_shape: bool = False) -> list[
 
 
 def refit_on_run(runs: Sequence[WorkerRun], cost: StepCostModel) -> StepCostModel:
-    """A cost model fitted on the run's own steps, as calibrate fits its grid."""
-    return fit(
+    """A cost model fitted on the run's own steps, as calibrate fits its grid. Its level is the
+    run's, not an estimate of it: no level uncertainty in its band."""
+    refit = fit(
         step_samples(runs),
         engine=cost.engine,
         first_shape_samples=step_samples(runs, new_shape=True),
         row_padding=cost.padding,
         noise_samples=step_samples(runs),
     )
+    return replace(refit, fit={**refit.fit, "level_log_std": 0.0})
 
 
 def step_overhead(runs: Sequence[WorkerRun]) -> float:
@@ -147,30 +151,53 @@ def predict(
     warm_shapes: frozenset[int] | None = None,
     shape_cache: int | None = None,
     draws: int = 8,
+    band_draws: int = 16,
 ) -> dict[str, float]:
     """The same trace through the simulator: ``workers`` workers, one partition each, nothing between
     the driver and the engines but the loop's time between steps. With ``warm_shapes`` (the token
     counts the engines' warm-up ran), workers start cold, as the run's engines did. Each figure is
     the mean over ``draws`` draws of the step-time noise (inflight/plan/noise.py): the measured run
-    is one draw of the real noise, and a P99 over a few hundred requests moves with it."""
-    sims = [
-        simulate(
-            from_specs(specs),
-            cost,
-            FleetConfig(
-                workers=workers,
-                max_waiting=None,
-                engine=engine_args,
-                service=ServicePath(step_overhead_s=step_overhead_s),
-                cold_shapes=warm_shapes is not None,
-                warm_shapes=warm_shapes or frozenset(),
-                shape_cache=shape_cache,
-                noise_seed=seed,
-            ),
+    is one draw of the real noise, and a P99 over a few hundred requests moves with it.
+
+    ``<figure>_lo`` / ``<figure>_hi``: the band a run may land in from the host's measured noise
+    alone (10th and 90th percentile over ``band_draws`` draws), each draw also moving the model's
+    level by the uncertainty of the calibration's own (``fit["level_log_std"]``): a calibration and
+    a run are two windows of the same drifting host, and a run outside the band is a model miss."""
+
+    def run(model: StepCostModel, seed: int) -> dict[str, Any]:
+        fleet = FleetConfig(
+            workers=workers,
+            max_waiting=None,
+            engine=engine_args,
+            service=ServicePath(step_overhead_s=step_overhead_s),
+            cold_shapes=warm_shapes is not None,
+            warm_shapes=warm_shapes or frozenset(),
+            shape_cache=shape_cache,
+            noise_seed=seed,
         )
-        for seed in range(draws if cost.noise_sigma > 0 else 1)
-    ]
-    return {k: statistics.fmean(float(r[k]) for r in sims) for k in (*FIGURES, "utilisation")}
+        return simulate(from_specs(specs), model, fleet)
+
+    noisy = cost.noise_sigma > 0
+    sims = [run(cost, seed) for seed in range(draws if noisy else 1)]
+    out = {k: statistics.fmean(float(r[k]) for r in sims) for k in (*FIGURES, "utilisation")}
+    level_std = float(cost.fit.get("level_log_std", 0.0))
+    if noisy or level_std > 0:
+        band = []
+        for seed in range(band_draws):
+            level = math.exp(random.Random(seed).gauss(0.0, level_std)) if level_std > 0 else 1.0
+            band.append(run(cost.scaled(level), 1_000 + seed))
+        for k in FIGURES:
+            values = [float(r[k]) for r in band]
+            out[f"{k}_lo"], out[f"{k}_hi"] = _pct(values, 10), _pct(values, 90)
+    return out
+
+
+def within_band(measured: dict[str, float], predicted: dict[str, float]) -> dict[str, bool]:
+    """Whether each measured figure lies in the prediction's host-noise band (True without a band)."""
+    return {
+        k: predicted.get(f"{k}_lo", -math.inf) <= measured[k] <= predicted.get(f"{k}_hi", math.inf)
+        for k in FIGURES
+    }
 
 
 def compare(measured: dict[str, float], predicted: dict[str, float]) -> dict[str, float]:
@@ -276,6 +303,7 @@ def validate(
         "measured": measured,
         "predicted_from_calibration": from_cal,
         "error_from_calibration": compare(measured, from_cal),
+        "in_band_from_calibration": within_band(measured, from_cal),
         "predicted_from_run_steps": from_run,
         "error_from_run_steps": compare(measured, from_run),
         "run_fit": refit.fit,
@@ -290,6 +318,7 @@ def validate(
             workers_cost=own.to_json() | {"samples": []},
             predicted_from_workers_calibration=from_own,
             error_from_workers_calibration=compare(measured, from_own),
+            in_band_from_workers_calibration=within_band(measured, from_own),
         )
     return result
 
@@ -302,6 +331,14 @@ def verdict_errors(result: dict[str, Any]) -> dict[str, float]:
     return errors
 
 
+def verdict_bands(result: dict[str, Any]) -> dict[str, bool]:
+    """For the judged prediction: whether each measured figure lies in its host-noise band."""
+    bands: dict[str, bool] = (
+        result.get("in_band_from_workers_calibration") or result.get("in_band_from_calibration") or {}
+    )
+    return bands
+
+
 def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:+.2f} ms"
 
@@ -311,20 +348,24 @@ def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
     m, cal, run = result["measured"], result["predicted_from_calibration"], result["predicted_from_run_steps"]
     ecal, erun = result["error_from_calibration"], result["error_from_run_steps"]
     own, eown = result.get("predicted_from_workers_calibration"), result.get("error_from_workers_calibration")
-    judged = verdict_errors(result)
+    judged, in_band = verdict_errors(result), verdict_bands(result)
+    band_of = own or cal
     lines = [
         f"{result['workers']} worker(s), {result['threads_per_worker']} thread(s) each, "
         f"{result['num_requests']} requests",
         f"{'figure':<13} {'measured':>10} {'calibration':>12} {'error':>7}"
         + (f" {'workers cal.':>12} {'error':>7}" if own else "")
-        + f" {'run steps':>10} {'error':>7}",
+        + f" {'run steps':>10} {'error':>7} {'host band (judged)':>19}",
     ]
     for k in FIGURES:
-        mark = "  <- over" if abs(judged[k]) > tolerance else ""
+        mark = ""
+        if abs(judged[k]) > tolerance:
+            mark = "  <- over" + ("" if not in_band else " (in band)" if in_band[k] else " (outside band)")
         at = f" {own[k]:>12.4g} {100 * eown[k]:>+6.0f}%" if own and eown else ""
+        band = f"{band_of[k + '_lo']:.4g}-{band_of[k + '_hi']:.4g}" if k + "_lo" in band_of else "-"
         lines.append(
             f"{k:<13} {m[k]:>10.4g} {cal[k]:>12.4g} {100 * ecal[k]:>+6.0f}%{at} {run[k]:>10.4g} "
-            f"{100 * erun[k]:>+6.0f}%{mark}"
+            f"{100 * erun[k]:>+6.0f}% {band:>19}{mark}"
         )
     if "workers_cost" in result:
         from inflight.plan.calibrate import describe
@@ -420,6 +461,16 @@ def run_from_args(args: Any, model: str, pinned: dict[str, Any]) -> int:
         for k in FIGURES
         if abs(verdict_errors(r)[k]) > args.tolerance
     ]
+    outside = [
+        f"{r['workers']} worker(s) {k}"
+        for r in results
+        for k, inside in verdict_bands(r).items()
+        if not inside and abs(verdict_errors(r)[k]) > args.tolerance
+    ]
     verdict = f"over {100 * args.tolerance:.0f}%: {', '.join(over)}" if over else "all within"
+    if over and any(verdict_bands(r) for r in results):
+        # Past the tolerance but inside the band: the host's own noise moves the figure that far
+        # between a calibration and a run; outside it, the model is wrong.
+        verdict += f"; outside the host band: {', '.join(outside) or 'none'}"
     print(f"wrote {args.out}; {verdict}")
     return 1 if over else 0

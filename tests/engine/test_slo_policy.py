@@ -180,6 +180,33 @@ def test_prefill_chunks_are_cut_to_hold_the_running_tpot_deadline() -> None:
     assert step(sched).num_scheduled_tokens == {"R": 1, "W": 39}
 
 
+def test_chunks_follow_the_host_speed_the_served_steps_measure() -> None:
+    # The case above, after steps measured at twice the model's time for two seconds: the plan scales
+    # the model by the measured level, so the same 40 ms cap holds fewer tokens.
+    cost = StepCostModel(0.010, 1e-3, 0.0, 0.0)
+    clock = Clock(0.0)
+    sched = slo_scheduler(cost, clock, max_num_batched_tokens=256, num_blocks=256)
+    assert sched.host_speed is not None and sched.config.slo_speed_window_s == 1.0
+    sched.add_request(req("R", 4, 0.0, None, tpot=0.05))
+    step(sched)
+    for _ in range(50):
+        sched.observe_step_time(0.02, 0.04)
+    factor = sched.host_speed.factor
+    assert 1.8 < factor < 2.0
+    assert sched.cost == cost.scaled(factor) and sched.waiting.cost == sched.cost  # type: ignore[attr-defined]
+    sched.add_request(req("W", 200, 0.0, 10.0))
+    # R on its target: cap 40 ms; a step with R and a chunk of n takes factor * (10 + 1 + n) ms.
+    expected = int((0.040 / factor - 0.011) / 1e-3 + 1e-9)
+    assert step(sched).num_scheduled_tokens == {"R": 1, "W": expected}
+    assert expected < 29 // factor + 1
+    # Off: the calibrated model whatever the steps measure.
+    off = slo_scheduler(cost, Clock(0.0))
+    off.config = dataclasses.replace(off.config, slo_speed_window_s=None)
+    fixed = Scheduler(off.config, off.kv, {EOS}, cost=cost, clock=Clock(0.0))
+    fixed.observe_step_time(0.02, 0.04)
+    assert fixed.host_speed is None and fixed.cost is cost
+
+
 def test_a_stream_ahead_of_its_tpot_lends_its_slack_and_one_behind_takes_it_back() -> None:
     # R streams with a 50 ms TPOT (40 ms planned) and 64 tokens to produce. After 20 tokens taken at
     # 20 ms a gap (0.38 s for 19 gaps) it may wait (63 * 40 - 380) / 44 = 48.6 ms a step: a chunk of
@@ -296,6 +323,7 @@ def test_engine_loads_the_cost_model_and_holds_tpot_with_it(tiny_llama_path: Pat
         scheduling_policy="slo",
         slo_tpot_s=0.02,
         slo_tpot_headroom=0.0,  # the whole 20 ms planned: the arithmetic above
+        slo_speed_window_s=None,  # the model as given, whatever this host measures
         slo_cost_model=str(cost_path),
         max_model_len=256,
         num_blocks=64,
@@ -311,3 +339,29 @@ def test_engine_loads_the_cost_model_and_holds_tpot_with_it(tiny_llama_path: Pat
         eng.step()
     chunks = [n for rec in eng.metrics.steps for rid, n, _ in rec.batch if rid == "doc" and n > 1]
     assert sum(chunks) == 100 and len(chunks) >= 6 and max(chunks) in (17, 18, 19)
+
+
+def test_engine_measures_its_steps_against_the_cost_model(tiny_llama_path: Path, tmp_path: Path) -> None:
+    # A cost model of 0.1 ms a step, far faster than the tiny model's real steps: the engine's
+    # measured steps raise the level the policy plans with (a 1 ms window, so that 40 steps follow),
+    # and the plan's model is the calibrated one times that level.
+    cost_path = tmp_path / "cost.json"
+    calibrated = StepCostModel(1e-4, 1e-7, 0.0, 0.0)
+    calibrated.save(cost_path)
+    args = dict(scheduling_policy="slo", slo_tpot_s=1.0, slo_cost_model=str(cost_path), max_model_len=256)
+    eng = LLMEngine.from_engine_args(
+        str(tiny_llama_path), num_blocks=64, async_scheduling=False, slo_speed_window_s=0.001, **args
+    )
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    eng.add_request("a", [5, 6, 7], params)
+    while eng.has_unfinished_requests():
+        eng.step()
+    speed = eng.scheduler.host_speed
+    assert speed is not None and speed.factor > 2.0
+    assert eng.scheduler.cost == calibrated.scaled(speed.factor)
+    # Off: the plan keeps the calibrated model.
+    off = LLMEngine.from_engine_args(str(tiny_llama_path), num_blocks=64, slo_speed_window_s=None, **args)
+    off.add_request("a", [5, 6, 7], params)
+    while off.has_unfinished_requests():
+        off.step()
+    assert off.scheduler.host_speed is None and off.scheduler.cost == calibrated

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine.cost_model import StepCostModel, StepSample, fit, fit_noise
+from engine.cost_model import NoiseFit, StepCostModel, StepSample, fit, fit_noise, level_log_std
 from inflight.plan.noise import StepNoise
 from inflight.plan.simulate import FleetConfig, SimRequest, simulate
 from inflight.plan.traffic import synthetic
@@ -103,3 +103,28 @@ def test_noise_widens_the_tails_not_the_throughput() -> None:
     assert noisy["tpot_p99_s"] > 1.1 * quiet["tpot_p99_s"]
     assert noisy["ttft_p99_s"] > quiet["ttft_p99_s"]
     assert noisy["output_tok_s"] == pytest.approx(quiet["output_tok_s"], rel=0.1)
+
+
+def test_the_level_of_a_fit_is_as_uncertain_as_the_mean_of_its_noise() -> None:
+    # All fast and uncorrelated: the mean of 1,000 steps is known to sigma / sqrt(1000).
+    assert level_log_std(NoiseFit(0.25), 1000) == pytest.approx(0.25 / math.sqrt(1000))
+    # Half of it slow at 0.995 a step: 1,000 steps hold a handful of independent values.
+    noise = NoiseFit(0.25, 0.5, slow_share=0.5, slow_phi=0.995)
+    predicted = level_log_std(noise, 1000)
+    assert predicted > 5 * level_log_std(NoiseFit(0.25, 0.5), 1000)
+    # The same figure measured: the spread of the mean log factor over independent 1,000-step windows.
+    windows = []
+    for seed in range(300):
+        n = StepNoise(0.25, 0.5, seed=seed, slow_share=0.5, slow_phi=0.995)
+        windows.append(statistics.fmean(math.log(n.step()) for _ in range(1000)))
+    assert statistics.pstdev(windows) == pytest.approx(predicted, rel=0.15)
+    # fit() records it when it measured the noise on served steps, and not otherwise.
+    steps = served_steps(StepNoise(0.25, 0.5, seed=11, slow_share=0.5, slow_phi=0.99), 2000, seed=12)
+    model = fit(steps, noise_samples=steps)
+    assert model.fit["num_served_samples"] == 2000
+    assert model.fit["level_log_std"] == pytest.approx(
+        level_log_std(
+            NoiseFit(model.noise_sigma, model.noise_phi, model.noise_slow_share, model.noise_slow_phi), 2000
+        )
+    )
+    assert "level_log_std" not in fit(steps).fit

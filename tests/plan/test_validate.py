@@ -11,6 +11,7 @@ only within a factor (see GROSS).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from inflight.plan.validate import (
     refit_on_run,
     report,
     step_overhead,
+    within_band,
 )
 
 TOLERANCE = 0.25  # simulated with the run's own step costs
@@ -159,3 +161,29 @@ def test_fleet_workers_calibrate_themselves_just_before_the_trace(tiny_model_pat
     assert cost.fit["num_samples"] == 2 * len(timed.samples)
     assert cost.step_time(64, 4, 256) > cost.step_time(1, 1, 16) > 0
     assert cost.engine["max_num_seqs"] == 8 and cost.noise_sigma > 0
+
+
+def test_the_band_holds_what_the_host_noise_and_the_level_uncertainty_move() -> None:
+    engine_args = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "max_model_len": 512, "num_blocks": 512}
+    cost = StepCostModel(0.010, 1e-4, 2e-4, 1e-6, engine={"block_size": 16})
+    assert cost.scaled(2.0).step_time(64, 8, 4000) == pytest.approx(2 * cost.step_time(64, 8, 4000))
+    mix = LengthMix(short_prompt=(16, 96), long_prompt=(160, 256), long_fraction=0.2, output=(8, 48))
+    specs = synthetic(150, 25.0, 1024, mix=mix, seed=3)
+    # No noise, no level uncertainty: a point, no band.
+    exact = predict(specs, cost, engine_args)
+    assert "ttft_p99_s_lo" not in exact
+    assert within_band(exact, exact) == dict.fromkeys(within_band(exact, exact), True)
+    noisy = replace(cost, noise_sigma=0.2, noise_phi=0.5, noise_slow_share=0.5, noise_slow_phi=0.99)
+    unsure = replace(noisy, fit={"level_log_std": 0.15})
+    bands = {}
+    for name, model in (("noise", noisy), ("noise+level", unsure)):
+        p = predict(specs, model, engine_args)
+        for k in ("ttft_p99_s", "tpot_p50_s"):
+            assert p[f"{k}_lo"] <= p[k] <= p[f"{k}_hi"], (name, k)
+        bands[name] = p["tpot_p50_s_hi"] / p["tpot_p50_s_lo"]
+        # A run 1.5x slower than the model on every step is outside even the wider band.
+        slow = predict(specs, cost.scaled(1.5), engine_args)
+        assert not within_band(slow, p)["tpot_p50_s"], name
+        assert within_band(p, p)["tpot_p50_s"]
+    # A calibration's level known only to +-15% widens the band of a median well past the noise's.
+    assert bands["noise+level"] > 1.1 * bands["noise"] > 1.0
