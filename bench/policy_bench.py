@@ -177,9 +177,17 @@ def compare(
     slo: tuple[float, float] | None = None,
     mix: LengthMix | None = None,
     seed: int = 0,
+    policies: Sequence[str] = POLICIES,
+    repeats: int = 1,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """The whole comparison; rows in the simulated version's format (inflight/plan/policies.py)."""
+    """The whole comparison; rows in the simulated version's format (inflight/plan/policies.py).
+    With ``repeats`` each cell runs every policy that many times, in turn (fcfs, slo, fcfs, slo, ...
+    with the first rotating): on a host whose speed drifts by 20% between two 30 s runs, one pair of
+    runs says little, and each repeat's ratio to its own fcfs run pairs runs made close together."""
+    if "fcfs" not in policies:
+        raise ValueError("the comparison is against fcfs: include it in policies")
+    policies = tuple(p for p in POLICIES if p in policies)
     from engine.config import ModelConfig
 
     mix = mix or LengthMix()
@@ -187,7 +195,7 @@ def compare(
     slo = slo or default_slo(cost, engine, mix)
     bounds = SLO(*slo)
     vocab = ModelConfig.from_path(model).vocab_size
-    engines = {p: _engine(model, policy_engine_args(p, slo, cost_path, engine)) for p in POLICIES}
+    engines = {p: _engine(model, policy_engine_args(p, slo, cost_path, engine)) for p in policies}
     # Four batches' worth: the middle half of the completions comes from a full engine.
     probe = synthetic(4 * int(engine.get("max_num_seqs", 64)), 1.0, vocab, mix=mix, seed=seed, prefix="cap")
     cap = measure_capacity(engines["fcfs"], probe)
@@ -200,21 +208,30 @@ def compare(
         specs = synthetic(
             n, rate, vocab, process="gamma", cv=cv, mix=mix, seed=seed, prefix=f"cv{cv}-l{load}"
         )
-        # Every policy in turn on the same requests, the first one rotating from cell to cell: the
-        # first to meet a token count pays its shape's one-off cost (oneDNN's primitive cache is per
-        # process, shared by the four engines), and host drift lands on every policy alike.
-        for policy in POLICIES[k % len(POLICIES) :] + POLICIES[: k % len(POLICIES)]:
-            r = row(
-                cv, load, rate, policy, drive(engines[policy], specs, f"cv={cv} load={load}", rate), bounds
-            )
-            rows.append(r)
-            log(
-                f"cv {cv:g} load {load:g} {policy:<10} goodput {r['goodput_req_s']:.2f} req/s "
-                f"({r['num_good']}/{r['num_requests']}; late TTFT {r['num_ttft_missed']}, TPOT "
-                f"{r['num_tpot_missed']}, rejected {r['num_rejected_slo']}), TTFT p99 "
-                f"{r['ttft_p99_s']:.2f}s, TPOT p99 {1e3 * r['tpot_p99_s']:.0f}ms"
-            )
-    rows.sort(key=lambda r: (r["cv"], r["load"], POLICIES.index(r["policy"])))
+        # Every policy in turn on the same requests, the first one rotating from cell to cell (and
+        # repeat to repeat): the first to meet a token count pays its shape's one-off cost (oneDNN's
+        # primitive cache is per process, shared by the engines), and host drift lands on every
+        # policy alike.
+        for rep in range(repeats):
+            turn = (k * repeats + rep) % len(policies)
+            for policy in policies[turn:] + policies[:turn]:
+                r = row(
+                    cv,
+                    load,
+                    rate,
+                    policy,
+                    drive(engines[policy], specs, f"cv={cv} load={load}", rate),
+                    bounds,
+                )
+                r["repeat"] = rep
+                rows.append(r)
+                log(
+                    f"cv {cv:g} load {load:g} {policy:<10} goodput {r['goodput_req_s']:.2f} req/s "
+                    f"({r['num_good']}/{r['num_requests']}; late TTFT {r['num_ttft_missed']}, TPOT "
+                    f"{r['num_tpot_missed']}, rejected {r['num_rejected_slo']}), TTFT p99 "
+                    f"{r['ttft_p99_s']:.2f}s, TPOT p99 {1e3 * r['tpot_p99_s']:.0f}ms"
+                )
+    rows.sort(key=lambda r: (r["cv"], r["load"], r["repeat"], POLICIES.index(r["policy"])))
     return {
         "source": "measured",
         "model": model,
@@ -222,6 +239,7 @@ def compare(
         "slo": {"ttft_s": slo[0], "tpot_s": slo[1]},
         "engine": engine,
         "grid": {"cvs": list(grid.cvs), "loads": list(grid.loads), "duration_s": grid.duration_s},
+        "repeats": repeats,
         "rows": rows,
     }
 
@@ -233,6 +251,12 @@ def run_from_args(args: Any, slo: tuple[float, float] | None, out: Any) -> dict[
     from engine.models.tiny import default_model_path
     from inflight.plan import calibrate as cal
 
+    policies = tuple(args.policies.split(",")) if args.policies else POLICIES
+    unknown = set(policies) - set(POLICIES)
+    if unknown:
+        raise SystemExit(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
+    if "fcfs" not in policies:
+        raise SystemExit("the comparison is against fcfs: include it in --policies")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     grid = QUICK_GRID if args.quick else DEFAULT_GRID
@@ -267,4 +291,13 @@ def run_from_args(args: Any, slo: tuple[float, float] | None, out: Any) -> dict[
         cost_path = str(out / "cost.json")
         cost.save(cost_path)
         print(cal.describe(cost), flush=True)
-    return compare(model, cost_path, grid, engine=engine, slo=slo, seed=args.seed)
+    return compare(
+        model,
+        cost_path,
+        grid,
+        engine=engine,
+        slo=slo,
+        seed=args.seed,
+        policies=policies,
+        repeats=args.repeats,
+    )

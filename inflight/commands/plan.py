@@ -133,6 +133,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument("--max-num-seqs", type=int, default=64)
     real.add_argument("--max-num-batched-tokens", type=int, default=512)
     real.add_argument("--seed", type=int, default=0)
+    real.add_argument(
+        "--policies", default=None, help="comma list, fcfs among them (default fcfs,priority,slo,slo+reject)"
+    )
+    real.add_argument(
+        "--repeats", type=int, default=1, help="runs of every policy a cell, in turn (paired ratios to fcfs)"
+    )
 
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:

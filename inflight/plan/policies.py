@@ -13,6 +13,7 @@ The real engine runs the same comparison, measured: ``inflight plan policies --r
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,19 @@ def compare(
     return {"capacity_req_s": cap, "slo": {"ttft_s": slo[0], "tpot_s": slo[1]}, "rows": rows}
 
 
+def paired_ratios(rows: list[dict[str, Any]]) -> dict[tuple[float, float, str], list[float]]:
+    """Each policy's goodput over fcfs's in the same cell and repeat, by (cv, load, policy)."""
+    fcfs = {
+        (r["cv"], r["load"], r.get("repeat", 0)): r["goodput_req_s"] for r in rows if r["policy"] == "fcfs"
+    }
+    ratios: dict[tuple[float, float, str], list[float]] = {}
+    for r in rows:
+        base = fcfs[(r["cv"], r["load"], r.get("repeat", 0))]
+        ratio = r["goodput_req_s"] / base if base > 0 else float("inf")
+        ratios.setdefault((r["cv"], r["load"], r["policy"]), []).append(ratio)
+    return ratios
+
+
 def table(result: dict[str, Any]) -> str:
     lines = [
         f"capacity {result['capacity_req_s']:.3f} req/s ({result.get('source', 'simulated')} burst), SLO "
@@ -85,14 +99,24 @@ def table(result: dict[str, Any]) -> str:
         f"{'cv':>4} {'load':>5} {'policy':<11} {'goodput':>8} {'x fcfs':>7} {'TTFT p99':>9} "
         f"{'TPOT p99':>9} {'dropped':>7}",
     ]
-    fcfs = {(r["cv"], r["load"]): r["goodput_req_s"] for r in result["rows"] if r["policy"] == "fcfs"}
+    fcfs = {
+        (r["cv"], r["load"], r.get("repeat", 0)): r["goodput_req_s"]
+        for r in result["rows"]
+        if r["policy"] == "fcfs"
+    }
     for r in result["rows"]:
-        base = fcfs[(r["cv"], r["load"])]
+        base = fcfs[(r["cv"], r["load"], r.get("repeat", 0))]
         ratio = r["goodput_req_s"] / base if base > 0 else float("inf")
         lines.append(
             f"{r['cv']:>4g} {r['load']:>5g} {r['policy']:<11} {r['goodput_req_s']:>8.3f} {ratio:>6.2f}x "
             f"{r['ttft_p99_s']:>8.2f}s {1e3 * r['tpot_p99_s']:>7.0f}ms {r['num_rejected_slo']:>7}"
         )
+    if result.get("repeats", 1) > 1:
+        lines.append("goodput over fcfs's in the same repeat: median [lowest, highest]")
+        for (cv, load, policy), xs in paired_ratios(result["rows"]).items():
+            if policy != "fcfs":
+                mid = statistics.median(xs)
+                lines.append(f"{cv:>4g} {load:>5g} {policy:<11} {mid:>6.2f}x [{min(xs):.2f}, {max(xs):.2f}]")
     return "\n".join(lines)
 
 
@@ -115,10 +139,14 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
         ):
             ax = axes[i][j]
             for policy in POLICIES:
-                pts = sorted(
-                    (r["load"], scale * r[key]) for r in rows if r["cv"] == cv and r["policy"] == policy
-                )
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
+                by_load: dict[float, list[float]] = {}
+                for r in rows:
+                    if r["cv"] == cv and r["policy"] == policy:
+                        by_load.setdefault(r["load"], []).append(scale * r[key])
+                if not by_load:
+                    continue
+                loads = sorted(by_load)  # the median of a cell's repeats
+                ax.plot(loads, [statistics.median(by_load[x]) for x in loads], marker="o", label=policy)
             ax.set_xlabel("load (x capacity)")
             ax.set_title(f"{label}, gamma CV {cv:g}")
             if key != "goodput_req_s":

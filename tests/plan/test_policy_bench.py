@@ -13,6 +13,7 @@ import pytest
 from bench.policy_bench import POLICIES, steady_rate
 from engine.cost_model import StepCostModel
 from inflight.cli import main
+from inflight.plan.policies import paired_ratios
 
 
 def test_real_policy_benchmark_runs_and_accounts_for_every_request(
@@ -53,6 +54,44 @@ def test_real_policy_benchmark_runs_and_accounts_for_every_request(
     assert (out / "policies.png").stat().st_size > 1000
     text = capsys.readouterr().out
     assert "measured burst" in text and all(p in text for p in POLICIES)
+
+
+def test_repeats_pair_each_policy_with_the_fcfs_run_beside_it(
+    tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cost = tmp_path / "cost.json"
+    StepCostModel(0.001, 2e-5, 1e-5, 1e-8).save(cost)
+    out = tmp_path / "pol"
+    args = ["plan", "policies", "--real", "--model", str(tiny_model_path), "--cost", str(cost)]
+    args += ["--cvs", "4", "--loads", "1.2", "--duration", "1.0", "--out", str(out), "--repeats", "2"]
+    args += ["--policies", "slo+reject,fcfs", "--slo", "ttft:150", "tpot:50", "--max-num-seqs", "8"]
+    assert main(args) == 0
+    result = json.loads((out / "policies.json").read_text())
+    assert result["repeats"] == 2
+    assert [(r["repeat"], r["policy"]) for r in result["rows"]] == [
+        (0, "fcfs"),
+        (0, "slo+reject"),
+        (1, "fcfs"),
+        (1, "slo+reject"),
+    ]
+    text = capsys.readouterr().out
+    assert "median [lowest, highest]" in text and "priority" not in text
+    for policies, why in (("slo,priority", "include it"), ("fcfs,edf", "unknown policies")):
+        bad = [*args[: args.index("--policies")], "--policies", policies, "--slo", "ttft:150", "tpot:50"]
+        with pytest.raises((SystemExit, ValueError), match=why):
+            main(bad)
+
+
+def test_paired_ratios_divide_by_the_fcfs_run_of_the_same_repeat() -> None:
+    rows = [
+        {"cv": 2.0, "load": 1.0, "repeat": 0, "policy": "fcfs", "goodput_req_s": 2.0},
+        {"cv": 2.0, "load": 1.0, "repeat": 0, "policy": "slo+reject", "goodput_req_s": 3.0},
+        {"cv": 2.0, "load": 1.0, "repeat": 1, "policy": "fcfs", "goodput_req_s": 4.0},
+        {"cv": 2.0, "load": 1.0, "repeat": 1, "policy": "slo+reject", "goodput_req_s": 5.0},
+    ]
+    ratios = paired_ratios(rows)
+    assert ratios[(2.0, 1.0, "slo+reject")] == [1.5, 1.25]
+    assert ratios[(2.0, 1.0, "fcfs")] == [1.0, 1.0]
 
 
 def test_capacity_is_the_saturated_middle_of_the_burst() -> None:
