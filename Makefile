@@ -59,11 +59,17 @@ bench: setup
 bench-service: setup
 	$(BIN)/inflight bench service --out bench-results
 
-# Issue 13, measured on a quiet host: the scheduling policies on the real engine (about 17 minutes; QUICK=1:
-# the tiny model in about a minute), and the planner's predictions against real engines (about 3 minutes).
-.PHONY: bench-policies plan-validate
+# Issue 13, measured on a quiet host: the scheduling policies on the real engine (about 16 minutes; QUICK=1:
+# the tiny model in about a minute; REPEATS=3 POLICIES=fcfs,slo+reject: paired runs, about 25 minutes),
+# and the planner's predictions against real engines (about 3 minutes). bench-host says how quiet the
+# host is (one minute).
+.PHONY: bench-policies plan-validate bench-host
 bench-policies: setup
-	$(BIN)/inflight plan policies --real $(if $(QUICK),--quick) --out bench-results/policies
+	$(BIN)/inflight plan policies --real $(if $(QUICK),--quick) $(if $(REPEATS),--repeats $(REPEATS)) \
+		$(if $(POLICIES),--policies $(POLICIES)) --out bench-results/policies
+
+bench-host: setup
+	$(BIN)/inflight bench host --json bench-results/host.json
 
 plan-validate: setup
 	$(BIN)/inflight plan validate --workers 1,2 --out bench-results/plan-validate.json

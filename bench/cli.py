@@ -6,6 +6,7 @@ inflight bench peers    this engine vs vLLM's CPU backend, same workload, dtype 
 inflight bench trace    Chrome/Perfetto trace (and timelines) from saved run JSON files
 inflight bench service  the full service path (bench/service_bench.py)
 inflight bench chaos    fault-injection soak of the service path (bench/chaos.py, make chaos)
+inflight bench host     how steady this host's speed is (bench/host_drift.py)
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import experiment, peers, sweep
+from bench import experiment, host_drift, peers, sweep
 
 
 def _trace_command(args: argparse.Namespace) -> int:
@@ -45,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         "service", help="the full service path (arguments go to bench/service_bench.py)", add_help=False
     )
     sub.add_parser("chaos", help="fault-injection soak (arguments go to bench/chaos.py)", add_help=False)
+    host_drift.add_arguments(sub.add_parser("host", help="how steady this host's speed is, core by core"))
     return p
 
 
@@ -66,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         return sweep.run(args)
     if args.command == "peers":
         return peers.main(args)
+    if args.command == "host":
+        return host_drift.main(args)
     return _trace_command(args)
 
 

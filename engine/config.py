@@ -141,6 +141,10 @@ class EngineArgs:
     # moving level over this many seconds (engine/sched/host_speed.py); None plans with the
     # calibrated model as it is. Measured only when steps run one at a time (async scheduling off).
     slo_speed_window_s: float | None = 1.0
+    # A streaming request may absorb a long step now if the next this-many tokens, at the recent step
+    # time, bring it back on course for its TPOT (engine/sched/slo.py step_time_cap); None spreads
+    # its slack evenly over all the tokens it has left.
+    slo_tpot_horizon: int | None = 16
     batching: Literal["continuous", "static"] = "continuous"
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
     seed: int = 0
@@ -169,6 +173,8 @@ class EngineArgs:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.slo_tpot_horizon is not None and self.slo_tpot_horizon < 1:
+            raise ValueError(f"slo_tpot_horizon must be >= 1 or None, got {self.slo_tpot_horizon}")
         if self.slo_speed_window_s is not None and not self.slo_speed_window_s > 0:
             raise ValueError(f"slo_speed_window_s must be > 0 or None, got {self.slo_speed_window_s}")
         if not 0.0 <= self.slo_tpot_headroom < 1.0:
@@ -221,6 +227,7 @@ class EngineConfig:
     slo_tpot_headroom: float = 0.1
     slo_cost_model: str | None = None
     slo_speed_window_s: float | None = 1.0
+    slo_tpot_horizon: int | None = 16
     async_scheduling: bool = False
     async_scheduling_reason: str = "default"  # why it is on or off, for the engine's start-up log
 
@@ -310,6 +317,7 @@ class EngineConfig:
             slo_tpot_headroom=args.slo_tpot_headroom,
             slo_cost_model=args.slo_cost_model,
             slo_speed_window_s=args.slo_speed_window_s,
+            slo_tpot_horizon=args.slo_tpot_horizon,
             async_scheduling=overlap,
             async_scheduling_reason=overlap_reason,
         )

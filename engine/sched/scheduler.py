@@ -13,6 +13,7 @@ engine/sched/async_scheduler.py.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -27,6 +28,8 @@ from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutp
 from engine.sched.policy import WaitingQueue, make_waiting_queue, priority_key
 from engine.sched.slo import SLOQueue, lost_message, seat_fits, step_time_cap
 from engine.sched.tokens import add_token, check_stop
+
+_RECENT_S = 1.0  # seconds the slo policy's recent step time averages over
 
 
 class EngineQueueFull(RuntimeError):
@@ -65,6 +68,7 @@ class Scheduler:
         # engine takes them after each schedule() and reports them.
         self.rejected: list[Request] = []
         self._step_cap: float | None = None  # slo: this step's time bound (see slo.step_time_cap)
+        self._recent_step_s: float | None = None  # slo: moving mean of the planned step times
         self._prefill_granted = False  # slo: a prefill chunk already ran this step
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (not finished) requests by id
@@ -146,11 +150,21 @@ class Scheduler:
         if admit and not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         self._describe_for_runner(out)
-        if self.host_speed is not None and self._calibrated is not None and not out.is_empty:
+        if self.slo and self.cost is not None and not out.is_empty:
             context = sum(
                 self.requests[rid].num_computed_tokens + n for rid, n in out.num_scheduled_tokens.items()
             )
-            out.modelled_s = self._calibrated.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
+            tokens, seqs = out.total_num_scheduled_tokens, out.num_seqs
+            if self.host_speed is not None and self._calibrated is not None:
+                out.modelled_s = self._calibrated.step_time(tokens, seqs, context)
+            # The recent step time, a moving mean over about a second of planned steps, which the
+            # step cap expects of the next ones (slo.step_time_cap).
+            planned = self.cost.step_time(tokens, seqs, context)
+            if self._recent_step_s is None:
+                self._recent_step_s = planned
+            else:
+                weight = 1.0 - math.exp(-planned / _RECENT_S)
+                self._recent_step_s += weight * (planned - self._recent_step_s)
         return out
 
     def observe_step_time(self, modelled_s: float, measured_s: float) -> None:
@@ -173,7 +187,15 @@ class Scheduler:
         self._step_cap = None
         if self.cost is not None:
             floor = self.cost.step_time(rows, rows, context) if rows else 0.0
-            self._step_cap = step_time_cap(self.running, now, cfg.slo_tpot_headroom, cfg.max_model_len, floor)
+            self._step_cap = step_time_cap(
+                self.running,
+                now,
+                cfg.slo_tpot_headroom,
+                cfg.max_model_len,
+                floor,
+                self._recent_step_s,
+                cfg.slo_tpot_horizon,
+            )
         self.waiting.reorder(now, (rows, context, self._step_cap))
         if cfg.slo_reject:
             budget = cfg.max_num_batched_tokens

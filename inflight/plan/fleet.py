@@ -99,4 +99,5 @@ def engine_config(cost: StepCostModel, overrides: dict[str, Any]) -> Any:
         slo_starvation_s=float(s.get("slo_starvation_s", 30.0)),
         slo_tpot_headroom=float(s.get("slo_tpot_headroom", 0.1)),
         slo_speed_window_s=s.get("slo_speed_window_s", 1.0),
+        slo_tpot_horizon=s.get("slo_tpot_horizon", 16),
     )

@@ -14,7 +14,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
-from engine.sched.slo import SLOQueue
+from engine.sched.slo import SLOQueue, remaining_tokens, step_time_cap
 from tests.engine.sched_utils import EOS, make_request, make_scheduler, step
 
 
@@ -49,6 +49,7 @@ def slo_scheduler(
         slo_reject=reject,
         slo_starvation_s=30.0,
         slo_tpot_headroom=0.2,
+        slo_tpot_horizon=None,  # the even spread the arithmetic below follows; the horizon has its test
     )
     kv = KVCacheManager(base.kv.num_total_blocks, cfg.block_size, cfg.enable_prefix_caching)
     return Scheduler(cfg, kv, {EOS}, cost=cost, clock=clock)
@@ -207,6 +208,27 @@ def test_chunks_follow_the_host_speed_the_served_steps_measure() -> None:
     assert fixed.host_speed is None and fixed.cost is cost
 
 
+def test_a_stream_absorbs_a_long_step_when_recent_steps_leave_room_within_the_horizon() -> None:
+    # R streams at TPOT 50 ms (target 40 ms with 20% headroom), first token at t = 0, now t = 0, 63
+    # tokens to go. Evenly spread: 40 ms. With a 16-token horizon and recent steps of 14 ms, this step
+    # may take 16 * 40 - 15 * 14 = 430 ms: R is back on course after 16 tokens if steps stay at 14 ms.
+    r = req("R", 4, 0.0, None, tpot=0.05)
+    r.timeline.first_token = 0.0
+    r.output_token_ids.append(7)
+    args = ([r], 0.0, 0.2, 512)
+    assert step_time_cap(*args) == pytest.approx(0.040)
+    assert step_time_cap(*args, 0.0, 0.014, 16) == pytest.approx(0.430)
+    # Recent steps as long as the target or longer: the even spread holds.
+    assert step_time_cap(*args, 0.0, 0.040, 16) == pytest.approx(0.040)
+    assert step_time_cap(*args, 0.0, 0.100, 16) == pytest.approx(0.040)
+    # Three tokens left: the horizon is what is left, 3 * 40 - 2 * 14 = 92 ms.
+    short = make_request("S", 4, max_tokens=4)
+    short.timeline.first_token, short.slo_tpot_s = 0.0, 0.05
+    short.output_token_ids.append(7)
+    assert remaining_tokens(short, 512) == 3
+    assert step_time_cap([short], 0.0, 0.2, 512, 0.0, 0.014, 16) == pytest.approx(0.092)
+
+
 def test_a_stream_ahead_of_its_tpot_lends_its_slack_and_one_behind_takes_it_back() -> None:
     # R streams with a 50 ms TPOT (40 ms planned) and 64 tokens to produce. After 20 tokens taken at
     # 20 ms a gap (0.38 s for 19 gaps) it may wait (63 * 40 - 380) / 44 = 48.6 ms a step: a chunk of
@@ -324,6 +346,7 @@ def test_engine_loads_the_cost_model_and_holds_tpot_with_it(tiny_llama_path: Pat
         slo_tpot_s=0.02,
         slo_tpot_headroom=0.0,  # the whole 20 ms planned: the arithmetic above
         slo_speed_window_s=None,  # the model as given, whatever this host measures
+        slo_tpot_horizon=None,
         slo_cost_model=str(cost_path),
         max_model_len=256,
         num_blocks=64,
