@@ -62,7 +62,7 @@ bench-service: setup
 # Issue 13, measured on a quiet host: the scheduling policies on the real engine (about 16 minutes; QUICK=1:
 # the tiny model in about a minute; REPEATS=3 POLICIES=fcfs,slo+reject: paired runs, about 25 minutes),
 # and the planner's predictions against real engines (about 3 minutes). bench-host says how quiet the
-# host is (one minute).
+# host is (three minutes).
 .PHONY: bench-policies plan-validate bench-host
 bench-policies: setup
 	$(BIN)/inflight plan policies --real $(if $(QUICK),--quick) $(if $(REPEATS),--repeats $(REPEATS)) \

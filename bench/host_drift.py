@@ -10,9 +10,10 @@ Everything is reported relative to each core's median rate:
                  that length cannot be more exact than the spread of these means
     correlation  between the cores' windows: near 0, two workers on this host drift independently
 
-On the 2-core VM this project is developed on (a cloud vCPU pair): windows 0.67x-1.87x the median,
-one-minute means 0.76-1.20, correlation between the cores -0.03. Nothing else ran on the machine:
-the variation is the neighbours', and no benchmark here can control it.
+On the 2-core VM this project is developed on (a cloud vCPU pair), nothing else running: over four
+minutes, windows 0.67x-1.87x the median, one-minute means 0.76-1.20, correlation between the cores
+-0.03; another minute, 0.48x-1.23x and +0.23. The variation is the neighbours', and no benchmark
+here can control it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SPANS_S = (10.0, 30.0, 60.0)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--seconds", type=float, default=60.0, help="how long to sample (default 60)")
+    p.add_argument("--seconds", type=float, default=180.0, help="how long to sample (default 180)")
     p.add_argument("--window", type=float, default=0.5, help="seconds a sample (default 0.5)")
     p.add_argument("--cores", type=int, default=0, help="processes, one a core (default: every allowed core)")
     p.add_argument("--json", default=None, help="also write the samples and summary here")

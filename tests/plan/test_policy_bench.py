@@ -16,18 +16,23 @@ from inflight.cli import main
 from inflight.plan.policies import paired_ratios
 
 
-def test_real_policy_benchmark_runs_and_accounts_for_every_request(
-    tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def one_cell(model: Path, tmp_path: Path, out: Path, duration: str) -> list[str]:
+    """The benchmark on the tiny model, one bursty cell at 1.2x."""
     # A cost model of the right order for the tiny engine (1 ms a step, 20 us a token): the slo
     # policies' estimates only need to be plausible here, and calibrating would take longer than the run.
     cost = tmp_path / "cost.json"
     StepCostModel(0.001, 2e-5, 1e-5, 1e-8).save(cost)
-    out = tmp_path / "pol"
-    args = ["plan", "policies", "--real", "--model", str(tiny_model_path), "--cost", str(cost)]
-    args += ["--cvs", "4", "--loads", "1.2", "--duration", "1.5", "--out", str(out)]
+    args = ["plan", "policies", "--real", "--model", str(model), "--cost", str(cost)]
+    args += ["--cvs", "4", "--loads", "1.2", "--duration", duration, "--out", str(out)]
     # A tight TTFT bound, so that at 1.2x capacity in bursts some requests miss it.
-    args += ["--slo", "ttft:150", "tpot:50", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
+    return [*args, "--slo", "ttft:150", "tpot:50", "--max-num-seqs", "8"]
+
+
+def test_real_policy_benchmark_runs_and_accounts_for_every_request(
+    tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "pol"
+    args = [*one_cell(tiny_model_path, tmp_path, out, "1.5"), "--max-num-batched-tokens", "128"]
     assert main(args) == 0
 
     result = json.loads((out / "policies.json").read_text())
@@ -59,12 +64,9 @@ def test_real_policy_benchmark_runs_and_accounts_for_every_request(
 def test_repeats_pair_each_policy_with_the_fcfs_run_beside_it(
     tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cost = tmp_path / "cost.json"
-    StepCostModel(0.001, 2e-5, 1e-5, 1e-8).save(cost)
     out = tmp_path / "pol"
-    args = ["plan", "policies", "--real", "--model", str(tiny_model_path), "--cost", str(cost)]
-    args += ["--cvs", "4", "--loads", "1.2", "--duration", "1.0", "--out", str(out), "--repeats", "2"]
-    args += ["--policies", "slo+reject,fcfs", "--slo", "ttft:150", "tpot:50", "--max-num-seqs", "8"]
+    args = [*one_cell(tiny_model_path, tmp_path, out, "1.0"), "--repeats", "2"]
+    args += ["--policies", "slo+reject,fcfs"]
     assert main(args) == 0
     result = json.loads((out / "policies.json").read_text())
     assert result["repeats"] == 2
@@ -77,7 +79,7 @@ def test_repeats_pair_each_policy_with_the_fcfs_run_beside_it(
     text = capsys.readouterr().out
     assert "median [lowest, highest]" in text and "priority" not in text
     for policies, why in (("slo,priority", "include it"), ("fcfs,edf", "unknown policies")):
-        bad = [*args[: args.index("--policies")], "--policies", policies, "--slo", "ttft:150", "tpot:50"]
+        bad = [*args[: args.index("--policies")], "--policies", policies]
         with pytest.raises((SystemExit, ValueError), match=why):
             main(bad)
 
