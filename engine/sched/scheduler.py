@@ -154,12 +154,14 @@ class Scheduler:
             context = sum(
                 self.requests[rid].num_computed_tokens + n for rid, n in out.num_scheduled_tokens.items()
             )
-            tokens, seqs = out.total_num_scheduled_tokens, out.num_seqs
-            if self.host_speed is not None and self._calibrated is not None:
-                out.modelled_s = self._calibrated.step_time(tokens, seqs, context)
+            assert self._calibrated is not None  # self.cost is it, scaled by the host's speed
+            modelled = self._calibrated.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
+            if self.host_speed is not None:
+                out.modelled_s = modelled
             # The recent step time, a moving mean over about a second of planned steps, which the
-            # step cap expects of the next ones (slo.step_time_cap).
-            planned = self.cost.step_time(tokens, seqs, context)
+            # step cap expects of the next ones (slo.step_time_cap). The model is linear, so the
+            # scaled model's time is the calibrated one's times the factor.
+            planned = modelled * (self.host_speed.factor if self.host_speed is not None else 1.0)
             if self._recent_step_s is None:
                 self._recent_step_s = planned
             else:

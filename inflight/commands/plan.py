@@ -369,7 +369,7 @@ def _policies(args: argparse.Namespace) -> int:
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from inflight.plan.validate import run_from_args
+    from inflight.plan.validate_command import run_from_args
 
     return run_from_args(args, _model_path(args.model), {"async_scheduling": SEQUENTIAL_STEPS})
 

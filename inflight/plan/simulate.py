@@ -327,8 +327,9 @@ def _fast_forward(
     )
     if need > kv.num_free_blocks:
         return None
-    run = (cost.decode_run_time(num_seqs, context, k) + k * overhead) * factor
-    sched.observe_step_time(cost.decode_run_time(num_seqs, context, k), run)
+    modelled = cost.decode_run_time(num_seqs, context, k)
+    run = (modelled + k * overhead) * factor
+    sched.observe_step_time(modelled, run)
     end = wk.now + run
     for r in list(running):
         kv.allocate_slots(r, k)

@@ -28,10 +28,10 @@ from inflight.plan.validate import (
     measure,
     predict,
     refit_on_run,
-    report,
     step_overhead,
     within_band,
 )
+from inflight.plan.validate_command import report
 
 TOLERANCE = 0.25  # simulated with the run's own step costs
 # Simulated with the calibration made seconds before the run. On this shared 2-core host a step waits for
