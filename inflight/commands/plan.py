@@ -81,6 +81,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shape-cache", type=int, default=None, help="simulate an LRU of this many warm token counts"
     )
     val.add_argument(
+        "--speed-window",
+        type=float,
+        default=0.5,
+        help="seconds a window of the run's measured host speed spans in the run-speed prediction",
+    )
+    val.add_argument(
         "--service",
         action="store_true",
         help="measure through the gateway, Kafka and a worker process each (plan/service_replay.py)",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cost_model import StepCostModel
+from inflight.plan.noise import SpeedTrace
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class FleetConfig:
     # Each step's time is the cost model's times a factor drawn from its measured variability
     # (noise_sigma, noise_phi; mean 1), seeded by this; None: every step exactly the model's.
     noise_seed: int | None = 0
+    # Instead of drawn noise: worker w's steps take the model's time times speed[w] at the moment
+    # they start (a run's measured speed over time, see noise.SpeedTrace).
+    speed: tuple[SpeedTrace, ...] | None = None
 
     @property
     def num_partitions(self) -> int:

@@ -15,8 +15,11 @@ the variance, so its mean is 1 and the totals the fit was scaled to stay where t
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from engine.cost_model import ar1_mean_variance
 
@@ -80,6 +83,10 @@ class StepNoise:
             return 1.0
         return math.exp(self._fast.step() + self._slow.step() - self.sigma * self.sigma / 2)
 
+    def until_change(self) -> float:
+        """Seconds until the factor's law changes: never, for a stationary process."""
+        return math.inf
+
     def run(self, k: int) -> float:
         """The mean factor of ``k`` consecutive steps (the simulator's fast-forwarded decode runs).
         Short runs draw each step; a long one draws the mean of the log factor over the run exactly
@@ -92,3 +99,61 @@ class StepNoise:
         mean_log = self._fast.run(k) + self._slow.run(k)
         var = self._fast.mean_variance(k) + self._slow.mean_variance(k)
         return math.exp(mean_log - var / 2)
+
+
+@dataclass(frozen=True)
+class SpeedTrace:
+    """A host's speed over one run, as the run measured it: from ``times[i]`` (seconds after the
+    run's start) until the next, steps took ``factors[i]`` times what a cost model says.
+
+    Why. Drawn noise reproduces how much steps vary, not when: on a shared host a slow spell that
+    meets a burst of arrivals sets the TTFT P99, and the same spell between bursts costs nothing.
+    Replaying the run's own speed over time puts each spell where it was, so what the simulator
+    still misses is its own error, not the host's."""
+
+    times: tuple[float, ...]
+    factors: tuple[float, ...]
+
+    @classmethod
+    def from_steps(cls, steps: Iterable[tuple[float, float, float]], window_s: float) -> SpeedTrace:
+        """From (start, measured, modelled) seconds of each step: per window of ``window_s``, the
+        measured total over the modelled one (time-weighted, as the level the scheduler tracks). A
+        window without steps keeps the factor before it (1.0 before the first step)."""
+        totals: dict[int, list[float]] = {}
+        for start, measured, modelled in steps:
+            acc = totals.setdefault(int(start // window_s), [0.0, 0.0])
+            acc[0] += measured
+            acc[1] += modelled
+        times, factors = [0.0], [1.0]
+        for i in sorted(totals):
+            measured, modelled = totals[i]
+            if modelled > 0:
+                times.append(i * window_s)
+                factors.append(measured / modelled)
+        if len(times) > 1 and times[1] == 0.0:
+            times.pop(0)
+            factors.pop(0)
+        return cls(tuple(times), tuple(factors))
+
+    def at(self, t: float) -> tuple[float, float]:
+        """The factor at ``t`` and how long it holds from there."""
+        i = max(bisect.bisect_right(self.times, t) - 1, 0)
+        end = self.times[i + 1] if i + 1 < len(self.times) else math.inf
+        return self.factors[i], end - t
+
+
+class TracedSpeed:
+    """A worker's step factors read off a SpeedTrace at its simulated time (StepNoise's interface)."""
+
+    def __init__(self, trace: SpeedTrace, clock: Callable[[], float]) -> None:
+        self.trace, self._clock = trace, clock
+
+    def step(self) -> float:
+        return self.trace.at(self._clock())[0]
+
+    def until_change(self) -> float:
+        return self.trace.at(self._clock())[1]
+
+    def run(self, k: int) -> float:
+        """The factor where the run starts: the simulator ends fast-forwarded runs where it changes."""
+        return self.step()

@@ -33,7 +33,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
 from inflight.plan.fleet import FleetConfig, ServicePath, SimRequest, engine_config
-from inflight.plan.noise import StepNoise
+from inflight.plan.noise import StepNoise, TracedSpeed
 
 _TOKEN = 7  # every simulated sample: its value never matters (EOS is ignored)
 # The inputs live in fleet.py; named here too, where callers have always imported them from.
@@ -53,7 +53,7 @@ class _Worker:
     busy_s: float = 0.0  # time in steps (and the loop's overhead between them)
     seen: OrderedDict[int, None] | None = None  # token counts kept warm, least recent first (None: off)
     in_flight: Any = None  # the SchedulerOutput of the step now running (None: a fast-forward)
-    noise: StepNoise = field(default_factory=lambda: StepNoise(0.0, 0.0, 0))
+    noise: StepNoise | TracedSpeed = field(default_factory=lambda: StepNoise(0.0, 0.0, 0))
 
 
 def _clock_of(worker: _Worker) -> Callable[[], float]:
@@ -99,7 +99,9 @@ def simulate(
         worker = _Worker(w, None, deque(), deque())  # type: ignore[arg-type]
         worker.seen = OrderedDict.fromkeys(sorted(fleet.warm_shapes)) if fleet.cold_shapes else None
         worker.sched = Scheduler(cfg, kv, {-1}, cost=cost, clock=_clock_of(worker))
-        if fleet.noise_seed is not None:
+        if fleet.speed is not None:
+            worker.noise = TracedSpeed(fleet.speed[w], _clock_of(worker))
+        elif fleet.noise_seed is not None:
             worker.noise = StepNoise(
                 cost.noise_sigma,
                 cost.noise_phi,
@@ -307,9 +309,13 @@ def _fast_forward(
     context = sum(r.num_tokens for r in running)
     room = max_waiting is None or sched.num_waiting < max_waiting
     factor = wk.noise.run(k)  # drawn for the longest run; the horizon below is in model time
+    limit = wk.noise.until_change()  # a traced speed holds only until its next window
     if room and wk.next_arrival:
+        limit = min(limit, wk.next_arrival[0] - wk.now)
+    if limit < math.inf:
         # Steps 1..k-1 must end before the next arrival: one arriving during step m joins step m + 1.
-        horizon = (wk.next_arrival[0] - wk.now) / factor
+        # Likewise before the host's traced speed changes.
+        horizon = limit / factor
         lo, hi = 1, k
         while lo < hi:  # the largest m <= k with the first m - 1 steps ending before the horizon
             mid = (lo + hi + 1) // 2

@@ -37,6 +37,7 @@ from dataclasses import replace
 from typing import Any
 
 from engine.cost_model import StepCostModel, StepSample, fit
+from inflight.plan.noise import SpeedTrace
 from inflight.plan.replay import StepTiming, WorkerRun, make_engine, replay, replay_fleet
 from inflight.plan.simulate import FleetConfig, ServicePath, simulate
 from inflight.plan.traffic import from_specs
@@ -135,6 +136,15 @@ def refit_on_run(runs: Sequence[WorkerRun], cost: StepCostModel) -> StepCostMode
     return replace(refit, fit={**refit.fit, "level_log_std": 0.0})
 
 
+def speed_traces(runs: Sequence[WorkerRun], cost: StepCostModel, window_s: float) -> tuple[SpeedTrace, ...]:
+    """Each worker's speed over its run against ``cost`` (the first step of a count charged the
+    model's first_shape, as the simulator does), in windows of ``window_s``."""
+    return tuple(
+        SpeedTrace.from_steps(((s.start, s.wall, _predicted(cost, s)) for s in run.steps), window_s)
+        for run in runs
+    )
+
+
 def step_overhead(runs: Sequence[WorkerRun]) -> float:
     """Mean busy time between two steps (seconds): the serving loop's own cost a step."""
     gaps = [s.gap for run in runs for s in run.steps if s.gap > 0]
@@ -152,6 +162,7 @@ def predict(
     shape_cache: int | None = None,
     draws: int = 8,
     band_draws: int = 16,
+    speed: tuple[SpeedTrace, ...] | None = None,
 ) -> dict[str, float]:
     """The same trace through the simulator: ``workers`` workers, one partition each, nothing between
     the driver and the engines but the loop's time between steps. With ``warm_shapes`` (the token
@@ -162,7 +173,10 @@ def predict(
     ``<figure>_lo`` / ``<figure>_hi``: the band a run may land in from the host's measured noise
     alone (10th and 90th percentile over ``band_draws`` draws), each draw also moving the model's
     level by the uncertainty of the calibration's own (``fit["level_log_std"]``): a calibration and
-    a run are two windows of the same drifting host, and a run outside the band is a model miss."""
+    a run are two windows of the same drifting host, and a run outside the band is a model miss.
+
+    With ``speed`` (a trace a worker) no noise is drawn: each step takes the model's time times its
+    worker's traced speed, one deterministic run and no band."""
 
     def run(model: StepCostModel, seed: int) -> dict[str, Any]:
         fleet = FleetConfig(
@@ -174,14 +188,15 @@ def predict(
             warm_shapes=warm_shapes or frozenset(),
             shape_cache=shape_cache,
             noise_seed=seed,
+            speed=speed,
         )
         return simulate(from_specs(specs), model, fleet)
 
-    noisy = cost.noise_sigma > 0
+    noisy = cost.noise_sigma > 0 and speed is None
     sims = [run(cost, seed) for seed in range(draws if noisy else 1)]
     out = {k: statistics.fmean(float(r[k]) for r in sims) for k in (*FIGURES, "utilisation")}
     level_std = float(cost.fit.get("level_log_std", 0.0))
-    if band_draws > 0 and (noisy or level_std > 0):
+    if band_draws > 0 and speed is None and (noisy or level_std > 0):
         band = []
         for seed in range(band_draws):
             level = math.exp(random.Random(seed).gauss(0.0, level_std)) if level_std > 0 else 1.0
@@ -285,9 +300,11 @@ def validate(
     threads: int,
     shape_cache: int | None = None,
     grid: Any = None,
+    speed_window_s: float = 0.5,
 ) -> dict[str, Any]:
-    """Measure, predict (two or three ways, see the module docstring), diagnose: the whole comparison
-    for one fleet size. ``grid``: the workers calibrate themselves on it just before the trace."""
+    """Measure, predict (three or four ways, see the module docstring), diagnose: the whole
+    comparison for one fleet size. ``grid``: the workers calibrate themselves on it just before the
+    trace. ``speed_window_s``: the windows the run-speed prediction reads the host's speed in."""
     runs = measure(model, specs, engine_args, workers=workers, threads=threads, grid=grid)
     measured = figures(specs, runs)
     overhead = step_overhead(runs)
@@ -297,6 +314,9 @@ def validate(
     refit = refit_on_run(runs, cost)
     # No band: the run-steps prediction measures the simulator, not what the host may do.
     from_run = predict(specs, refit, engine_args, workers=workers, band_draws=0, **sim)
+    # The same model with the host's speed as the run measured it over time, window by window.
+    traces = speed_traces(runs, refit, speed_window_s)
+    from_speed = predict(specs, refit, engine_args, workers=workers, speed=traces, **sim)
     result: dict[str, Any] = {
         "workers": workers,
         "threads_per_worker": threads,
@@ -307,6 +327,10 @@ def validate(
         "in_band_from_calibration": within_band(measured, from_cal),
         "predicted_from_run_steps": from_run,
         "error_from_run_steps": compare(measured, from_run),
+        "predicted_from_run_speed": from_speed,
+        "error_from_run_speed": compare(measured, from_speed),
+        "speed_window_s": speed_window_s,
+        "run_speed_range": [min(min(t.factors) for t in traces), max(max(t.factors) for t in traces)],
         "run_fit": refit.fit,
         "diagnosis": diagnose(runs, cost, measured["duration_s"], shape_cache or SHAPE_CACHE),
     }

@@ -35,6 +35,7 @@ def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
     m, cal, run = result["measured"], result["predicted_from_calibration"], result["predicted_from_run_steps"]
     ecal, erun = result["error_from_calibration"], result["error_from_run_steps"]
     own, eown = result.get("predicted_from_workers_calibration"), result.get("error_from_workers_calibration")
+    speed, espeed = result.get("predicted_from_run_speed"), result.get("error_from_run_speed")
     judged, in_band = verdict_errors(result), verdict_bands(result)
     band_of = own or cal
     lines = [
@@ -42,23 +43,33 @@ def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
         f"{result['num_requests']} requests",
         f"{'figure':<13} {'measured':>10} {'calibration':>12} {'error':>7}"
         + (f" {'workers cal.':>12} {'error':>7}" if own else "")
-        + f" {'run steps':>10} {'error':>7} {'host band (judged)':>19}",
+        + f" {'run steps':>10} {'error':>7}"
+        + (f" {'run speed':>10} {'error':>7}" if speed else "")
+        + f" {'host band (judged)':>19}",
     ]
     for k in FIGURES:
         mark = ""
         if abs(judged[k]) > tolerance:
             mark = "  <- over" + ("" if not in_band else " (in band)" if in_band[k] else " (outside band)")
         at = f" {own[k]:>12.4g} {100 * eown[k]:>+6.0f}%" if own and eown else ""
+        sp = f" {speed[k]:>10.4g} {100 * espeed[k]:>+6.0f}%" if speed and espeed else ""
         band = f"{band_of[k + '_lo']:.4g}-{band_of[k + '_hi']:.4g}" if k + "_lo" in band_of else "-"
         lines.append(
             f"{k:<13} {m[k]:>10.4g} {cal[k]:>12.4g} {100 * ecal[k]:>+6.0f}%{at} {run[k]:>10.4g} "
-            f"{100 * erun[k]:>+6.0f}% {band:>19}{mark}"
+            f"{100 * erun[k]:>+6.0f}%{sp} {band:>19}{mark}"
         )
     if "workers_cost" in result:
         from inflight.plan.calibrate import describe
 
         own_cost = StepCostModel.from_json(result["workers_cost"])
         lines.append("the workers' calibration: " + describe(own_cost).replace("\n", "\n  "))
+    if speed:
+        lo, hi = result["run_speed_range"]
+        lines.append(
+            f"run speed: the run-steps model times the host's measured speed in "
+            f"{result['speed_window_s']:g} s "
+            f"windows ({lo:.2f}x-{hi:.2f}x)"
+        )
     d = result["diagnosis"]
     lines.append(
         f"utilisation: measured {d['measured_utilisation']:.2f}, simulated {cal['utilisation']:.2f} "
@@ -137,6 +148,7 @@ def run_from_args(args: Any, model: str, pinned: dict[str, Any]) -> int:
         else:
             grid = DEFAULT_GRID if args.calibrate_workers else None
             kw = {"threads": threads, "shape_cache": args.shape_cache, "grid": grid}
+            kw["speed_window_s"] = args.speed_window
             result = validate(model, specs, engine_args, cost, workers=workers, **kw)
             print(report(result, args.tolerance), flush=True)
         results.append(result)

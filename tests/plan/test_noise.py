@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from engine.cost_model import NoiseFit, StepCostModel, StepSample, fit, fit_noise, level_log_std
-from inflight.plan.noise import StepNoise
+from inflight.plan.noise import SpeedTrace, StepNoise
 from inflight.plan.simulate import FleetConfig, SimRequest, simulate
 from inflight.plan.traffic import synthetic
 
@@ -128,3 +128,49 @@ def test_the_level_of_a_fit_is_as_uncertain_as_the_mean_of_its_noise() -> None:
         )
     )
     assert "level_log_std" not in fit(steps).fit
+
+
+def test_a_speed_trace_reads_each_window_of_a_run() -> None:
+    # Steps at 0.1 and 0.3 s (window 0), none in window 1, one at 1.2 s (window 2).
+    trace = SpeedTrace.from_steps([(0.1, 0.02, 0.01), (0.3, 0.04, 0.01), (1.2, 0.01, 0.02)], 0.5)
+    assert trace.times == (0.0, 1.0) and trace.factors == pytest.approx((3.0, 0.5))
+    assert trace.at(0.7) == pytest.approx((3.0, 0.3))  # an empty window keeps the speed before it
+    assert trace.at(5.0) == (0.5, math.inf)
+    late = SpeedTrace.from_steps([(2.2, 0.02, 0.01)], 1.0)
+    assert late.times == (0.0, 2.0) and late.factors == (1.0, 2.0)  # before any step: the model's
+
+
+def bursts() -> list[SimRequest]:
+    """Two bursts of 24 requests, at 10 s and at 30 s, over a trickle of one request a second."""
+    reqs = [SimRequest(float(t), 64, 16, t) for t in range(40)]
+    reqs += [SimRequest(at + 0.01 * i, 128, 16, i) for at in (10.0, 30.0) for i in range(24)]
+    return sorted(reqs, key=lambda r: r.arrival)
+
+
+def test_a_traced_speed_is_the_model_scaled_while_it_holds() -> None:
+    reqs = bursts()
+    quiet = FleetConfig(workers=1, max_waiting=None, noise_seed=None)
+    scaled = simulate(reqs, COST.scaled(2.0), quiet)
+    traced = simulate(reqs, COST, replace(quiet, speed=(SpeedTrace((0.0,), (2.0,)),)))
+    for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "output_tok_s"):
+        assert traced[k] == pytest.approx(scaled[k], rel=1e-9), k
+
+
+def test_where_a_slow_spell_falls_sets_the_tail() -> None:
+    reqs = bursts()
+    quiet = FleetConfig(workers=1, max_waiting=None, noise_seed=None)
+
+    def spell(at: float) -> dict[str, float]:
+        trace = SpeedTrace((0.0, at, at + 3.0), (1.0, 4.0, 1.0))
+        stepped = simulate(reqs, COST, replace(quiet, speed=(trace,), fast_path=False))
+        fast = simulate(reqs, COST, replace(quiet, speed=(trace,)))
+        # Fast-forwarded decode runs end where the traced speed changes: the same as step by step.
+        for k in ("ttft_p99_s", "tpot_p99_s", "output_tok_s"):
+            assert fast[k] == pytest.approx(stepped[k], rel=0.02), k
+        return fast
+
+    on_burst, between = spell(9.9), spell(20.0)
+    base = simulate(reqs, COST, quiet)
+    # A spell over a burst queues the burst behind slow steps; between bursts it costs almost nothing.
+    assert on_burst["ttft_p99_s"] > 2.0 * between["ttft_p99_s"]
+    assert between["ttft_p99_s"] == pytest.approx(base["ttft_p99_s"], rel=0.2)
