@@ -11,6 +11,10 @@
    priority 0 and documents priority 1 for the priority policy; the slo policies get the SLO as every
    request's deadlines and the cost model for their estimates.
 3. Goodput: requests that completed and met both SLO bounds (bench/stats.py), per second of the run.
+4. The load each run met (``effective_load``): its label times the host's speed level during the run
+   (measured step time over the cost model's, time-weighted, ``SpeedMeter``) over the level during the
+   capacity burst. The host's speed drifts by 20% between two 30 s runs, so a "1.2x" run on a fast
+   spell meets about 1.0x of what the engine then sustains, and one on a slow spell 1.4x.
 
 Default SLO, when none is given, from the cost model so the same command means the same on any host:
 TTFT 5x the prefill of the longest prompt alone; TPOT the mean of a decode step of half the seats and
@@ -75,10 +79,38 @@ def policy_engine_args(
     return args
 
 
-def drive(engine: Any, specs: Sequence[RequestSpec], label: str, rate: float) -> RunResult:
+@dataclass
+class SpeedMeter:
+    """The host's speed level over the steps it saw: their wall time over what the cost model gives
+    the same batches (1.0: as calibrated; 1.2: steps took 20% longer)."""
+
+    cost: StepCostModel
+    measured_s: float = 0.0
+    modelled_s: float = 0.0
+
+    def observe(self, engine: Any, wall: float) -> None:
+        """The engine's last step (its own record of the batch) and the wall time around it."""
+        rec = engine.metrics.steps[-1]
+        tokens = sum(n for _, n, _ in rec.batch)
+        context = sum(n + done for _, n, done in rec.batch)
+        self.measured_s += wall
+        self.modelled_s += self.cost.step_time(tokens, len(rec.batch), context)
+
+    @property
+    def level(self) -> float:
+        return self.measured_s / self.modelled_s if self.modelled_s > 0 else math.nan
+
+
+def drive(
+    engine: Any,
+    specs: Sequence[RequestSpec],
+    label: str,
+    rate: float,
+    meter: SpeedMeter | None = None,
+) -> RunResult:
     """Replay ``specs`` in real time, open loop (a request joins at the first step boundary after it
     arrives; that wait is part of its TTFT). Questions are priority 0, documents 1; a request the slo
-    policy rejects ends with its error and counts as not completed."""
+    policy rejects ends with its error and counts as not completed. ``meter`` sees every step."""
     from engine.sampling_params import SamplingParams
 
     specs = sorted(specs, key=lambda s: s.arrival)
@@ -100,8 +132,12 @@ def drive(engine: Any, specs: Sequence[RequestSpec], label: str, rate: float) ->
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, specs[i].arrival - now))
             continue
+        before = engine.metrics.num_steps
+        start = time.monotonic()
         outputs = engine.step()
         t = time.monotonic() - t0
+        if meter is not None and engine.metrics.num_steps > before:
+            meter.observe(engine, t0 + t - start)
         for out in outputs:
             r = results[out.request_id]
             r.token_times.extend([t] * sum(len(c.token_ids) for c in out.outputs))
@@ -118,7 +154,7 @@ def _engine(model: str, args: dict[str, Any]) -> Any:
     return make_engine(model, args)
 
 
-def measure_capacity(engine: Any, specs: Sequence[RequestSpec]) -> float:
+def measure_capacity(engine: Any, specs: Sequence[RequestSpec], meter: SpeedMeter | None = None) -> float:
     """Saturated throughput: every request of ``specs`` at t = 0, and completed requests per second
     between the instants a quarter and three quarters of them completed. The start of a burst is a
     wall of prefills with nothing completing, its end a thin batch of the last long answers; neither
@@ -126,7 +162,7 @@ def measure_capacity(engine: Any, specs: Sequence[RequestSpec]) -> float:
     this did before) put "1.2x capacity" at about 0.95x of what the engine sustains, where fcfs still
     met most SLOs in a 30 s run."""
     burst = [RequestSpec(f"cap-{s.request_id}", 0.0, s.prompt_token_ids, s.max_tokens) for s in specs]
-    run = drive(engine, burst, "capacity", math.inf)
+    run = drive(engine, burst, "capacity", math.inf, meter)
     return steady_rate([r.token_times[-1] for r in run.requests if r.completed and r.token_times])
 
 
@@ -198,8 +234,12 @@ def compare(
     engines = {p: _engine(model, policy_engine_args(p, slo, cost_path, engine)) for p in policies}
     # Four batches' worth: the middle half of the completions comes from a full engine.
     probe = synthetic(4 * int(engine.get("max_num_seqs", 64)), 1.0, vocab, mix=mix, seed=seed, prefix="cap")
-    cap = measure_capacity(engines["fcfs"], probe)
-    log(f"capacity {cap:.2f} req/s (measured burst of {len(probe)}); SLO {bounds.describe()}")
+    cap_meter = SpeedMeter(cost)
+    cap = measure_capacity(engines["fcfs"], probe, cap_meter)
+    log(
+        f"capacity {cap:.2f} req/s (measured burst of {len(probe)}, host level {cap_meter.level:.2f}); "
+        f"SLO {bounds.describe()}"
+    )
     rows = []
     cells = [(cv, load) for cv in grid.cvs for load in grid.loads]
     for k, (cv, load) in enumerate(cells):
@@ -215,18 +255,16 @@ def compare(
         for rep in range(repeats):
             turn = (k * repeats + rep) % len(policies)
             for policy in policies[turn:] + policies[:turn]:
-                r = row(
-                    cv,
-                    load,
-                    rate,
-                    policy,
-                    drive(engines[policy], specs, f"cv={cv} load={load}", rate),
-                    bounds,
-                )
+                meter = SpeedMeter(cost)
+                run = drive(engines[policy], specs, f"cv={cv} load={load}", rate, meter)
+                r = row(cv, load, rate, policy, run, bounds)
                 r["repeat"] = rep
+                r["host_level"] = meter.level
+                r["effective_load"] = load * meter.level / cap_meter.level
                 rows.append(r)
                 log(
-                    f"cv {cv:g} load {load:g} {policy:<10} goodput {r['goodput_req_s']:.2f} req/s "
+                    f"cv {cv:g} load {load:g} (met {r['effective_load']:.2f}) {policy:<10} goodput "
+                    f"{r['goodput_req_s']:.2f} req/s "
                     f"({r['num_good']}/{r['num_requests']}; late TTFT {r['num_ttft_missed']}, TPOT "
                     f"{r['num_tpot_missed']}, rejected {r['num_rejected_slo']}), TTFT p99 "
                     f"{r['ttft_p99_s']:.2f}s, TPOT p99 {1e3 * r['tpot_p99_s']:.0f}ms"
@@ -236,6 +274,7 @@ def compare(
         "source": "measured",
         "model": model,
         "capacity_req_s": cap,
+        "capacity_host_level": cap_meter.level,
         "slo": {"ttft_s": slo[0], "tpot_s": slo[1]},
         "engine": engine,
         "grid": {"cvs": list(grid.cvs), "loads": list(grid.loads), "duration_s": grid.duration_s},

@@ -13,6 +13,7 @@ The real engine runs the same comparison, measured: ``inflight plan policies --r
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from pathlib import Path
 from typing import Any
@@ -92,12 +93,37 @@ def paired_ratios(rows: list[dict[str, Any]]) -> dict[tuple[float, float, str], 
     return ratios
 
 
+def by_met_load(
+    rows: list[dict[str, Any]], edges: tuple[float, ...] = (0.9, 1.1)
+) -> dict[tuple[float, str, str], list[float]]:
+    """Paired ratios regrouped by the load the pair met (the mean of its two runs' effective_load,
+    measured runs only), in bins split at ``edges``: by (cv, bin label, policy)."""
+    met = {(r["cv"], r["load"], r.get("repeat", 0), r["policy"]): r.get("effective_load") for r in rows}
+    fcfs = {
+        (r["cv"], r["load"], r.get("repeat", 0)): r["goodput_req_s"] for r in rows if r["policy"] == "fcfs"
+    }
+    inner = [f"{a:g}-{b:g}" for a, b in itertools.pairwise(edges)]
+    labels = [f"<{edges[0]:g}", *inner, f">={edges[-1]:g}"]
+    out: dict[tuple[float, str, str], list[float]] = {}
+    for r in rows:
+        key = (r["cv"], r["load"], r.get("repeat", 0))
+        pair = (met.get((*key, "fcfs")), r.get("effective_load"))
+        if r["policy"] == "fcfs" or None in pair:
+            continue
+        load = (pair[0] + pair[1]) / 2  # type: ignore[operator]
+        label = labels[sum(load >= e for e in edges)]
+        ratio = r["goodput_req_s"] / fcfs[key] if fcfs[key] > 0 else float("inf")
+        out.setdefault((r["cv"], label, r["policy"]), []).append(ratio)
+    return out
+
+
 def table(result: dict[str, Any]) -> str:
+    measured = any("effective_load" in r for r in result["rows"])
     lines = [
         f"capacity {result['capacity_req_s']:.3f} req/s ({result.get('source', 'simulated')} burst), SLO "
         f"TTFT {result['slo']['ttft_s'] * 1e3:.0f} ms, TPOT {result['slo']['tpot_s'] * 1e3:.0f} ms",
-        f"{'cv':>4} {'load':>5} {'policy':<11} {'goodput':>8} {'x fcfs':>7} {'TTFT p99':>9} "
-        f"{'TPOT p99':>9} {'dropped':>7}",
+        f"{'cv':>4} {'load':>5}" + (f" {'met':>5}" if measured else "") + f" {'policy':<11} {'goodput':>8} "
+        f"{'x fcfs':>7} {'TTFT p99':>9} {'TPOT p99':>9} {'dropped':>7}",
     ]
     fcfs = {
         (r["cv"], r["load"], r.get("repeat", 0)): r["goodput_req_s"]
@@ -107,8 +133,9 @@ def table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         base = fcfs[(r["cv"], r["load"], r.get("repeat", 0))]
         ratio = r["goodput_req_s"] / base if base > 0 else float("inf")
+        met = f" {r['effective_load']:>5.2f}" if measured else ""
         lines.append(
-            f"{r['cv']:>4g} {r['load']:>5g} {r['policy']:<11} {r['goodput_req_s']:>8.3f} {ratio:>6.2f}x "
+            f"{r['cv']:>4g} {r['load']:>5g}{met} {r['policy']:<11} {r['goodput_req_s']:>8.3f} {ratio:>6.2f}x "
             f"{r['ttft_p99_s']:>8.2f}s {1e3 * r['tpot_p99_s']:>7.0f}ms {r['num_rejected_slo']:>7}"
         )
     if result.get("repeats", 1) > 1:
@@ -117,6 +144,14 @@ def table(result: dict[str, Any]) -> str:
             if policy != "fcfs":
                 mid = statistics.median(xs)
                 lines.append(f"{cv:>4g} {load:>5g} {policy:<11} {mid:>6.2f}x [{min(xs):.2f}, {max(xs):.2f}]")
+    if measured:
+        lines.append("met: the load a run met, its label times its host level over the capacity burst's")
+        lines.append("goodput over fcfs's, pairs by the load they met: median [lowest, highest] (pairs)")
+        for (cv, label, policy), xs in sorted(by_met_load(result["rows"]).items()):
+            mid = statistics.median(xs)
+            lines.append(
+                f"{cv:>4g} {label:>7} {policy:<11} {mid:>6.2f}x [{min(xs):.2f}, {max(xs):.2f}] ({len(xs)})"
+            )
     return "\n".join(lines)
 
 

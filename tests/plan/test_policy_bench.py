@@ -13,7 +13,7 @@ import pytest
 from bench.policy_bench import POLICIES, steady_rate
 from engine.cost_model import StepCostModel
 from inflight.cli import main
-from inflight.plan.policies import paired_ratios
+from inflight.plan.policies import by_met_load, paired_ratios
 
 
 def one_cell(model: Path, tmp_path: Path, out: Path, duration: str) -> list[str]:
@@ -78,6 +78,12 @@ def test_repeats_pair_each_policy_with_the_fcfs_run_beside_it(
     ]
     text = capsys.readouterr().out
     assert "median [lowest, highest]" in text and "priority" not in text
+    # Each run measured the host's level against the cost model, and the load it met from it.
+    assert result["capacity_host_level"] > 0
+    for r in result["rows"]:
+        assert r["host_level"] > 0
+        assert r["effective_load"] == pytest.approx(1.2 * r["host_level"] / result["capacity_host_level"])
+    assert "pairs by the load they met" in text
     for policies, why in (("slo,priority", "include it"), ("fcfs,edf", "unknown policies")):
         bad = [*args[: args.index("--policies")], "--policies", policies]
         with pytest.raises((SystemExit, ValueError), match=why):
@@ -106,3 +112,30 @@ def test_capacity_is_the_saturated_middle_of_the_burst() -> None:
     assert steady_rate(ends) == pytest.approx(10.0)
     with pytest.raises(RuntimeError):
         steady_rate([1.0, 2.0])
+
+
+def test_pairs_are_regrouped_by_the_load_they_met() -> None:
+    def run(rep: int, policy: str, goodput: float, met: float) -> dict[str, object]:
+        return {
+            "cv": 2.0,
+            "load": 1.2,
+            "repeat": rep,
+            "policy": policy,
+            "goodput_req_s": goodput,
+            "effective_load": met,
+        }
+
+    rows = [
+        run(0, "fcfs", 4.0, 0.8),
+        run(0, "slo+reject", 4.4, 0.9),  # met 0.85: below saturation
+        run(1, "fcfs", 2.0, 1.3),
+        run(1, "slo+reject", 3.0, 1.1),  # met 1.2
+        run(2, "fcfs", 0.0, 1.0),
+        run(2, "slo+reject", 1.0, 1.0),  # met 1.0, fcfs met nothing
+    ]
+    grouped = by_met_load(rows)  # type: ignore[arg-type]
+    assert grouped == {
+        (2.0, "<0.9", "slo+reject"): [pytest.approx(1.1)],
+        (2.0, ">=1.1", "slo+reject"): [1.5],
+        (2.0, "0.9-1.1", "slo+reject"): [math.inf],
+    }
