@@ -334,10 +334,11 @@ def validate(
         "run_fit": refit.fit,
         "diagnosis": diagnose(runs, cost, measured["duration_s"], shape_cache or SHAPE_CACHE),
     }
+    judged = cost
     if all(run.calibration is not None for run in runs):
         from inflight.plan.calibrate import fit_timed
 
-        own = fit_timed([run.calibration for run in runs])
+        own = judged = fit_timed([run.calibration for run in runs])
         from_own = predict(specs, own, engine_args, workers=workers, **sim)
         result.update(
             workers_cost=own.to_json() | {"samples": []},
@@ -345,4 +346,11 @@ def validate(
             error_from_workers_calibration=compare(measured, from_own),
             in_band_from_workers_calibration=within_band(measured, from_own),
         )
+    result["run_level"] = run_level(runs, judged)
     return result
+
+
+def run_level(runs: Sequence[WorkerRun], cost: StepCostModel) -> float:
+    """How much longer the run's steps took than ``cost`` says (time-weighted; 1.0: as calibrated)."""
+    steps = [s for run in runs for s in run.steps]
+    return sum(s.wall for s in steps) / sum(_predicted(cost, s) for s in steps) if steps else math.nan

@@ -63,6 +63,11 @@ def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
 
         own_cost = StepCostModel.from_json(result["workers_cost"])
         lines.append("the workers' calibration: " + describe(own_cost).replace("\n", "\n  "))
+    if "run_level" in result:
+        lines.append(
+            f"the run's steps took x{result['run_level']:.2f} the judged calibration's time for the same "
+            "batches (the host's speed moved between the two by that much)"
+        )
     if speed:
         lo, hi = result["run_speed_range"]
         lines.append(

@@ -28,6 +28,7 @@ from inflight.plan.validate import (
     measure,
     predict,
     refit_on_run,
+    run_level,
     speed_traces,
     step_overhead,
     within_band,
@@ -193,3 +194,19 @@ def test_the_band_holds_what_the_host_noise_and_the_level_uncertainty_move() -> 
         assert within_band(p, p)["tpot_p50_s"]
     # A calibration's level known only to +-15% widens the band of a median well past the noise's.
     assert bands["noise+level"] > 1.1 * bands["noise"] > 1.0
+
+
+def test_the_run_level_and_speed_are_measured_against_the_model() -> None:
+    from inflight.plan.replay import StepTiming, WorkerRun
+
+    cost = StepCostModel(0.010, 1e-4, 2e-4, 1e-6, first_shape=0.005)
+
+    def step(start: float, factor: float, new_shape: bool = False) -> StepTiming:
+        modelled = cost.step_time(32, 4, 500) + (cost.first_shape if new_shape else 0.0)
+        return StepTiming(start, factor * modelled, 0.0, 0.0, 0.0, 32, 4, 500, 4, new_shape)
+
+    # The first second at 1.5x (its first step of a new count, charged first_shape), the next at 1.0x.
+    run = WorkerRun({}, steps=[step(0.1, 1.5, True), step(0.5, 1.5), step(1.2, 1.0), step(1.6, 1.0)])
+    assert run_level([run], cost) == pytest.approx(1.25, rel=0.02)
+    [trace] = speed_traces([run], cost, 1.0)
+    assert trace.times == (0.0, 1.0) and trace.factors == pytest.approx((1.5, 1.0))
