@@ -1,22 +1,28 @@
-"""The ``slo`` policy: waiting requests by slack, prefill chunks sized to hold running TPOT deadlines.
+"""The ``slo`` policy: waiting requests by deadline, the most of them on time, prefill chunks sized to
+hold running TPOT deadlines.
 
 Urgency of a waiting request at time ``now`` (smaller first), a (class, instant) pair:
 
     class 0  starving (waited >= slo_starvation_s) or resumed after a preemption mid-stream: by arrival
-    class 1  its TTFT deadline can still be met: by latest start = deadline - estimated prefill time
-             (the same order as slack = latest start - now); no deadline: latest start =
-             arrival + slo_starvation_s, so it is never passed over forever
-    class 2  lost: by arrival, served when nothing else waits, or with slo_reject finished with an
-             error so it stops taking capacity, once it is late even with steps one standard deviation
-             of the measured noise faster than modelled. Lost means its first token cannot come before
-             its deadline even if it ran alone now, or (with the running batch known: ``reorder``)
-             once the prefills ahead of it in this order have run: the queue is walked in urgency
-             order, and a request whose projected first token is late is moved here instead of
-             pushing every request behind it late too (EDF's domino effect under overload)
+    class 1  its TTFT deadline can still be met: by deadline, earliest first; no deadline: as if it
+             were arrival + slo_starvation_s, so it is never passed over forever
+    class 2  set aside: by arrival, served when nothing else waits, or with slo_reject finished with
+             an error so it stops taking capacity, once it is late even with steps one standard
+             deviation of the measured noise faster than modelled. Set aside means its first token
+             cannot come before its deadline even if it ran alone now, or (with the running batch
+             known: ``reorder``) that the queue cannot meet every deadline and it is the one to give
+             up: the queue is walked in deadline order, projecting each first token after the
+             prefills kept ahead of it, and when one would be late the longest prefill kept so far
+             moves here (Moore and Hodgson's rule: on one machine it keeps the most deadlines met).
+             Pure EDF would instead push every request behind the late one late too (its domino
+             effect under overload); moving the late one itself, as this did before, kept fewer
+             (in the simulator at gamma CV 4, 0.8-1.2x saturation, 0.54-0.60 of requests meeting
+             both bounds against 0.74-0.79 with the longest moved; at CV 2, 0.9x, 0.92 against 0.96,
+             where fcfs had 0.96)
 
 Example, cost 10 ms fixed + 0.1 ms a token, now = 1.0 s: A arrived 0.2 s, TTFT 1 s, 500 tokens
-(prefill ~60 ms: latest start 1.14 s); B arrived 0.9 s, TTFT 0.3 s, 100 tokens (~20 ms: 1.18 s);
-C arrived 0.1 s, TTFT 0.9 s, 500 tokens (1.0 + 0.06 > 1.0: lost). Order: A, B, C.
+(prefill ~60 ms, deadline 1.2 s); B arrived 0.9 s, TTFT 0.25 s, 100 tokens (~20 ms, deadline
+1.15 s); C arrived 0.1 s, TTFT 0.9 s, 500 tokens (1.0 + 0.06 > 1.0: lost). Order: B, A, C.
 
 Chunk sizing: once a running request streams, its TPOT bounds the steps it shares. TPOT is the mean
 gap between its tokens, so the bound is its slack spread over the tokens it has left (a request ahead
@@ -33,6 +39,7 @@ TTFT may be lost instead.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterator
 
@@ -94,7 +101,9 @@ class SLOQueue:
         if deadline is None:
             return (1, arrival + self.starvation_s)
         latest_start = deadline - prefill_estimate(request, self.cost, self.budget)
-        return (1, latest_start) if latest_start >= self._now else (2, arrival)
+        if latest_start < self._now:
+            return (2, arrival)
+        return (1, deadline)
 
     def reorder(self, now: float, running: tuple[int, int, float | None] | None = None) -> None:
         """Order as of ``now``; ``running`` = (rows, summed context, step-time cap or None) of the
@@ -127,8 +136,10 @@ class SLOQueue:
     def _queue_aware(self, keys: dict[int, tuple[int, float]]) -> bool:
         """Walk the queue (sorted by ``keys``), projecting when each first token comes if the
         prefills ahead run first, a chunk a step next to the running rows (the budget, or what the
-        step cap leaves of it); a request projected late goes to class 2 and takes no place in the
-        projection. True if any did."""
+        step cap leaves of it). When one would be late, the longest prefill kept so far that has a
+        deadline goes to class 2 and out of the projection, until the late one is on time again or is
+        itself the one moved (Moore and Hodgson's rule, which keeps the most deadlines met on one
+        machine). True if any moved."""
         assert self.cost is not None and self._running is not None
         rows, context, cap = self._running
         chunk = self.budget
@@ -136,20 +147,27 @@ class SLOQueue:
             chunk = min(chunk, max(self.block_size, self.cost.max_chunk(cap, rows, rows, context, 0)))
         step = self.cost.step_time(chunk + rows, rows + 1, context + chunk)
         ahead = 0  # prefill tokens of the requests kept ahead
+        movable: list[tuple[int, int, Request]] = []  # (-tokens, position, request): longest first
         moved = False
-        for r in self._items:
+        for i, r in enumerate(self._items):
             if keys[id(r)][0] == 2:
                 continue
             remaining = max(1, r.num_tokens - r.num_computed_tokens)
-            deadline = ttft_deadline(r)
-            # Whole steps of a full chunk; the last one partly full is still a whole step.
-            done = self._now + math.ceil((ahead + remaining) / chunk) * step
-            if deadline is not None and keys[id(r)][0] == 1 and done > deadline:
-                keys[id(r)] = (2, r.timeline.arrival)
-                self._projected[id(r)] = done - self._now
-                moved = True
-                continue
             ahead += remaining
+            deadline = ttft_deadline(r)
+            if deadline is None or keys[id(r)][0] != 1:
+                continue  # starving, resumed or without a deadline: always kept
+            heapq.heappush(movable, (-remaining, -i, r))  # ties: the later in the order moves
+            # Whole steps of a full chunk; the last one partly full is still a whole step.
+            while self._now + math.ceil(ahead / chunk) * step > deadline:
+                _, _, out = heapq.heappop(movable)
+                if out is r:
+                    self._projected[id(r)] = math.ceil(ahead / chunk) * step
+                ahead -= max(1, out.num_tokens - out.num_computed_tokens)
+                keys[id(out)] = (2, out.timeline.arrival)
+                moved = True
+                if out is r:
+                    break
         return moved
 
     def lost(self) -> list[Request]:

@@ -68,29 +68,29 @@ COST = StepCostModel(0.010, 1e-4, 0.0, 0.0)
 def docstring_case() -> list[Request]:
     return [
         req("C", 500, 0.1, 0.9),  # deadline 1.0, needs 60 ms: lost at t = 1.0
-        req("A", 500, 0.2, 1.0),  # latest start 1.2 - 0.06 = 1.14
-        req("D", 8, 0.5, None),  # no deadline: latest start arrival + 30 s
-        req("B", 100, 0.9, 0.3),  # latest start 1.2 - 0.02 = 1.18
+        req("A", 500, 0.2, 1.0),  # deadline 1.2
+        req("D", 8, 0.5, None),  # no deadline: as if arrival + 30 s
+        req("B", 100, 0.9, 0.25),  # deadline 1.15
         req("E", 8, -30.5, None),  # waited 31.5 s >= 30: starving, first
     ]
 
 
-def test_waiting_order_is_by_slack_with_starved_first_and_lost_last() -> None:
+def test_waiting_order_is_by_deadline_with_starved_first_and_lost_last() -> None:
     q = SLOQueue(COST, 512, starvation_s=30.0)
     for r in docstring_case():
         q.add(r)
     q.reorder(1.0)
-    assert [r.request_id for r in q] == ["E", "A", "B", "D", "C"]
-    q.reorder(0.5)  # earlier, C could still make it: latest start 0.94, the tightest of all
-    assert [r.request_id for r in q] == ["E", "C", "A", "B", "D"]
+    assert [r.request_id for r in q] == ["E", "B", "A", "D", "C"]
+    q.reorder(0.5)  # earlier, C could still make it: deadline 1.0, the earliest of all
+    assert [r.request_id for r in q] == ["E", "C", "B", "A", "D"]
 
 
-def test_scheduler_admits_in_slack_order() -> None:
+def test_scheduler_admits_in_deadline_order() -> None:
     sched = slo_scheduler(COST, Clock(1.0), max_num_seqs=2, max_num_batched_tokens=512, num_blocks=512)
     for r in docstring_case():
         sched.add_request(r)
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"E": 8, "A": 500}
+    assert out.num_scheduled_tokens == {"E": 8, "B": 100}
 
 
 def test_slo_reject_finishes_lost_requests_before_they_take_capacity() -> None:
@@ -104,8 +104,8 @@ def test_slo_reject_finishes_lost_requests_before_they_take_capacity() -> None:
     assert lost.status == RequestStatus.FINISHED_ERROR and lost.status.finish_reason == "error"
     assert lost.error is not None and lost.error.startswith("slo_ttft_unmet: ")
     assert "900 ms" in lost.error and sched.kv.block_ids("C") == []
-    # The budget of 512 goes by urgency: E, A, then B's first chunk; D waits.
-    assert out.num_scheduled_tokens == {"E": 8, "A": 500, "B": 4}
+    # The budget of 512 goes by urgency: E, B, then A's first chunk; D waits.
+    assert out.num_scheduled_tokens == {"E": 8, "B": 100, "A": 404}
 
 
 def test_a_request_late_behind_the_queue_is_lost_though_alone_it_would_not_be() -> None:
@@ -124,6 +124,24 @@ def test_a_request_late_behind_the_queue_is_lost_though_alone_it_would_not_be() 
     # A running batch makes steps longer: with 400 rows decoding even X is late (10 + 0.1 * 912 ms).
     q.reorder(1.0, (400, 4000, None))
     assert [r.request_id for r in q.lost()] == ["X", "Y", "Z"]
+
+
+def test_when_the_queue_cannot_meet_every_deadline_the_longest_prefill_gives_way() -> None:
+    """Now 1.0 s, a full step 61.2 ms. L (500 tokens, deadline 1.10) then four questions of 100 tokens
+    (deadline 1.12). Kept in deadline order, L's prefill fills the first step and every question's
+    first token comes at 1.122 s: one deadline met. Moore and Hodgson's rule moves the longest prefill
+    kept when one would be late, L, and the four questions fit one step: four met. L is not lost
+    alone (60 ms), so it waits behind, not rejected."""
+    q = SLOQueue(COST, 512, starvation_s=30.0)
+    q.add(req("L", 500, 0.6, 0.5))
+    for name in ("S1", "S2", "S3", "S4"):
+        q.add(req(name, 100, 0.92, 0.2))
+    q.reorder(1.0, (0, 0, None))
+    assert [r.request_id for r in q] == ["S1", "S2", "S3", "S4", "L"]
+    assert q.lost() == []
+    # Judged alone (the running batch unknown), every deadline can be met: deadline order.
+    q.reorder(1.0)
+    assert [r.request_id for r in q] == ["L", "S1", "S2", "S3", "S4"]
 
 
 def test_a_request_probably_late_moves_behind_but_is_rejected_only_when_surely_late() -> None:
