@@ -114,7 +114,7 @@ def by_met_load(
         label = labels[sum(load >= e for e in edges)]
         ratio = r["goodput_req_s"] / fcfs[key] if fcfs[key] > 0 else float("inf")
         out.setdefault((r["cv"], label, r["policy"]), []).append(ratio)
-    return out
+    return dict(sorted(out.items(), key=lambda kv: (kv[0][0], labels.index(kv[0][1]), kv[0][2])))
 
 
 def table(result: dict[str, Any]) -> str:
@@ -147,7 +147,7 @@ def table(result: dict[str, Any]) -> str:
     if measured:
         lines.append("met: the load a run met, its label times its host level over the capacity burst's")
         lines.append("goodput over fcfs's, pairs by the load they met: median [lowest, highest] (pairs)")
-        for (cv, label, policy), xs in sorted(by_met_load(result["rows"]).items()):
+        for (cv, label, policy), xs in by_met_load(result["rows"]).items():
             mid = statistics.median(xs)
             lines.append(
                 f"{cv:>4g} {label:>7} {policy:<11} {mid:>6.2f}x [{min(xs):.2f}, {max(xs):.2f}] ({len(xs)})"

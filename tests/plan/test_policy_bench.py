@@ -134,6 +134,7 @@ def test_pairs_are_regrouped_by_the_load_they_met() -> None:
         run(2, "slo+reject", 1.0, 1.0),  # met 1.0, fcfs met nothing
     ]
     grouped = by_met_load(rows)  # type: ignore[arg-type]
+    assert [label for _, label, _ in grouped] == ["<0.9", "0.9-1.1", ">=1.1"]  # by load, not by name
     assert grouped == {
         (2.0, "<0.9", "slo+reject"): [pytest.approx(1.1)],
         (2.0, ">=1.1", "slo+reject"): [1.5],
