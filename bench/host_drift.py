@@ -7,7 +7,9 @@ Everything is reported relative to each core's median rate:
     windows      the lowest and highest window, and the share of windows 20% or more off the median
     means        the spread of the means over longer spans (10, 30, 60 s): what a benchmark run of
                  that length sees; a validation that compares a calibration with a later run of
-                 that length cannot be more exact than the spread of these means
+                 that length cannot be more exact than the spread of these means. Their log standard
+                 deviation times sqrt(2) is how far two such spans differ (one sigma): what
+                 ``inflight plan validate --host-drift`` takes to widen its band by
     correlation  between the cores' windows: near 0, two workers on this host drift independently
 
 On the 2-core VM this project is developed on (a cloud vCPU pair), nothing else running: over four
@@ -83,7 +85,9 @@ def summarize(rates: list[float], window: float) -> dict[str, Any]:
         k = max(1, round(span / window))
         chunks = [statistics.fmean(rel[i : i + k]) for i in range(0, len(rel) - k + 1, k)]
         if chunks:
-            means[f"{span:g}s"] = (min(chunks), max(chunks), len(chunks))
+            logs = [math.log(c) for c in chunks]
+            pair = math.sqrt(2) * statistics.stdev(logs) if len(logs) > 1 else math.nan
+            means[f"{span:g}s"] = (min(chunks), max(chunks), len(chunks), pair)
     return {
         "windows": len(rel),
         "lowest": min(rel),
@@ -109,7 +113,10 @@ def main(args: argparse.Namespace) -> int:
     results = measure(args.seconds, args.window, cores)
     summary = {str(c): summarize(r, args.window) for c, r in results.items()}
     for core, s in summary.items():
-        spans = ", ".join(f"{k} means {lo:.2f}-{hi:.2f} ({n})" for k, (lo, hi, n) in s["means"].items())
+        spans = ", ".join(
+            f"{k} means {lo:.2f}-{hi:.2f} ({n}; two differ by {pair:.2f} in log, one sigma)"
+            for k, (lo, hi, n, pair) in s["means"].items()
+        )
         print(
             f"core {core}: {s['windows']} windows of {args.window:g} s: "
             f"{s['lowest']:.2f}x-{s['highest']:.2f}x the median, "

@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shape-cache", type=int, default=None, help="simulate an LRU of this many warm token counts"
     )
     val.add_argument(
+        "--host-drift",
+        type=float,
+        default=0.0,
+        help="how far the host's speed moves between a calibration and a run (log, one sigma; "
+        "`inflight bench host` prints it for 30 s spans): widens the band by it",
+    )
+    val.add_argument(
         "--speed-window",
         type=float,
         default=0.5,

@@ -163,6 +163,7 @@ def predict(
     draws: int = 8,
     band_draws: int = 16,
     speed: tuple[SpeedTrace, ...] | None = None,
+    host_drift: float = 0.0,
 ) -> dict[str, float]:
     """The same trace through the simulator: ``workers`` workers, one partition each, nothing between
     the driver and the engines but the loop's time between steps. With ``warm_shapes`` (the token
@@ -174,6 +175,10 @@ def predict(
     alone (10th and 90th percentile over ``band_draws`` draws), each draw also moving the model's
     level by the uncertainty of the calibration's own (``fit["level_log_std"]``): a calibration and
     a run are two windows of the same drifting host, and a run outside the band is a model miss.
+
+    ``host_drift``: how far (log, one sigma) the host's level moves between a calibration and a
+    run, beyond what the calibration knows of its own (``inflight bench host`` measures it); each
+    band draw moves the level by both.
 
     With ``speed`` (a trace a worker) no noise is drawn: each step takes the model's time times its
     worker's traced speed, one deterministic run and no band."""
@@ -195,7 +200,7 @@ def predict(
     noisy = cost.noise_sigma > 0 and speed is None
     sims = [run(cost, seed) for seed in range(draws if noisy else 1)]
     out = {k: statistics.fmean(float(r[k]) for r in sims) for k in (*FIGURES, "utilisation")}
-    level_std = float(cost.fit.get("level_log_std", 0.0))
+    level_std = math.hypot(float(cost.fit.get("level_log_std", 0.0)), host_drift)
     if band_draws > 0 and speed is None and (noisy or level_std > 0):
         band = []
         for seed in range(band_draws):
@@ -301,16 +306,18 @@ def validate(
     shape_cache: int | None = None,
     grid: Any = None,
     speed_window_s: float = 0.5,
+    host_drift: float = 0.0,
 ) -> dict[str, Any]:
     """Measure, predict (three or four ways, see the module docstring), diagnose: the whole
     comparison for one fleet size. ``grid``: the workers calibrate themselves on it just before the
-    trace. ``speed_window_s``: the windows the run-speed prediction reads the host's speed in."""
+    trace. ``speed_window_s``: the windows the run-speed prediction reads the host's speed in.
+    ``host_drift``: widens the calibrations' bands (see predict)."""
     runs = measure(model, specs, engine_args, workers=workers, threads=threads, grid=grid)
     measured = figures(specs, runs)
     overhead = step_overhead(runs)
     warm = frozenset.intersection(*(run.warm_shapes for run in runs))
     sim: dict[str, Any] = {"step_overhead_s": overhead, "warm_shapes": warm, "shape_cache": shape_cache}
-    from_cal = predict(specs, cost, engine_args, workers=workers, **sim)
+    from_cal = predict(specs, cost, engine_args, workers=workers, host_drift=host_drift, **sim)
     refit = refit_on_run(runs, cost)
     # No band: the run-steps prediction measures the simulator, not what the host may do.
     from_run = predict(specs, refit, engine_args, workers=workers, band_draws=0, **sim)
@@ -330,6 +337,7 @@ def validate(
         "predicted_from_run_speed": from_speed,
         "error_from_run_speed": compare(measured, from_speed),
         "speed_window_s": speed_window_s,
+        "host_drift": host_drift,
         "run_speed_range": [min(min(t.factors) for t in traces), max(max(t.factors) for t in traces)],
         "run_fit": refit.fit,
         "diagnosis": diagnose(runs, cost, measured["duration_s"], shape_cache or SHAPE_CACHE),
@@ -339,7 +347,7 @@ def validate(
         from inflight.plan.calibrate import fit_timed
 
         own = judged = fit_timed([run.calibration for run in runs])
-        from_own = predict(specs, own, engine_args, workers=workers, **sim)
+        from_own = predict(specs, own, engine_args, workers=workers, host_drift=host_drift, **sim)
         result.update(
             workers_cost=own.to_json() | {"samples": []},
             predicted_from_workers_calibration=from_own,

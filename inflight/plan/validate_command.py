@@ -68,6 +68,11 @@ def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
             f"the run's steps took x{result['run_level']:.2f} the judged calibration's time for the same "
             "batches (the host's speed moved between the two by that much)"
         )
+    if result.get("host_drift"):
+        lines.append(
+            f"bands: the host's noise, the calibration's level uncertainty and a host drift of "
+            f"{result['host_drift']:g} (log, one sigma)"
+        )
     if speed:
         lo, hi = result["run_speed_range"]
         lines.append(
@@ -154,6 +159,7 @@ def run_from_args(args: Any, model: str, pinned: dict[str, Any]) -> int:
             grid = DEFAULT_GRID if args.calibrate_workers else None
             kw = {"threads": threads, "shape_cache": args.shape_cache, "grid": grid}
             kw["speed_window_s"] = args.speed_window
+            kw["host_drift"] = args.host_drift
             result = validate(model, specs, engine_args, cost, workers=workers, **kw)
             print(report(result, args.tolerance), flush=True)
         results.append(result)

@@ -194,6 +194,10 @@ def test_the_band_holds_what_the_host_noise_and_the_level_uncertainty_move() -> 
         assert within_band(p, p)["tpot_p50_s"]
     # A calibration's level known only to +-15% widens the band of a median well past the noise's.
     assert bands["noise+level"] > 1.1 * bands["noise"] > 1.0
+    # So does a host known to drift by 15% between a calibration, on top of its own uncertainty.
+    drifting = predict(specs, noisy, engine_args, host_drift=0.15)
+    assert drifting["tpot_p50_s_hi"] / drifting["tpot_p50_s_lo"] > 1.1 * bands["noise"]
+    assert drifting["tpot_p50_s"] == predict(specs, noisy, engine_args)["tpot_p50_s"]  # the point stays
 
 
 def test_the_run_level_and_speed_are_measured_against_the_model() -> None:
