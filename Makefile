@@ -72,7 +72,8 @@ bench-host: setup
 	$(BIN)/inflight bench host --json bench-results/host.json
 
 plan-validate: setup
-	$(BIN)/inflight plan validate --workers 1,2 --out bench-results/plan-validate.json
+	$(BIN)/inflight plan validate --workers 1,2 $(if $(HOST_DRIFT),--host-drift $(HOST_DRIFT)) \
+		--out bench-results/plan-validate.json
 
 # Failure paths. `make test` runs both briefly (25 fuzz examples, a 24-request soak).
 .PHONY: fuzz chaos
