@@ -91,10 +91,8 @@ class SpeedMeter:
     def observe(self, engine: Any, wall: float) -> None:
         """The engine's last step (its own record of the batch) and the wall time around it."""
         rec = engine.metrics.steps[-1]
-        tokens = sum(n for _, n, _ in rec.batch)
-        context = sum(n + done for _, n, done in rec.batch)
         self.measured_s += wall
-        self.modelled_s += self.cost.step_time(tokens, len(rec.batch), context)
+        self.modelled_s += self.cost.step_time(rec.num_tokens, len(rec.batch), rec.sum_context)
 
     @property
     def level(self) -> float:

@@ -54,6 +54,16 @@ class StepRecord:
     def duration(self) -> float:
         return self.schedule_time + self.execute_time
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens scheduled this step (the batch's rows before padding)."""
+        return sum(n for _, n, _ in self.batch)
+
+    @property
+    def sum_context(self) -> int:
+        """Each row's context after this step, summed: what attention reads (the cost model's term)."""
+        return sum(n + done for _, n, done in self.batch)
+
 
 @dataclass
 class RequestRecord:

@@ -127,12 +127,11 @@ def time_steps(eng: Any, model: str, grid: Grid) -> Timed:
             cpu = time.process_time() - cpu0
             if eng.metrics.num_steps == before:
                 continue
-            batch = eng.metrics.steps[-1].batch
-            tokens = sum(n for _, n, _ in batch)
-            new = note_shape(rows(tokens)) < 0
+            rec = eng.metrics.steps[-1]
+            new = note_shape(rows(rec.num_tokens)) < 0
             if keep:
                 waited += max(0.0, seconds - cpu)
-                sample = StepSample(tokens, len(batch), sum(n + done for _, n, done in batch), seconds)
+                sample = StepSample(rec.num_tokens, len(rec.batch), rec.sum_context, seconds)
                 (first_shape if new else samples).append(sample)
 
     padding = engine_padding(eng)

@@ -80,15 +80,21 @@ def compare(
     return {"capacity_req_s": cap, "slo": {"ttft_s": slo[0], "tpot_s": slo[1]}, "rows": rows}
 
 
-def paired_ratios(rows: list[dict[str, Any]]) -> dict[tuple[float, float, str], list[float]]:
-    """Each policy's goodput over fcfs's in the same cell and repeat, by (cv, load, policy)."""
-    fcfs = {
-        (r["cv"], r["load"], r.get("repeat", 0)): r["goodput_req_s"] for r in rows if r["policy"] == "fcfs"
-    }
-    ratios: dict[tuple[float, float, str], list[float]] = {}
+def _pairs(rows: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any], float]]:
+    """Each row with the fcfs row of its cell and repeat, and its goodput over that one's."""
+    fcfs = {(r["cv"], r["load"], r.get("repeat", 0)): r for r in rows if r["policy"] == "fcfs"}
+    out = []
     for r in rows:
         base = fcfs[(r["cv"], r["load"], r.get("repeat", 0))]
-        ratio = r["goodput_req_s"] / base if base > 0 else float("inf")
+        good = base["goodput_req_s"]
+        out.append((r, base, r["goodput_req_s"] / good if good > 0 else float("inf")))
+    return out
+
+
+def paired_ratios(rows: list[dict[str, Any]]) -> dict[tuple[float, float, str], list[float]]:
+    """Each policy's goodput over fcfs's in the same cell and repeat, by (cv, load, policy)."""
+    ratios: dict[tuple[float, float, str], list[float]] = {}
+    for r, _, ratio in _pairs(rows):
         ratios.setdefault((r["cv"], r["load"], r["policy"]), []).append(ratio)
     return ratios
 
@@ -98,21 +104,15 @@ def by_met_load(
 ) -> dict[tuple[float, str, str], list[float]]:
     """Paired ratios regrouped by the load the pair met (the mean of its two runs' effective_load,
     measured runs only), in bins split at ``edges``: by (cv, bin label, policy)."""
-    met = {(r["cv"], r["load"], r.get("repeat", 0), r["policy"]): r.get("effective_load") for r in rows}
-    fcfs = {
-        (r["cv"], r["load"], r.get("repeat", 0)): r["goodput_req_s"] for r in rows if r["policy"] == "fcfs"
-    }
     inner = [f"{a:g}-{b:g}" for a, b in itertools.pairwise(edges)]
     labels = [f"<{edges[0]:g}", *inner, f">={edges[-1]:g}"]
     out: dict[tuple[float, str, str], list[float]] = {}
-    for r in rows:
-        key = (r["cv"], r["load"], r.get("repeat", 0))
-        pair = (met.get((*key, "fcfs")), r.get("effective_load"))
-        if r["policy"] == "fcfs" or None in pair:
+    for r, base, ratio in _pairs(rows):
+        met = (base.get("effective_load"), r.get("effective_load"))
+        if r["policy"] == "fcfs" or met[0] is None or met[1] is None:
             continue
-        load = (pair[0] + pair[1]) / 2  # type: ignore[operator]
+        load = (met[0] + met[1]) / 2
         label = labels[sum(load >= e for e in edges)]
-        ratio = r["goodput_req_s"] / fcfs[key] if fcfs[key] > 0 else float("inf")
         out.setdefault((r["cv"], label, r["policy"]), []).append(ratio)
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], labels.index(kv[0][1]), kv[0][2])))
 
@@ -125,14 +125,7 @@ def table(result: dict[str, Any]) -> str:
         f"{'cv':>4} {'load':>5}" + (f" {'met':>5}" if measured else "") + f" {'policy':<11} {'goodput':>8} "
         f"{'x fcfs':>7} {'TTFT p99':>9} {'TPOT p99':>9} {'dropped':>7}",
     ]
-    fcfs = {
-        (r["cv"], r["load"], r.get("repeat", 0)): r["goodput_req_s"]
-        for r in result["rows"]
-        if r["policy"] == "fcfs"
-    }
-    for r in result["rows"]:
-        base = fcfs[(r["cv"], r["load"], r.get("repeat", 0))]
-        ratio = r["goodput_req_s"] / base if base > 0 else float("inf")
+    for r, _, ratio in _pairs(result["rows"]):
         met = f" {r['effective_load']:>5.2f}" if measured else ""
         lines.append(
             f"{r['cv']:>4g} {r['load']:>5g}{met} {r['policy']:<11} {r['goodput_req_s']:>8.3f} {ratio:>6.2f}x "

@@ -115,7 +115,7 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
             cpu = time.process_time() - cpu0
             if engine.metrics.num_steps > before:
                 rec = engine.metrics.steps[-1]
-                tokens = sum(n for _, n, _ in rec.batch)
+                tokens = rec.num_tokens
                 shape = rows(tokens)
                 run.steps.append(
                     StepTiming(
@@ -126,7 +126,7 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
                         gap=0.0 if last_end is None else start - last_end,
                         num_tokens=tokens,
                         num_seqs=len(rec.batch),
-                        sum_context=sum(n + done for _, n, done in rec.batch),
+                        sum_context=rec.sum_context,
                         num_decode_rows=sum(
                             1
                             for rid, n, done in rec.batch
@@ -173,7 +173,7 @@ def _warm_shapes(engine: Any) -> set[int]:
     """The shapes the engine built before the trace: its warm-up steps' row counts, and every padded
     count when it pads (all built when the model loaded)."""
     padding = engine_padding(engine)
-    ran = {padding.padded(sum(n for _, n, _ in rec.batch)) for rec in engine.metrics.steps}
+    ran = {padding.padded(rec.num_tokens) for rec in engine.metrics.steps}
     return ran | set(padding.built())
 
 
