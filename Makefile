@@ -73,7 +73,7 @@ bench-host: setup
 
 plan-validate: setup
 	$(BIN)/inflight plan validate --workers 1,2 $(if $(HOST_DRIFT),--host-drift $(HOST_DRIFT)) \
-		--out bench-results/plan-validate.json
+		$(if $(REPEATS),--repeats $(REPEATS)) --out bench-results/plan-validate.json
 
 # Failure paths. `make test` runs both briefly (25 fuzz examples, a 24-request soak).
 .PHONY: fuzz chaos

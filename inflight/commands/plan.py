@@ -88,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`inflight bench host` prints it for 30 s spans): widens the band by it",
     )
     val.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run the trace this many times on fresh engines; the repeats show how far two real runs "
+        "of the same trace differ on this host (the floor under any prediction's error)",
+    )
+    val.add_argument(
         "--speed-window",
         type=float,
         default=0.5,

@@ -248,6 +248,7 @@ def simulate(
         "num_completed": len(ttft),
         "num_rejected_gateway": rejected,
         "num_rejected_slo": slo_rejected,
+        "num_good": num_good,
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p99_s": _percentile(ttft, 99),
         "tpot_p50_s": _percentile(tpot, 50),

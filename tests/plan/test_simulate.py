@@ -12,6 +12,7 @@ import pytest
 
 from engine.cost_model import StepCostModel
 from inflight.cli import main
+from inflight.plan.policies import ceiling
 from inflight.plan.simulate import FleetConfig, ServicePath, SimRequest, simulate
 from inflight.plan.traffic import sampled_partitions, synthetic
 
@@ -164,6 +165,8 @@ def test_slo_policy_with_reject_raises_goodput_over_fcfs_when_overloaded() -> No
     slo_run = simulate(reqs, COST, FleetConfig(workers=1, max_waiting=None, engine=eng), slo)
     assert slo_run["num_rejected_slo"] > 0 and slo_run["ttft_p99_s"] < fcfs["ttft_p99_s"]
     assert slo_run["goodput_req_s"] >= 1.3 * fcfs["goodput_req_s"]
+    for run in (fcfs, slo_run):  # goodput counts the requests it says met both bounds
+        assert run["num_good"] == round(run["goodput_req_s"] * run["duration_s"]) <= run["num_completed"]
     assert slo_run["tpot_p99_s"] <= 0.1 * 1.1  # chunks sized to the TPOT deadline
 
 
@@ -178,4 +181,9 @@ def test_cli_policies_writes_the_comparison(tmp_path: Path, capsys: pytest.Captu
     assert result["capacity_req_s"] > 0 and (out / "policies.png").stat().st_size > 1000
     goodput = {r["policy"]: r["goodput_req_s"] for r in result["rows"]}
     assert goodput["slo+reject"] > goodput["fcfs"]
-    assert "slo+reject" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "slo+reject" in text and "ceiling" in text
+    # The ceiling: the requests over those fcfs met; fcfs left room under it at 1.2x in bursts.
+    fcfs = result["rows"][0]
+    assert ceiling(fcfs) == fcfs["num_requests"] / fcfs["num_good"] > 1.0
+    assert all(r["num_requests"] == fcfs["num_requests"] for r in result["rows"])

@@ -214,3 +214,57 @@ def test_the_run_level_and_speed_are_measured_against_the_model() -> None:
     assert run_level([run], cost) == pytest.approx(1.25, rel=0.02)
     [trace] = speed_traces([run], cost, 1.0)
     assert trace.times == (0.0, 1.0) and trace.factors == pytest.approx((1.5, 1.0))
+
+
+def test_repeats_measure_the_same_trace_again_and_bound_what_a_prediction_can_match(
+    tiny_model_path: Path,
+) -> None:
+    # On a shared host two runs of one trace differ: the repeats measure by how much, so that a
+    # prediction's error can be read against it. Each repeat is a real run on a fresh engine.
+    from inflight.plan.validate import FIGURES, validate
+
+    engine_args = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 128,
+        "max_model_len": 256,
+        "num_blocks": 256,
+        "enable_prefix_caching": False,
+        "async_scheduling": False,
+    }
+    cost = StepCostModel(0.002, 1e-5, 1e-4, 1e-8, engine={"block_size": 16})
+    mix = LengthMix(short_prompt=(16, 32), long_prompt=(48, 64), output=(4, 12))
+    specs = synthetic(16, 40.0, 1024, mix=mix, seed=5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = validate(
+            str(tiny_model_path), specs, engine_args, cost, workers=1, threads=1, repeats=3, in_process=True
+        )
+    finally:
+        torch.set_num_threads(threads)
+    first, again = result["measured"], result["measured_again"]
+    assert len(again) == 2 and len(result["error_against_repeats"]) == 2
+    tokens = sum(s.max_tokens for s in specs)
+    for m in (first, *again):  # every repeat served the whole trace
+        assert round(m["output_tok_s"] * m["duration_s"]) == tokens
+    # Real timings: a repeat is a second measurement, not a copy of the first.
+    assert any(m[k] != first[k] for m in again for k in FIGURES)
+    spread = result["repeatability"]
+    for k in FIGURES:
+        assert spread[k] == pytest.approx(max(abs(m[k] - first[k]) / first[k] for m in again))
+    # The verdict holds the prediction to the median of the three runs.
+    predicted = result["predicted_from_calibration"]
+    for k in FIGURES:
+        mid = sorted(m[k] for m in (first, *again))[1]
+        assert result["measured_median"][k] == mid
+        assert result["error_against_median"][k] == pytest.approx((predicted[k] - mid) / mid)
+    # With no tolerance every figure is over; the report says which are no further from the first run
+    # than a repeat was.
+    text = report(result, tolerance=0.0)
+    assert "median of 3" in text
+    errors = result["error_against_median"]
+    for line in text.splitlines():
+        for k in FIGURES:
+            if line.startswith(k + " "):
+                near = abs(errors[k]) <= spread[k]
+                assert ("no further than a second run" in line) == near, (line, errors[k], spread[k])
