@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +115,13 @@ def paired_ratios(rows: list[dict[str, Any]]) -> dict[tuple[float, float, str], 
 
 
 def by_met_load(
-    rows: list[dict[str, Any]], edges: tuple[float, ...] = (0.9, 1.1)
+    rows: list[dict[str, Any]],
+    edges: tuple[float, ...] = (0.9, 1.1),
+    value: Callable[[dict[str, Any], float], float] = lambda base, ratio: ratio,
 ) -> dict[tuple[float, str, str], list[float]]:
     """Paired ratios regrouped by the load the pair met (the mean of its two runs' effective_load,
-    measured runs only), in bins split at ``edges``: by (cv, bin label, policy)."""
+    measured runs only), in bins split at ``edges``: by (cv, bin label, policy). ``value`` (of the
+    fcfs row and the ratio) picks what is collected instead of the ratio, e.g. the ceiling."""
     inner = [f"{a:g}-{b:g}" for a, b in itertools.pairwise(edges)]
     labels = [f"<{edges[0]:g}", *inner, f">={edges[-1]:g}"]
     out: dict[tuple[float, str, str], list[float]] = {}
@@ -127,7 +131,7 @@ def by_met_load(
             continue
         load = (met[0] + met[1]) / 2
         label = labels[sum(load >= e for e in edges)]
-        out.setdefault((r["cv"], label, r["policy"]), []).append(ratio)
+        out.setdefault((r["cv"], label, r["policy"]), []).append(value(base, ratio))
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], labels.index(kv[0][1]), kv[0][2])))
 
 
@@ -162,11 +166,17 @@ def table(result: dict[str, Any]) -> str:
                 )
     if measured:
         lines.append("met: the load a run met, its label times its host level over the capacity burst's")
-        lines.append("goodput over fcfs's, pairs by the load they met: median [lowest, highest] (pairs)")
-        for (cv, label, policy), xs in by_met_load(result["rows"]).items():
+        lines.append(
+            "goodput over fcfs's, pairs by the load they met: median [lowest, highest] (pairs), median "
+            "ceiling"
+        )
+        tops = by_met_load(result["rows"], value=lambda base, _: ceiling(base))
+        for key, xs in by_met_load(result["rows"]).items():
+            cv, label, policy = key
             mid = statistics.median(xs)
             lines.append(
-                f"{cv:>4g} {label:>7} {policy:<11} {mid:>6.2f}x [{min(xs):.2f}, {max(xs):.2f}] ({len(xs)})"
+                f"{cv:>4g} {label:>7} {policy:<11} {mid:>6.2f}x [{min(xs):.2f}, {max(xs):.2f}] ({len(xs)}), "
+                f"ceiling {statistics.median(tops[key]):.2f}x"
             )
     return "\n".join(lines)
 

@@ -13,7 +13,7 @@ import pytest
 from bench.policy_bench import POLICIES, steady_rate
 from engine.cost_model import StepCostModel
 from inflight.cli import main
-from inflight.plan.policies import by_met_load, paired_ratios
+from inflight.plan.policies import by_met_load, ceiling, paired_ratios
 
 
 def one_cell(model: Path, tmp_path: Path, out: Path, duration: str) -> list[str]:
@@ -140,3 +140,13 @@ def test_pairs_are_regrouped_by_the_load_they_met() -> None:
         (2.0, ">=1.1", "slo+reject"): [1.5],
         (2.0, "0.9-1.1", "slo+reject"): [math.inf],
     }
+    # The ceiling of each pair: fcfs's requests over those it met (40 of 50, 20 of 50, none of 50).
+    for rep, good in ((0, 40), (1, 20), (2, 0)):
+        rows[2 * rep].update(num_requests=50, num_good=good)
+    tops = by_met_load(rows, value=lambda base, _: ceiling(base))  # type: ignore[arg-type]
+    assert tops == {
+        (2.0, "<0.9", "slo+reject"): [1.25],
+        (2.0, ">=1.1", "slo+reject"): [2.5],
+        (2.0, "0.9-1.1", "slo+reject"): [math.inf],
+    }
+    assert math.isnan(ceiling({"goodput_req_s": 1.0}))  # rows kept before the counts were
