@@ -55,8 +55,16 @@ def slo_scheduler(
     return Scheduler(cfg, kv, {EOS}, cost=cost, clock=clock)
 
 
+# Each name its own first prompt token, so no two requests share a prefix-cache block. (hash(name)
+# was randomised per process: one run in 50 gave two requests of a test the same prompt, and the
+# second's prefill came out of the cache.)
+_FIRST_TOKEN: dict[str, int] = {}
+
+
 def req(name: str, prompt_len: int, arrival: float, ttft: float | None, tpot: float | None = None) -> Request:
-    r = make_request(name, prompt_len, max_tokens=64, first_token=hash(name) % 50)
+    first = _FIRST_TOKEN.setdefault(name, len(_FIRST_TOKEN))
+    assert first < 100, "make_request's prompts repeat past 100 first tokens"
+    r = make_request(name, prompt_len, max_tokens=64, first_token=first)
     r.timeline.arrival, r.slo_ttft_s, r.slo_tpot_s = arrival, ttft, tpot
     return r
 
