@@ -60,13 +60,15 @@ bench-service: setup
 	$(BIN)/inflight bench service --out bench-results
 
 # Issue 13, measured on a quiet host: the scheduling policies on the real engine (about 16 minutes; QUICK=1:
-# the tiny model in about a minute; REPEATS=3 POLICIES=fcfs,slo+reject: paired runs, about 25 minutes),
+# the tiny model in about a minute; REPEATS=3 POLICIES=fcfs,slo+reject: paired runs, about 25 minutes;
+# PIN=DIR: a copy of an earlier run's directory, whose cost model and measured capacity this run reuses),
 # and the planner's predictions against real engines (about 3 minutes). bench-host says how quiet the
 # host is (three minutes).
 .PHONY: bench-policies plan-validate bench-host
 bench-policies: setup
 	$(BIN)/inflight plan policies --real $(if $(QUICK),--quick) $(if $(REPEATS),--repeats $(REPEATS)) \
-		$(if $(POLICIES),--policies $(POLICIES)) --out bench-results/policies
+		$(if $(POLICIES),--policies $(POLICIES)) $(if $(PIN),--cost $(PIN)/cost.json --capacity-from $(PIN)/policies.json) \
+		--out bench-results/policies
 
 bench-host: setup
 	$(BIN)/inflight bench host --json bench-results/host.json

@@ -24,16 +24,18 @@ fcfs cannot promise that under bursts, the slo policy can by cutting chunks).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench.results import RequestResult, RunResult
 from bench.stats import SLO, summarize
 from bench.workload import LengthMix, RequestSpec, synthetic
-from engine.cost_model import StepCostModel
+from engine.cost_model import TERMS, StepCostModel
 
 POLICIES = ("fcfs", "priority", "slo", "slo+reject")
 SHORT_PROMPT_MAX = 128  # the mix's questions are 16-128 tokens, its documents 256-512
@@ -164,6 +166,25 @@ def measure_capacity(engine: Any, specs: Sequence[RequestSpec], meter: SpeedMete
     return steady_rate([r.token_times[-1] for r in run.requests if r.completed and r.token_times])
 
 
+def cost_terms(cost: StepCostModel) -> dict[str, float]:
+    """What a host level is measured against: the cost model's coefficients."""
+    return {t: float(getattr(cost, t)) for t in (*TERMS, "first_shape")}
+
+
+def check_pin(pinned: dict[str, Any], model: str, engine: dict[str, Any], terms: dict[str, float]) -> None:
+    """A capacity is another run's only if it measured the same engine, and its host level means the
+    same only against the same cost model: refuse anything else rather than label loads wrongly."""
+    if pinned.get("source") != "measured" or "capacity_host_level" not in pinned:
+        raise ValueError("pin the capacity of a measured run (plan policies --real), not a simulated one")
+    for what, mine, theirs in (
+        ("model", model, pinned.get("model")),
+        ("engine settings", engine, pinned.get("engine")),
+        ("cost model", terms, pinned.get("cost_terms")),
+    ):
+        if mine != theirs:
+            raise ValueError(f"the pinned capacity was measured with other {what}: {theirs} (here {mine})")
+
+
 def steady_rate(ends: Sequence[float]) -> float:
     """Completions per second between the quarter and the three-quarter completion."""
     ends = sorted(ends)
@@ -213,12 +234,18 @@ def compare(
     seed: int = 0,
     policies: Sequence[str] = POLICIES,
     repeats: int = 1,
+    pinned: dict[str, Any] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """The whole comparison; rows in the simulated version's format (inflight/plan/policies.py).
     With ``repeats`` each cell runs every policy that many times, in turn (fcfs, slo, fcfs, slo, ...
     with the first rotating): on a host whose speed drifts by 20% between two 30 s runs, one pair of
-    runs says little, and each repeat's ratio to its own fcfs run pairs runs made close together."""
+    runs says little, and each repeat's ratio to its own fcfs run pairs runs made close together.
+
+    ``pinned``: an earlier measured result whose capacity (and the host level it was measured at)
+    this run reuses instead of measuring its own burst, so that two runs' "1.0x" are the same
+    arrival rate and their met loads are measured against the same reference. It must come from the
+    same model, engine settings and cost model (see check_pin)."""
     if "fcfs" not in policies:
         raise ValueError("the comparison is against fcfs: include it in policies")
     policies = tuple(p for p in POLICIES if p in policies)
@@ -226,18 +253,25 @@ def compare(
 
     mix = mix or LengthMix()
     cost = StepCostModel.load(cost_path)
+    terms = cost_terms(cost)
+    if pinned is not None:  # before building engines: a wrong pin fails at once
+        check_pin(pinned, model, engine, terms)
     slo = slo or default_slo(cost, engine, mix)
     bounds = SLO(*slo)
     vocab = ModelConfig.from_path(model).vocab_size
     engines = {p: _engine(model, policy_engine_args(p, slo, cost_path, engine)) for p in policies}
-    # Four batches' worth: the middle half of the completions comes from a full engine.
-    probe = synthetic(4 * int(engine.get("max_num_seqs", 64)), 1.0, vocab, mix=mix, seed=seed, prefix="cap")
-    cap_meter = SpeedMeter(cost)
-    cap = measure_capacity(engines["fcfs"], probe, cap_meter)
-    log(
-        f"capacity {cap:.2f} req/s (measured burst of {len(probe)}, host level {cap_meter.level:.2f}); "
-        f"SLO {bounds.describe()}"
-    )
+    if pinned is not None:
+        cap, cap_level = float(pinned["capacity_req_s"]), float(pinned["capacity_host_level"])
+        how = f"pinned: measured earlier at host level {cap_level:.2f}"
+    else:
+        # Four batches' worth: the middle half of the completions comes from a full engine.
+        n = 4 * int(engine.get("max_num_seqs", 64))
+        probe = synthetic(n, 1.0, vocab, mix=mix, seed=seed, prefix="cap")
+        cap_meter = SpeedMeter(cost)
+        cap = measure_capacity(engines["fcfs"], probe, cap_meter)
+        cap_level = cap_meter.level
+        how = f"measured burst of {len(probe)}, host level {cap_level:.2f}"
+    log(f"capacity {cap:.2f} req/s ({how}); SLO {bounds.describe()}")
     rows = []
     cells = [(cv, load) for cv in grid.cvs for load in grid.loads]
     for k, (cv, load) in enumerate(cells):
@@ -258,7 +292,7 @@ def compare(
                 r = row(cv, load, rate, policy, run, bounds)
                 r["repeat"] = rep
                 r["host_level"] = meter.level
-                r["effective_load"] = load * meter.level / cap_meter.level
+                r["effective_load"] = load * meter.level / cap_level
                 rows.append(r)
                 log(
                     f"cv {cv:g} load {load:g} (met {r['effective_load']:.2f}) {policy:<10} goodput "
@@ -272,7 +306,9 @@ def compare(
         "source": "measured",
         "model": model,
         "capacity_req_s": cap,
-        "capacity_host_level": cap_meter.level,
+        "capacity_host_level": cap_level,
+        "capacity_pinned": pinned is not None,
+        "cost_terms": terms,
         "slo": {"ttft_s": slo[0], "tpot_s": slo[1]},
         "engine": engine,
         "grid": {"cvs": list(grid.cvs), "loads": list(grid.loads), "duration_s": grid.duration_s},
@@ -337,4 +373,5 @@ def run_from_args(args: Any, slo: tuple[float, float] | None, out: Any) -> dict[
         seed=args.seed,
         policies=policies,
         repeats=args.repeats,
+        pinned=json.loads(Path(args.capacity_from).read_text()) if args.capacity_from else None,
     )

@@ -159,6 +159,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     real.add_argument(
         "--repeats", type=int, default=1, help="runs of every policy a cell, in turn (paired ratios to fcfs)"
     )
+    real.add_argument(
+        "--capacity-from",
+        default=None,
+        help="an earlier run's policies.json: reuse its measured capacity and host level instead of a "
+        "burst, so both runs' loads are the same arrival rates (same model, settings and --cost)",
+    )
 
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
