@@ -181,6 +181,8 @@ def check_pin(pinned: dict[str, Any], model: str, engine: dict[str, Any], terms:
         ("engine settings", engine, pinned.get("engine")),
         ("cost model", terms, pinned.get("cost_terms")),
     ):
+        if theirs is None:
+            raise ValueError(f"the pinned run records no {what} (it predates --capacity-from): cannot check")
         if mine != theirs:
             raise ValueError(f"the pinned capacity was measured with other {what}: {theirs} (here {mine})")
 

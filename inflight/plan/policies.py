@@ -135,10 +135,16 @@ def by_met_load(
     return dict(sorted(out.items(), key=lambda kv: (kv[0][0], labels.index(kv[0][1]), kv[0][2])))
 
 
+def _capacity_source(result: dict[str, Any]) -> str:
+    if result.get("capacity_pinned"):
+        return "pinned: an earlier run's measured burst"
+    return f"{result.get('source', 'simulated')} burst"
+
+
 def table(result: dict[str, Any]) -> str:
     measured = any("effective_load" in r for r in result["rows"])
     lines = [
-        f"capacity {result['capacity_req_s']:.3f} req/s ({result.get('source', 'simulated')} burst), SLO "
+        f"capacity {result['capacity_req_s']:.3f} req/s ({_capacity_source(result)}), SLO "
         f"TTFT {result['slo']['ttft_s'] * 1e3:.0f} ms, TPOT {result['slo']['tpot_s'] * 1e3:.0f} ms",
         f"{'cv':>4} {'load':>5}" + (f" {'met':>5}" if measured else "") + f" {'policy':<11} {'goodput':>8} "
         f"{'x fcfs':>7} {'ceiling':>7} {'TTFT p99':>9} {'TPOT p99':>9} {'dropped':>7}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -90,21 +91,20 @@ def test_repeats_pair_each_policy_with_the_fcfs_run_beside_it(
             main(bad)
 
 
-def test_a_run_can_pin_an_earlier_runs_capacity(
-    tiny_model_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_run_can_pin_an_earlier_runs_capacity(tiny_model_path: Path, tmp_path: Path, capsys: Any) -> None:
     # The second run takes the first's capacity and host level instead of timing its own burst, so
     # its 1.2x is the same arrival rate; a capacity measured on other settings is refused.
-    first = tmp_path / "first"
-    args = [*one_cell(tiny_model_path, tmp_path, first, "1.0"), "--policies", "fcfs"]
-    assert main(args) == 0
-    earlier = json.loads((first / "policies.json").read_text())
+    def fcfs_cell(name: str, *extra: str) -> list[str]:
+        return [*one_cell(tiny_model_path, tmp_path, tmp_path / name, "1.0"), "--policies", "fcfs", *extra]
+
+    assert main(fcfs_cell("first")) == 0
+    pinned = tmp_path / "first" / "policies.json"
+    earlier = json.loads(pinned.read_text())
     assert earlier["capacity_pinned"] is False and earlier["cost_terms"]["fixed"] == pytest.approx(1e-3)
     capsys.readouterr()
-    second = tmp_path / "second"
-    pin = ["--capacity-from", str(first / "policies.json")]
-    assert main([*one_cell(tiny_model_path, tmp_path, second, "1.0"), "--policies", "fcfs", *pin]) == 0
-    result = json.loads((second / "policies.json").read_text())
+    pin = ["--capacity-from", str(pinned)]
+    assert main(fcfs_cell("second", *pin)) == 0
+    result = json.loads((tmp_path / "second" / "policies.json").read_text())
     assert result["capacity_pinned"] is True
     assert result["capacity_req_s"] == earlier["capacity_req_s"]
     assert result["capacity_host_level"] == earlier["capacity_host_level"]
@@ -112,11 +112,17 @@ def test_a_run_can_pin_an_earlier_runs_capacity(
     assert row["rate"] == pytest.approx(1.2 * earlier["capacity_req_s"])
     assert row["effective_load"] == pytest.approx(1.2 * row["host_level"] / earlier["capacity_host_level"])
     text = capsys.readouterr().out
-    assert "pinned: measured earlier" in text and "measured burst of" not in text
-    other = [*one_cell(tiny_model_path, tmp_path, tmp_path / "third", "1.0"), "--policies", "fcfs", *pin]
+    assert "pinned: measured earlier" in text and "pinned: an earlier run's measured burst" in text
+    assert "measured burst of" not in text and "(measured burst)" not in text
+    other = fcfs_cell("third", *pin)
     other[other.index("--max-num-seqs") + 1] = "4"
     with pytest.raises(ValueError, match="engine settings"):
         main(other)
+    # A run from before results recorded their cost model cannot be checked, so it is refused too.
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps({k: v for k, v in earlier.items() if k != "cost_terms"}))
+    with pytest.raises(ValueError, match="records no cost model"):
+        main(fcfs_cell("fourth", "--capacity-from", str(older)))
 
 
 def test_paired_ratios_divide_by_the_fcfs_run_of_the_same_repeat() -> None:
