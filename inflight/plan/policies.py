@@ -106,22 +106,38 @@ def ceiling(base: dict[str, Any]) -> float:
     return total / good if good > 0 else float("inf")
 
 
-def paired_ratios(rows: list[dict[str, Any]]) -> dict[tuple[float, float, str], list[float]]:
-    """Each policy's goodput over fcfs's in the same cell and repeat, by (cv, load, policy)."""
+# What a pairing collects from each pair, given fcfs's row and the pair's goodput ratio.
+PairValue = Callable[[dict[str, Any], float], float]
+
+
+def _ratio(base: dict[str, Any], ratio: float) -> float:
+    return ratio
+
+
+def pair_ceiling(base: dict[str, Any], ratio: float) -> float:
+    """The pair's ceiling (see ceiling), as a PairValue."""
+    return ceiling(base)
+
+
+def paired_ratios(
+    rows: list[dict[str, Any]], value: PairValue = _ratio
+) -> dict[tuple[float, float, str], list[float]]:
+    """Each policy's goodput over fcfs's in the same cell and repeat, by (cv, load, policy).
+    ``value`` picks what is collected instead of the ratio, e.g. pair_ceiling."""
     ratios: dict[tuple[float, float, str], list[float]] = {}
-    for r, _, ratio in _pairs(rows):
-        ratios.setdefault((r["cv"], r["load"], r["policy"]), []).append(ratio)
+    for r, base, ratio in _pairs(rows):
+        ratios.setdefault((r["cv"], r["load"], r["policy"]), []).append(value(base, ratio))
     return ratios
 
 
 def by_met_load(
     rows: list[dict[str, Any]],
     edges: tuple[float, ...] = (0.9, 1.1),
-    value: Callable[[dict[str, Any], float], float] = lambda base, ratio: ratio,
+    value: PairValue = _ratio,
 ) -> dict[tuple[float, str, str], list[float]]:
     """Paired ratios regrouped by the load the pair met (the mean of its two runs' effective_load,
-    measured runs only), in bins split at ``edges``: by (cv, bin label, policy). ``value`` (of the
-    fcfs row and the ratio) picks what is collected instead of the ratio, e.g. the ceiling."""
+    measured runs only), in bins split at ``edges``: by (cv, bin label, policy). ``value``: as in
+    paired_ratios."""
     inner = [f"{a:g}-{b:g}" for a, b in itertools.pairwise(edges)]
     labels = [f"<{edges[0]:g}", *inner, f">={edges[-1]:g}"]
     out: dict[tuple[float, str, str], list[float]] = {}
@@ -159,13 +175,11 @@ def table(result: dict[str, Any]) -> str:
     lines.append("ceiling: the most any policy's goodput can be over fcfs's there (every request met)")
     if result.get("repeats", 1) > 1:
         lines.append("goodput over fcfs's in the same repeat: median [lowest, highest], median ceiling")
-        ceilings: dict[tuple[float, float], list[float]] = {}
-        for r in result["rows"]:
-            if r["policy"] == "fcfs":
-                ceilings.setdefault((r["cv"], r["load"]), []).append(ceiling(r))
-        for (cv, load, policy), xs in paired_ratios(result["rows"]).items():
+        ceilings = paired_ratios(result["rows"], pair_ceiling)
+        for key, xs in paired_ratios(result["rows"]).items():
+            cv, load, policy = key
             if policy != "fcfs":
-                mid, top = statistics.median(xs), statistics.median(ceilings[(cv, load)])
+                mid, top = statistics.median(xs), statistics.median(ceilings[key])
                 lines.append(
                     f"{cv:>4g} {load:>5g} {policy:<11} {mid:>6.2f}x [{min(xs):.2f}, {max(xs):.2f}], "
                     f"ceiling {top:.2f}x"
@@ -176,13 +190,13 @@ def table(result: dict[str, Any]) -> str:
             "goodput over fcfs's, pairs by the load they met: median [lowest, highest] (pairs), median "
             "ceiling"
         )
-        tops = by_met_load(result["rows"], value=lambda base, _: ceiling(base))
-        for key, xs in by_met_load(result["rows"]).items():
-            cv, label, policy = key
+        tops = by_met_load(result["rows"], value=pair_ceiling)
+        for bin_key, xs in by_met_load(result["rows"]).items():
+            cv, label, policy = bin_key
             mid = statistics.median(xs)
             lines.append(
                 f"{cv:>4g} {label:>7} {policy:<11} {mid:>6.2f}x [{min(xs):.2f}, {max(xs):.2f}] ({len(xs)}), "
-                f"ceiling {statistics.median(tops[key]):.2f}x"
+                f"ceiling {statistics.median(tops[bin_key]):.2f}x"
             )
     return "\n".join(lines)
 
