@@ -160,7 +160,8 @@ class Settings:
 
 
 # Read elsewhere (engine, telemetry, bench): not an error to see them.
-_OTHERS = {"INFLIGHT_HOME", "INFLIGHT_FAULT_ENGINE_DIES_AFTER_STEPS"}  # the latter: services/worker/faults.py
+# INFLIGHT_FAULT_*: services/worker/faults.py (tests and the chaos soak only).
+_OTHERS = {"INFLIGHT_HOME", "INFLIGHT_FAULT_ENGINE_DIES_AFTER_STEPS", "INFLIGHT_FAULT_STEP_DELAY_S"}
 
 ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_KAFKA_BOOTSTRAP": ("kafka_bootstrap", "str"),

@@ -2,34 +2,50 @@
 
 ``INFLIGHT_FAULT_ENGINE_DIES_AFTER_STEPS=N``: the engine's step raises from step N+1 on, so its loop
 dies for good (what a GPU fault or a kernel bug does to a real engine), while the process lives on.
+
+``INFLIGHT_FAULT_STEP_DELAY_S=S``: every engine step first sleeps S seconds. Tests that need a request
+still running at some point (a drain, a cancel, a kill mid-stream) pace the engine with it instead of
+trusting the host to be slow enough: their outcome then does not depend on how fast the machine is.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 ENGINE_DIES_AFTER_STEPS = "INFLIGHT_FAULT_ENGINE_DIES_AFTER_STEPS"
+STEP_DELAY_S = "INFLIGHT_FAULT_STEP_DELAY_S"
 
 
 def install(core: Any) -> None:
     """Wrap ``core.step`` (an ``LLMEngine``'s: in the engine core process, or in the worker's)."""
-    raw = os.environ.get(ENGINE_DIES_AFTER_STEPS)
-    if not raw:
-        return
-    limit = int(raw)
-    step = core.step
-    num_steps = 0
+    raw_limit = os.environ.get(ENGINE_DIES_AFTER_STEPS)
+    raw_delay = os.environ.get(STEP_DELAY_S)
+    if raw_delay:
+        delay = float(raw_delay)
+        paced = core.step
 
-    def failing_step() -> Any:
-        nonlocal num_steps
-        num_steps += 1
-        if num_steps > limit:
-            raise RuntimeError(f"injected fault: the engine step fails for good after {limit} steps")
-        return step()
+        def slow_step() -> Any:
+            time.sleep(delay)
+            return paced()
 
-    core.step = failing_step
-    log.warning("fault injection: the engine dies after %d steps", limit)
+        core.step = slow_step
+        log.warning("fault injection: every engine step sleeps %.3f s first", delay)
+    if raw_limit:
+        limit = int(raw_limit)
+        step = core.step
+        num_steps = 0
+
+        def failing_step() -> Any:
+            nonlocal num_steps
+            num_steps += 1
+            if num_steps > limit:
+                raise RuntimeError(f"injected fault: the engine step fails for good after {limit} steps")
+            return step()
+
+        core.step = failing_step
+        log.warning("fault injection: the engine dies after %d steps", limit)
