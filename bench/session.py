@@ -20,12 +20,12 @@ from bench.workload import RequestSpec, random_prompt
 
 def bench_model_path() -> Path:
     """The benchmark checkpoint (tiny.py's "bench" preset, ~50M parameters, float32), written once
-    under ``$INFLIGHT_HOME`` (default ~/.cache/inflight) and renamed into place, so a concurrent run
+    in the model cache (``engine.paths.models_dir``) and renamed into place, so a concurrent run
     sees either none or a complete one."""
     from engine.models.tiny import write_tiny_checkpoint
+    from engine.paths import models_dir
 
-    home = Path(os.environ.get("INFLIGHT_HOME") or Path.home() / ".cache" / "inflight")
-    target = home / "models" / "bench-llama"
+    target = models_dir() / "bench-llama"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

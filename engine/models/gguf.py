@@ -4,7 +4,8 @@ A ``.gguf`` file carries everything the engine needs: the architecture's hyperpa
 tokenizer (tokens, merges, token types, special ids, chat template) as metadata, and the weights, often
 quantized (Q4_1, Q8_0, ...). inflight computes in float or bfloat16, so the weights are dequantized
 with the ``gguf`` package and written, with a ``config.json`` and a ``tokenizer.json`` built from the
-metadata, into ``$INFLIGHT_HOME/models/gguf/<name>-<key>/``. Every entry point (``ModelConfig.from_path``,
+metadata, into ``<cache root>/models/gguf/<name>-<key>/`` (``engine.paths``: ``$INFLIGHT_HOME``, else
+``$XDG_CACHE_HOME/inflight``, else ~/.cache/inflight). Every entry point (``ModelConfig.from_path``,
 ``load_tokenizer``, ``load_weights``, the gateway) asks :func:`local_checkpoint` for that directory,
 so the engine reads one format only, and the cost is paid once: reading the GGUF's metadata alone
 takes seconds (its 49k tokens and merges are parsed field by field), the cached copy loads by mmap.
@@ -36,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from engine.paths import models_dir
 
 # Bump when the converted layout changes: old cache entries are then ignored, not misread.
 _CONVERTER_VERSION = 1
@@ -93,8 +96,8 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def model_cache_dir() -> Path:
-    """Where converted and generated checkpoints live: ``$INFLIGHT_HOME`` (or ~/.cache/inflight)/models."""
-    return Path(os.environ.get("INFLIGHT_HOME") or Path.home() / ".cache" / "inflight") / "models"
+    """Where converted and generated checkpoints live (``engine.paths.models_dir``)."""
+    return models_dir()
 
 
 def short_name(path: str | Path) -> str:

@@ -364,13 +364,14 @@ def write_tiny_checkpoint(
 
 
 def default_model_path() -> Path:
-    """The stack's default model: ``$INFLIGHT_HOME`` (or ~/.cache/inflight) ``/models/tiny-llama``.
+    """The stack's default model: ``tiny-llama`` in the model cache (``engine.paths.models_dir``).
 
     Written on first use into a temporary sibling directory and renamed into place, so a concurrent
     process sees either no checkpoint or a complete one.
     """
-    home = Path(os.environ.get("INFLIGHT_HOME") or Path.home() / ".cache" / "inflight")
-    target = home / "models" / "tiny-llama"
+    from engine.paths import models_dir
+
+    target = models_dir() / "tiny-llama"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

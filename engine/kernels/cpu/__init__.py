@@ -2,7 +2,8 @@
 and the layer's fused pointwise ops (RMSNorm with the residual add, rotary, SiLU-and-mul).
 
 ``load()`` builds them on first use (a torch extension compiled with the host's g++, cached per source
-and torch version; ``make setup`` builds it ahead of time) and registers ``torch.ops.inflight_cpu``.
+and torch version in ``engine.paths.cpu_ext_root()``; ``make setup`` builds it ahead of time, and a build
+that died leaves no lock behind to wait on: ``build_lock.py``) and registers ``torch.ops.inflight_cpu``.
 A host that cannot build them (no compiler, no ninja) keeps the torch path, with one warning.
 """
 
@@ -15,6 +16,9 @@ import os
 from pathlib import Path
 
 import torch
+
+from engine.kernels.cpu.build_lock import exclusive_build
+from engine.paths import cpu_ext_root
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +35,7 @@ def build_dir() -> Path:
     key.update(f"{_HERE.resolve()}:{Path(torch.__file__).resolve()}".encode())
     for path in _SOURCES + _HEADERS:
         key.update(path.read_bytes())
-    root = os.environ.get("INFLIGHT_CPU_EXT_DIR") or Path.home() / ".cache" / "inflight" / "cpu_ext"
-    return Path(root) / key.hexdigest()[:16]
+    return cpu_ext_root() / key.hexdigest()[:16]
 
 
 @functools.cache
@@ -44,16 +47,17 @@ def load() -> bool:
         from torch.utils import cpp_extension
 
         directory = build_dir()
-        directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="inflight_cpu",
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+        # torch's own lock file outlives a builder that was killed; ours does not (build_lock.py).
+        with exclusive_build(directory):
+            cpp_extension.load(
+                name="inflight_cpu",
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # a compiler error, a missing ninja or g++: the torch path still works
         log.warning(
             "CPU attention kernels unavailable (%s: %s); using the slower torch path", type(exc).__name__, exc
