@@ -34,8 +34,8 @@ import redis as redis_lib
 
 from bench.chaos_report import Fault, Report, check, print_table
 from bench.chaos_traffic import Result, Spec, make_specs, reference_body, run_one, text_of_response
-from services.common.servers import ServerProcess, start_kafka, start_redis
-from services.dev import ServiceProcess, launch, stack_env
+from harness.servers import ServerProcess, start_kafka, start_redis
+from harness.stack import ServiceProcess, launch, stack_env
 
 MODEL_NAME = "tiny"
 PASSWORD = "chaos"

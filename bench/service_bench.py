@@ -31,9 +31,9 @@ from typing import Any
 import openai
 import redis as redis_lib
 
+from harness.servers import start_kafka, start_redis
+from harness.stack import ServiceProcess, launch, stack_env
 from services.common import keys
-from services.common.servers import start_kafka, start_redis
-from services.dev import ServiceProcess, launch, stack_env
 
 PROMPT = (
     "The quick brown fox jumps over the lazy dog. A continuous batching server keeps the accelerator busy"

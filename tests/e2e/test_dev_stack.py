@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from engine.models.tiny import default_model_path
-from services.common.servers import free_port
+from harness.servers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 

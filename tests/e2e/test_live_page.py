@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from engine.models.tiny import default_model_path
-from services.common.servers import free_port
+from harness.servers import free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 try:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from engine.models.gguf import default_gguf_path
-from services.common.servers import free_port
+from harness.servers import free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "127.0.0.1:8000"

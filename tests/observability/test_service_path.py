@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.servers import start_kafka, start_redis
+from harness.servers import start_kafka, start_redis
 from tests.observability.otlp_receiver import OTLPReceiver, Span
 from tests.services.stack import MODEL_NAME, REDIS_PASSWORD, Stack, new_stack, wait_for
 

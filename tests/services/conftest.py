@@ -2,17 +2,19 @@
 
 The shared ``stack`` (one gateway, one worker) serves the tests that only send traffic; tests that
 kill, restart or fill things build their own stack (and their own servers where a restart or a
-shared key would disturb others).
+shared key would disturb others). ``extra_gateway`` adds a gateway with settings of its own to the
+shared stack, for a test module's lifetime.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from services.common.servers import ServerProcess, start_kafka, start_redis
+from harness.servers import ServerProcess, start_kafka, start_redis
+from harness.stack import ServiceProcess, launch
 from tests.services.stack import REDIS_PASSWORD, Stack, new_stack
 
 
@@ -45,6 +47,27 @@ def stack(
     shared = new_stack(kafka, redis_server, model_path, tmp_path_factory.mktemp("stack"))
     yield shared
     shared.close()
+
+
+ExtraGateway = Callable[..., ServiceProcess]
+
+
+@pytest.fixture(scope="module")
+def extra_gateway(stack: Stack) -> Iterator[ExtraGateway]:
+    """``extra_gateway(INFLIGHT_X="...")``: a ready gateway on the shared stack's broker, Redis and
+    workers with those settings on top of the stack's; stopped when the module's tests are done. Not
+    added to ``stack.gateways``: the shared stack's own gateway stays the one its tests reach."""
+    started: list[ServiceProcess] = []
+
+    def start(**env: str) -> ServiceProcess:
+        gateway = launch("gateway", {**stack.env, **env}, stack.log_dir)
+        started.append(gateway)
+        gateway.wait_ready()
+        return gateway
+
+    yield start
+    for gateway in started:
+        gateway.stop()
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from services.common.servers import ServerProcess
+from harness.servers import ServerProcess
 from tests.services.stack import MODEL_NAME, new_stack, wait_for
 
 pytestmark = pytest.mark.timeout(150)

@@ -8,15 +8,15 @@ token ids, deep nesting.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from services.dev import ServiceProcess, launch
+from harness.stack import ServiceProcess
 from services.gateway import errors
+from tests.services.conftest import ExtraGateway
 from tests.services.stack import MODEL_NAME, Stack
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,11 +53,8 @@ HOSTILE: list[tuple[str, str]] = [
 
 
 @pytest.fixture(scope="module")
-def text_gateway(stack: Stack) -> Iterator[ServiceProcess]:
-    gateway = launch("gateway", {**stack.env, "INFLIGHT_MODEL": ""}, stack.log_dir)
-    gateway.wait_ready()
-    yield gateway
-    gateway.stop()
+def text_gateway(extra_gateway: ExtraGateway) -> ServiceProcess:
+    return extra_gateway(INFLIGHT_MODEL="")
 
 
 def _post(url: str, path: str, body: str) -> httpx.Response:

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.common.servers import ServerProcess
+from harness.servers import ServerProcess
 from tests.services.stack import MODEL_NAME, new_stack, wait_for
 
 pytestmark = pytest.mark.timeout(180)

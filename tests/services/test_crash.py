@@ -16,10 +16,10 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from harness.servers import ServerProcess
+from harness.stack import ServiceProcess
 from services.common import keys
-from services.common.servers import ServerProcess
 from services.common.wire import DeltaEvent, DoneEvent, decode_event
-from services.dev import ServiceProcess
 from tests.services.stack import MODEL_NAME, Stack, new_stack, worker_stats
 
 pytestmark = pytest.mark.timeout(180)

@@ -15,8 +15,8 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
+from harness.servers import ServerProcess, start_kafka
 from services.common.kafka import log_holds, make_consumer, make_probe
-from services.common.servers import ServerProcess, start_kafka
 from services.common.settings import Settings
 from services.worker.commits import Committer
 from services.worker.offsets import OffsetTracker

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -19,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.dev import launch
-from tests.services.stack import MODEL_NAME, Stack
+from tests.services.conftest import ExtraGateway
+from tests.services.stack import MODEL_NAME
 
 EXAMPLES = int(os.environ.get("INFLIGHT_FUZZ_EXAMPLES", "25"))
 pytestmark = pytest.mark.timeout(120 + 6 * EXAMPLES)
@@ -124,17 +123,11 @@ requests = st.one_of(
 
 
 @pytest.fixture(scope="module")
-def gateways(stack: Stack) -> Iterator[list[str]]:
+def gateways(extra_gateway: ExtraGateway) -> list[str]:
     # One gateway that tokenizes (context capped so valid requests finish fast), one without the model.
-    tokenizing = launch("gateway", {**stack.env, "INFLIGHT_MAX_MODEL_LEN": "64"}, stack.log_dir)
-    text_only = launch(
-        "gateway", {**stack.env, "INFLIGHT_MODEL": "", "INFLIGHT_MAX_MODEL_LEN": "64"}, stack.log_dir
-    )
-    for gateway in (tokenizing, text_only):
-        gateway.wait_ready()
-    yield [tokenizing.url, text_only.url]
-    for gateway in (tokenizing, text_only):
-        gateway.stop()
+    tokenizing = extra_gateway(INFLIGHT_MAX_MODEL_LEN="64")
+    text_only = extra_gateway(INFLIGHT_MODEL="", INFLIGHT_MAX_MODEL_LEN="64")
+    return [tokenizing.url, text_only.url]
 
 
 def _check_stream(text: str) -> None:

@@ -8,19 +8,16 @@ import httpx
 import openai
 import pytest
 
-from services.dev import ServiceProcess, launch
+from harness.stack import ServiceProcess
+from tests.services.conftest import ExtraGateway
 from tests.services.stack import MODEL_NAME, Stack
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def guarded(stack: Stack) -> Iterator[ServiceProcess]:
-    env = {**stack.env, "INFLIGHT_API_KEYS": "key-one,key-two", "INFLIGHT_MAX_BODY_BYTES": "4096"}
-    gateway = launch("gateway", env, stack.log_dir)
-    gateway.wait_ready()
-    yield gateway
-    gateway.stop()
+def guarded(extra_gateway: ExtraGateway) -> ServiceProcess:
+    return extra_gateway(INFLIGHT_API_KEYS="key-one,key-two", INFLIGHT_MAX_BODY_BYTES="4096")
 
 
 def _client(gateway: ServiceProcess, key: str) -> openai.OpenAI:

@@ -6,24 +6,20 @@ model is still refused with a 400, by the worker this time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
 
-from services.dev import ServiceProcess, launch
+from harness.stack import ServiceProcess
+from tests.services.conftest import ExtraGateway
 from tests.services.stack import MODEL_NAME, Stack
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def text_gateway(stack: Stack) -> Iterator[ServiceProcess]:
-    gateway = launch("gateway", {**stack.env, "INFLIGHT_MODEL": ""}, stack.log_dir)
-    gateway.wait_ready()
-    yield gateway
-    gateway.stop()
+def text_gateway(extra_gateway: ExtraGateway) -> ServiceProcess:
+    return extra_gateway(INFLIGHT_MODEL="")
 
 
 def test_same_results_as_a_tokenizing_gateway(stack: Stack, text_gateway: ServiceProcess) -> None:

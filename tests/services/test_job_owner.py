@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import pytest
 
-from services.dev import ServiceProcess, launch
-from tests.services.stack import MODEL_NAME, Stack
+from harness.stack import ServiceProcess
+from tests.services.conftest import ExtraGateway
+from tests.services.stack import MODEL_NAME
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def guarded(stack: Stack) -> Iterator[ServiceProcess]:
-    gateway = launch("gateway", {**stack.env, "INFLIGHT_API_KEYS": "alice-key,bob-key"}, stack.log_dir)
-    gateway.wait_ready()
-    yield gateway
-    gateway.stop()
+def guarded(extra_gateway: ExtraGateway) -> ServiceProcess:
+    return extra_gateway(INFLIGHT_API_KEYS="alice-key,bob-key")
 
 
 def test_jobs_belong_to_their_key(guarded: ServiceProcess) -> None:

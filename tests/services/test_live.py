@@ -10,8 +10,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from engine import LLM, SamplingParams
+from harness.servers import ServerProcess
 from services.common.live import LIVE_CHANNEL, LiveSteps, short_id
-from services.common.servers import ServerProcess
 from services.worker.live import LivePublisher, stop
 from tests.services.stack import REDIS_PASSWORD
 

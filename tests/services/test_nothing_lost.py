@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from harness.servers import ServerProcess
 from services.common import keys
-from services.common.servers import ServerProcess
 from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for, worker_stats
 
 pytestmark = pytest.mark.timeout(240)

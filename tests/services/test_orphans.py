@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from harness.servers import ServerProcess
 from services.common import keys
-from services.common.servers import ServerProcess
 from tests.services.stack import MODEL_NAME, new_stack, wait_for, worker_stats
 
 pytestmark = pytest.mark.timeout(180)

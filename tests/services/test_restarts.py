@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from services.common.servers import ServerProcess
+from harness.servers import ServerProcess
 from tests.services.sse import events, text_of
 from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for
 

@@ -8,7 +8,6 @@ generation path is fuzzed too, not only the 404 for an unknown model.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,8 +18,9 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
-from services.dev import ServiceProcess, launch
-from tests.services.stack import MODEL_NAME, Stack
+from harness.stack import ServiceProcess
+from tests.services.conftest import ExtraGateway
+from tests.services.stack import MODEL_NAME
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -28,11 +28,8 @@ EXAMPLES_PER_OPERATION = 20
 
 
 @pytest.fixture(scope="module")
-def fuzz_gateway(stack: Stack) -> Iterator[ServiceProcess]:
-    gateway = launch("gateway", {**stack.env, "INFLIGHT_MAX_MODEL_LEN": "64"}, stack.log_dir)
-    gateway.wait_ready()
-    yield gateway
-    gateway.stop()
+def fuzz_gateway(extra_gateway: ExtraGateway) -> ServiceProcess:
+    return extra_gateway(INFLIGHT_MAX_MODEL_LEN="64")
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aioredis
 
+from harness.servers import ServerProcess, start_redis
 from services.common import keys
-from services.common.servers import ServerProcess, start_redis
 from services.common.store import Store
 from services.common.wire import DeltaEvent, DoneEvent, decode_event, encode_event
 

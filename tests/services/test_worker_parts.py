@@ -19,8 +19,8 @@ import pytest
 from engine.async_engine import AsyncLLMEngine
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from harness.servers import ServerProcess
 from services.common import keys
-from services.common.servers import ServerProcess
 from services.common.settings import Settings
 from services.common.store import Store, connect_redis
 from services.common.wire import COMPLETED, DeltaEvent, DoneEvent, RequestMessage, encode_event
