@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             **stack_env(kafka, redis, model),
             "INFLIGHT_KAFKA_TOPIC": f"inflight.overhead.{tag}",
             "INFLIGHT_KAFKA_CONSUMER_GROUP": f"overhead-{tag}",
-            "INFLIGHT_MAX_WAITING": str(args.concurrency * 2),
+            "INFLIGHT_FETCH_MAX_WAITING": str(args.concurrency * 2),
             "INFLIGHT_SERVED_MODEL_NAME": "model",
             "INFLIGHT_WORKER_PORT": "0",
         }

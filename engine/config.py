@@ -109,26 +109,41 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """What a user may set, by the names vLLM uses. ``EngineArgs(**kwargs)`` rejects unknown names."""
+    """What a user may set, by the names vLLM uses. ``EngineArgs(**kwargs)`` rejects unknown names.
+
+    The comment on each field is its entry in docs/configuration.md (``python -m inflight.reference``).
+    """
 
     model: str
+    # auto: bfloat16 on a GPU (float16 checkpoints stay float16), on a CPU what the CPU multiplies
+    # fastest (INFLIGHT_CPU_AUTO_DTYPE); or float32, bfloat16, float16.
     dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
+    max_model_len: int | None = None  # Longest prompt plus output, in tokens; None: the model's own.
+    max_num_seqs: int = 64  # Requests in one step's batch.
+    # The step's token budget: decodes take one token each, prompts are chunked to fit what is left.
+    # None: 2048 with chunked prefill (short steps keep decodes fast), else max_model_len.
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    block_size: int = 16  # Tokens per KV-cache block (a power of two); prefix caching shares whole blocks.
+    # KV-cache blocks; None: sized from kv_cache_memory, else from free memory (up to 90% of a GPU; on a
+    # CPU what max_num_seqs full-length requests need, at most 2 GiB).
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes for K/V across all layers
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # Requests sharing a prompt prefix reuse its computed KV blocks.
+    # Split long prompts over steps so that running requests keep decoding; off, a prompt must fit
+    # max_num_batched_tokens whole.
     enable_chunked_prefill: bool = True
+    # fcfs: by arrival; priority: lower `priority` first, then arrival (an urgent request may preempt a
+    # less urgent one); slo: by deadline (below).
     scheduling_policy: Literal["fcfs", "priority", "slo"] = "fcfs"
-    # slo policy: default deadlines for every request (None = none), rejection of lost requests, the
-    # wait after which any request is served by arrival, and the step-cost model (COST.json from
-    # ``inflight plan calibrate``) that estimates prefill and step times; see engine/sched/slo.py.
+    # slo policy (engine/sched/slo.py): a request's time-to-first-token deadline in seconds when it sets
+    # none (per request: the slo_ttft_ms extra field); None: no default.
     slo_ttft_s: float | None = None
+    # slo policy: the default deadline for the mean time per output token, in seconds (slo_tpot_ms).
     slo_tpot_s: float | None = None
+    # slo policy: fail a request that would miss its TTFT deadline even with steps faster than modelled
+    # (HTTP 503, code slo_ttft_unmet), so it stops taking capacity that others can still use.
     slo_reject: bool = False
-    slo_starvation_s: float = 30.0
+    slo_starvation_s: float = 30.0  # slo policy: a request waiting this long is served by arrival.
     # Share of the TPOT deadline a step is not planned into: steps vary around the cost model (about
     # 20-30% on a CPU host), and a request whose every step is planned at its TPOT exactly misses it
     # half the time. Small, because TPOT is a mean and the step cap spreads a stream's slack (a fast
@@ -136,6 +151,8 @@ class EngineArgs:
     # goodput than 0.2 in five of the policy grid's six cells (2% less in one), and at 0.2 the real
     # benchmark's TPOT P99 sat at 0.81x the SLO.
     slo_tpot_headroom: float = 0.1
+    # slo policy: the step-cost model (COST.json from `inflight plan calibrate`) that estimates prefill
+    # and step times.
     slo_cost_model: str | None = None
     # The policy plans with the cost model scaled by the host's speed as served steps measure it, a
     # moving level over this many seconds (engine/sched/host_speed.py); None plans with the
@@ -145,13 +162,18 @@ class EngineArgs:
     # time, bring it back on course for its TPOT (engine/sched/slo.py step_time_cap); None spreads
     # its slack evenly over all the tokens it has left.
     slo_tpot_horizon: int | None = 16
+    # continuous: requests join and leave at every step; static: a batch runs until its longest request
+    # ends (the baseline the benchmarks compare against).
     batching: Literal["continuous", "static"] = "continuous"
+    # auto: triton on a GPU; on a CPU the C++ kernels where they build, else torch (the reference path).
     attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
-    seed: int = 0
-    device: str = "auto"
+    seed: int = 0  # Seeds dummy weights and the seeds drawn for requests that set none.
+    device: str = "auto"  # auto: cuda when available, else cpu; or a torch device name.
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json only
-    max_waiting: int | None = None  # bound on the waiting queue; None = unbounded
-    enable_cuda_graph: bool = True
+    # Requests the waiting queue may hold; one more raises EngineQueueFull. None: unbounded (a worker
+    # bounds what it fetches instead, INFLIGHT_FETCH_MAX_WAITING, and leaves this unset).
+    max_waiting: int | None = None
+    enable_cuda_graph: bool = True  # GPU: replay CUDA graphs captured for decode-only steps.
     # Plan step N+1 while step N runs (vLLM's async scheduling); None = decide from the host, see
     # engine/overlap.py. Off is the plain synchronous step.
     async_scheduling: bool | None = None

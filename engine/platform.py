@@ -14,12 +14,14 @@ from pathlib import Path
 
 import torch
 
+from engine import envs
+
 log = logging.getLogger(__name__)
 
 # Flags that mean the CPU multiplies bf16 natively (oneDNN then uses them for bf16 GEMMs).
 _BF16_MATMUL_FLAGS = ("avx512_bf16", "amx_bf16")
 # Lets an operator (or a test suite comparing against float32 references) override the probe.
-AUTO_DTYPE_ENV = "INFLIGHT_CPU_AUTO_DTYPE"
+AUTO_DTYPE_ENV = envs.CPU_AUTO_DTYPE.name
 
 
 @functools.cache
@@ -53,10 +55,8 @@ def cpu_has_bf16_matmul() -> bool:
 @functools.cache
 def cpu_auto_dtype() -> torch.dtype:
     """bfloat16 where the CPU has bf16 matmul units, float32 elsewhere; logged once."""
-    forced = os.environ.get(AUTO_DTYPE_ENV)
+    forced = envs.cpu_auto_dtype()
     if forced:
-        if forced not in ("float32", "bfloat16"):
-            raise ValueError(f"{AUTO_DTYPE_ENV} must be float32 or bfloat16, got {forced!r}")
         dtype = torch.float32 if forced == "float32" else torch.bfloat16
         log.info("dtype auto on CPU: %s (set by %s)", forced, AUTO_DTYPE_ENV)
         return dtype

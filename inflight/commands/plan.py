@@ -170,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost", required=True, help="COST.json from inflight plan calibrate")
     parser.add_argument(
-        "--max-waiting", type=int, default=16, help="worker fetch bound (INFLIGHT_MAX_WAITING)"
+        "--max-waiting", type=int, default=16, help="worker fetch bound (INFLIGHT_FETCH_MAX_WAITING)"
     )
     parser.add_argument(
         "--policy",

@@ -12,7 +12,7 @@ HELP = "an engine worker: Kafka consumer -> engine -> Redis"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="probe/metrics port (default INFLIGHT_WORKER_PORT, 8001)")
     parser.add_argument(
-        "--model", help="model directory or .gguf file (default INFLIGHT_MODEL, else the tiny model)"
+        "--model", help="model directory or .gguf file (default INFLIGHT_MODEL; required), or tiny-random"
     )
 
 

@@ -1,7 +1,14 @@
-"""The services' settings: every environment variable is read here, once, into a frozen dataclass.
+"""The services' settings: every ``INFLIGHT_*`` variable of the gateway and the worker is read here, once,
+into a frozen dataclass.
 
 Names are a contract with the deployment (Helm values, docker-compose): see ``ENV_NAMES``. Values are
 validated when read, so a typo in a deployment fails at start-up, not at the first request.
+
+The comment above a field (or after it, on its line) says what the setting bounds and why its default:
+``docs/configuration.md`` is generated from these comments (``python -m inflight.reference --write``), and
+a test fails when a setting has none or the page is stale. Variables read elsewhere are declared, so none
+is logged as unknown: the engine's own in ``engine/envs.py`` (``ENGINE_ENVS``), the test and benchmark
+harness's in ``HARNESS_ENVS`` below.
 """
 
 from __future__ import annotations
@@ -29,50 +36,76 @@ class SettingsError(ValueError):
 @dataclass(frozen=True)
 class Settings:
     # ---- Kafka ------------------------------------------------------------------------------
+    # Comma-separated host:port list of Kafka brokers.
     kafka_bootstrap: str = "127.0.0.1:9092"
+    # The topic requests travel on; created at start-up (with kafka_partitions) when it does not exist.
     kafka_topic: str = "inflight.requests"
+    # PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL, as Kafka's clients spell it.
     kafka_security_protocol: str = "PLAINTEXT"
+    # PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512; needs the username and password below.
     kafka_sasl_mechanism: str | None = None
-    kafka_sasl_username: str | None = None
-    kafka_sasl_password: str | None = field(default=None, repr=False)
+    kafka_sasl_username: str | None = None  # SASL user
+    kafka_sasl_password: str | None = field(default=None, repr=False)  # SASL password (kept out of logs)
     # Real Kafka: on, so a retried produce never duplicates. The tansu test broker cannot do it.
     kafka_idempotence: bool = True
+    # The workers' consumer group: Kafka spreads the topic's partitions over its members.
     kafka_consumer_group: str = "inflight-workers"
     # Used only when the topic does not exist yet; must be >= the number of worker replicas.
     kafka_partitions: int = 8
-    kafka_replication_factor: int = 1
+    kafka_replication_factor: int = 1  # Replicas of a topic created at start-up.
     # tansu answers a fetch only when fetch_max_wait expires, so this is its produce-to-consume
     # latency floor; real Kafka answers as soon as data arrives, and this only bounds idle fetches.
     kafka_fetch_max_wait_ms: int = 5
+    # How long the group waits for a silent worker before its partitions go to the others: part of the
+    # crash recovery time, together with lease_ttl_s.
     kafka_session_timeout_ms: int = 10_000
+    # A produce that Kafka has not acknowledged by then fails the request (HTTP 503), not hangs it.
     kafka_produce_timeout_s: float = 5.0
     # ---- Redis ------------------------------------------------------------------------------
+    # Redis carries token events (pub/sub), job and request records, leases and the admission count.
     redis_url: str = "redis://127.0.0.1:6379/0"
-    redis_password: str | None = field(default=None, repr=False)
+    redis_password: str | None = field(default=None, repr=False)  # Overrides the URL's (kept out of logs).
     # How long the worker keeps buffering token events while Redis is unreachable before giving up.
     redis_outage_s: float = 30.0
     # ---- model ------------------------------------------------------------------------------
+    # The checkpoint: an HF-format directory (config.json, safetensors, tokenizer.json) or a .gguf file.
+    # A worker refuses to start without one; `tiny-random` asks for the small random-weight test model.
+    # A gateway given the same path tokenizes and checks prompt lengths itself.
     model: str | None = None
+    # The id clients send as `model`; unset: the checkpoint's short name (no path).
     served_model_name: str | None = None
+    # Engine arguments as a JSON object, e.g. {"max_num_seqs": 64, "dtype": "bfloat16"}: see the engine
+    # arguments table. Unknown names fail the worker at start-up.
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # The context length the gateway checks prompts against; unset: the engine argument, else the model's.
     max_model_len: int | None = None
     # ---- gateway ----------------------------------------------------------------------------
+    # Comma-separated keys accepted as `Authorization: Bearer KEY`; unset: no authentication.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
-    max_pending: int = 256  # cluster-wide: admitted and not yet taken by an engine
-    job_ttl_s: int = 86_400
-    record_ttl_s: int = 900  # records and token logs of synchronous requests
-    max_body_bytes: int = 4 * 1024 * 1024
-    request_timeout_s: float = 600.0  # a synchronous request that sees no progress for this long fails
+    # Requests admitted cluster-wide and not yet taken by an engine; past it the gateway answers 429 with
+    # Retry-After. Kafka holds these, so the bound is what a client may wait behind, not memory.
+    max_pending: int = 256
+    job_ttl_s: int = 86_400  # How long a job's record (status, result) is kept: a day to collect it.
+    # How long a synchronous request's record and token log are kept: long enough for a client to
+    # reconnect to a stream it lost.
+    record_ttl_s: int = 900
+    max_body_bytes: int = 4 * 1024 * 1024  # Larger request bodies get HTTP 413 before they are parsed.
+    request_timeout_s: float = 600.0  # A synchronous request that sees no progress for this long fails.
     # A request whose reservation is not refreshed for this long no longer counts as pending: a gateway
     # that dies between admitting and producing cannot shrink the cluster's admission for good.
     pending_ttl_s: float = 30.0
-    gateway_port: int = 8000
+    gateway_port: int = 8000  # The gateway's HTTP port (API, /metrics, probes, the live page).
     # ---- worker -----------------------------------------------------------------------------
-    max_waiting: int = 16  # fetch from Kafka only while the engine's waiting queue is below this
+    # A worker fetches from Kafka only while fewer than this many of its requests wait to run (the
+    # engine's waiting queue plus those fetched and not yet handed to it), so the backlog stays in Kafka,
+    # where any worker can take it. Not the engine's max_waiting argument, which refuses requests.
+    fetch_max_waiting: int = 16
+    # On SIGTERM a worker stops fetching and lets its running requests finish for this long; what is left
+    # then goes back to Kafka for another worker.
     drain_timeout_s: float = 60.0
     # A worker's claim on a request; another worker takes over once it lapses (crash recovery time).
     lease_ttl_s: float = 10.0
-    worker_port: int = 8001
+    worker_port: int = 8001  # The worker's HTTP port (/metrics, /healthz, /readyz, /stats).
     # CPU hosts: intra-op threads of the worker's torch (None: torch's default, one per core). On a
     # small host the broker, Redis and the gateway need cores too, and oversubscribed OpenMP threads
     # spin: fewer threads can be faster.
@@ -85,10 +118,12 @@ class Settings:
     # many and shared by every request's trace, so they are sampled on their own, not per request.
     trace_step_sample_every: int = 0
     # ---- process ----------------------------------------------------------------------------
-    bind_host: str = "0.0.0.0"
-    log_level: str = "INFO"
+    bind_host: str = "0.0.0.0"  # The address both servers listen on.
+    log_level: str = "INFO"  # A Python logging level name.
+    # The pod's name (Kubernetes' downward API): it names the worker in leases and logs, and with the
+    # namespace lets a worker with a service-account token publish its pod-deletion cost.
     pod_name: str | None = None
-    pod_namespace: str | None = None
+    pod_namespace: str | None = None  # The pod's namespace (downward API).
     instance_id: str = field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     )
@@ -105,7 +140,7 @@ class Settings:
             "max_body_bytes": self.max_body_bytes,
             "request_timeout_s": self.request_timeout_s,
             "pending_ttl_s": self.pending_ttl_s,
-            "max_waiting": self.max_waiting,
+            "fetch_max_waiting": self.fetch_max_waiting,
             "lease_ttl_s": self.lease_ttl_s,
         }
         for name, value in positive.items():
@@ -150,18 +185,52 @@ class Settings:
         for name, (attr, kind) in ENV_NAMES.items():
             if name in env and env[name] != "":
                 values[attr] = reader.parse(name, kind)
-        unknown = sorted(
-            n for n in env if n.startswith("INFLIGHT_") and n not in ENV_NAMES and n not in _OTHERS
-        )
+        for old, new in DEPRECATED_NAMES.items():
+            if env.get(old, "") == "":
+                continue
+            if env.get(new, "") != "":
+                log.warning("%s is deprecated and ignored: %s is set", old, new)
+                continue
+            log.warning("%s is deprecated: set %s instead", old, new)
+            attr, kind = ENV_NAMES[new]
+            values[attr] = reader.parse(old, kind)
+        unknown = sorted(n for n in env if n.startswith("INFLIGHT_") and n not in known_names())
         if unknown:
-            # Warn, not fail: other parts of the system (telemetry, bench) add their own INFLIGHT_* names.
+            # Warn, not fail: a typo is visible in the log, and a newer deployment's names do not stop
+            # an older image.
             log.warning("ignoring unknown settings: %s", ", ".join(unknown))
         return cls(**values)
 
 
-# Read elsewhere (engine, telemetry, bench): not an error to see them.
-# INFLIGHT_FAULT_*: services/worker/faults.py (tests and the chaos soak only).
-_OTHERS = {"INFLIGHT_HOME", "INFLIGHT_FAULT_ENGINE_DIES_AFTER_STEPS", "INFLIGHT_FAULT_STEP_DELAY_S"}
+# Old name -> its replacement. The old one still works, with a warning at start-up.
+DEPRECATED_NAMES: dict[str, str] = {
+    # It bounds the worker's fetch, not the engine's waiting queue (the engine argument max_waiting).
+    "INFLIGHT_MAX_WAITING": "INFLIGHT_FETCH_MAX_WAITING",
+}
+
+# Read by the test and benchmark harness, never by a deployed service: declared so that a worker started
+# with them (a test's fault injection) does not log them as unknown. Name -> what it does.
+HARNESS_ENVS: dict[str, str] = {
+    "INFLIGHT_FAULT_STEP_DELAY_S": "Every engine step sleeps this long first (services/worker/faults.py): "
+    "tests that need a request still running pace the engine with it instead of racing the host.",
+    "INFLIGHT_FAULT_ENGINE_DIES_AFTER_STEPS": "The engine's step raises from step N+1 on, as a GPU fault "
+    "would (services/worker/faults.py): the failure-path tests and the chaos soak.",
+    "INFLIGHT_PEERS_VENV": "The virtualenv of the benchmark's peers (vLLM's CPU backend); default "
+    "`.venv-peers` in the repository (`make bench-peers`).",
+    "INFLIGHT_FUZZ_EXAMPLES": "Examples per request fuzzer: 25 in `make test`, 1000 in `make fuzz`.",
+    "INFLIGHT_FUZZ_RANDOM": "1: the fuzzers draw new cases each run instead of the same ones.",
+    "INFLIGHT_LIVE_SCREENSHOT": "A PNG path: the live page's browser test saves a screenshot there.",
+    "INFLIGHT_MODEL_DIR": "docker-compose's gpu profile: the host folder mounted at /models (default "
+    "./models).",
+}
+
+
+def known_names() -> set[str]:
+    """Every INFLIGHT_* name some part of inflight reads."""
+    from engine.envs import ENGINE_ENVS  # torch-free
+
+    return {*ENV_NAMES, *DEPRECATED_NAMES, *HARNESS_ENVS, *(v.name for v in ENGINE_ENVS)}
+
 
 ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_KAFKA_BOOTSTRAP": ("kafka_bootstrap", "str"),
@@ -192,7 +261,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_REQUEST_TIMEOUT_S": ("request_timeout_s", "float"),
     "INFLIGHT_PENDING_TTL_S": ("pending_ttl_s", "float"),
     "INFLIGHT_GATEWAY_PORT": ("gateway_port", "int"),
-    "INFLIGHT_MAX_WAITING": ("max_waiting", "int"),
+    "INFLIGHT_FETCH_MAX_WAITING": ("fetch_max_waiting", "int"),
     "INFLIGHT_DRAIN_TIMEOUT_S": ("drain_timeout_s", "float"),
     "INFLIGHT_LEASE_TTL_S": ("lease_ttl_s", "float"),
     "INFLIGHT_WORKER_PORT": ("worker_port", "int"),

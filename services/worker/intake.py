@@ -55,7 +55,7 @@ class Intake:
     def room(self) -> int:
         # Requests consumed but not yet in the engine count as waiting: the bound holds at all times.
         intake = sum(1 for r in self.runs.values() if not r.engine_ids)
-        return self.settings.max_waiting - self.engine.load.num_waiting - intake
+        return self.settings.fetch_max_waiting - self.engine.load.num_waiting - intake
 
     async def fetch_forever(self, consumer: AIOKafkaConsumer) -> None:
         while True:

@@ -16,12 +16,25 @@ from services.worker.engine_client import EngineClient
 log = logging.getLogger(__name__)
 
 
-def resolve_model(settings: Settings) -> str:
-    if settings.model:
-        return settings.model
-    from engine.models.tiny import default_model_path  # the local stack's default
+# INFLIGHT_MODEL's name for the small random-weight checkpoint of engine/models/tiny.py: its answers are
+# noise, so a worker serves it only when asked for it by name, never as a silent default.
+TINY_RANDOM_MODEL = "tiny-random"
 
-    return str(default_model_path())
+NO_MODEL = (
+    "inflight worker: no model to serve. Set INFLIGHT_MODEL (or --model) to an HF checkpoint directory "
+    "or a .gguf file; INFLIGHT_MODEL=tiny-random serves a small random-weight model for tests and demos."
+)
+
+
+def resolve_model(settings: Settings) -> str:
+    """The checkpoint path to load; exits with a clear message when none is configured."""
+    if not settings.model:
+        raise SystemExit(NO_MODEL)
+    if settings.model == TINY_RANDOM_MODEL:
+        from engine.models.tiny import default_model_path  # written on first use
+
+        return str(default_model_path())
+    return settings.model
 
 
 async def serve(settings: Settings) -> None:
@@ -80,6 +93,7 @@ async def start_engine(model: str, settings: Settings) -> EngineClient:
 
 
 def main(settings: Settings) -> None:
+    resolve_model(settings)  # no model: exit now, before telemetry and the event loop start
     tracing = setup_telemetry("inflight-worker", settings.log_level)
     try:
         asyncio.run(serve(settings))

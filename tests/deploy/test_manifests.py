@@ -204,7 +204,7 @@ def test_env_names_are_the_ones_the_services_read(layout: Layout) -> None:
         assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
     worker_env = env_of(main_container(component(layout.objs, "worker")), layout.objs)
     assert isinstance(json.loads(worker_env["INFLIGHT_ENGINE_ARGS"]), dict)
-    for required in ("INFLIGHT_MODEL", "INFLIGHT_MAX_WAITING", "INFLIGHT_DRAIN_TIMEOUT_S"):
+    for required in ("INFLIGHT_MODEL", "INFLIGHT_FETCH_MAX_WAITING", "INFLIGHT_DRAIN_TIMEOUT_S"):
         assert required in worker_env
 
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from engine import envs
 from engine.kernels.cpu.build_lock import exclusive_build
 from engine.paths import cpu_ext_root
 
@@ -41,7 +41,7 @@ def build_dir() -> Path:
 @functools.cache
 def load() -> bool:
     """True when ``torch.ops.inflight_cpu`` is ready; False (after one warning) when it cannot be built."""
-    if os.environ.get("INFLIGHT_DISABLE_CPU_KERNELS"):
+    if envs.cpu_kernels_disabled():
         return False
     try:
         from torch.utils import cpp_extension

@@ -1,0 +1,80 @@
+"""The engine's own environment variables, declared in one place (the cache paths are read by
+``engine/paths.py``, the others through the functions below).
+
+The engine imports no service code, so it cannot use the services' settings module; the services'
+settings (``services/common/settings.py``) import ``ENGINE_ENVS`` instead, so none of these is logged as
+unknown, and the configuration reference (``docs/configuration.md``) lists them from here.
+
+Each is read when asked for, not at import: tests and the benchmark harness set them per process.
+Torch-free: the gateway imports this module through the settings.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from engine import paths
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One variable: its name, the kind of value it takes, its default as a user reads it, what it does."""
+
+    name: str
+    kind: str  # "path" | "bool" | "float32|bfloat16"
+    default: str
+    doc: str
+
+
+HOME = EnvVar(
+    paths.HOME_ENV,
+    "path",
+    "$XDG_CACHE_HOME/inflight, else ~/.cache/inflight",
+    "Cache root: converted GGUF checkpoints (`models/gguf/`) and generated checkpoints such as the tiny "
+    "model (`models/tiny-llama`). Read by `engine/paths.py`.",
+)
+CPU_AUTO_DTYPE = EnvVar(
+    "INFLIGHT_CPU_AUTO_DTYPE",
+    "float32|bfloat16",
+    "(probe the CPU)",
+    'What `dtype="auto"` means on a CPU. Unset, bfloat16 where the CPU has bf16 matmul units '
+    "(AVX512_BF16 or AMX), float32 elsewhere: without them bf16 matmuls run hundreds of times slower.",
+)
+CPU_EXT_DIR = EnvVar(
+    paths.CPU_EXT_ENV,
+    "path",
+    "$XDG_CACHE_HOME/inflight/cpu_ext, else ~/.cache/inflight/cpu_ext",
+    "Build folders of the C++ CPU kernels (one per source, flags and torch version). Not under "
+    "`INFLIGHT_HOME`, so a temporary model cache costs no rebuild. Read by `engine/paths.py`.",
+)
+DISABLE_CPU_KERNELS = EnvVar(
+    "INFLIGHT_DISABLE_CPU_KERNELS",
+    "bool",
+    "false",
+    'true: never build or load the C++ CPU kernels; `attention_backend="auto"` then runs the torch path.',
+)
+
+ENGINE_ENVS: tuple[EnvVar, ...] = (HOME, CPU_AUTO_DTYPE, CPU_EXT_DIR, DISABLE_CPU_KERNELS)
+
+
+def cpu_auto_dtype() -> str | None:
+    """``"float32"`` or ``"bfloat16"`` when set; None lets the engine probe the CPU."""
+    value = os.environ.get(CPU_AUTO_DTYPE.name, "").strip()
+    if not value:
+        return None
+    if value not in ("float32", "bfloat16"):
+        raise ValueError(f"{CPU_AUTO_DTYPE.name} must be float32 or bfloat16, got {value!r}")
+    return value
+
+
+def cpu_kernels_disabled() -> bool:
+    value = os.environ.get(DISABLE_CPU_KERNELS.name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{DISABLE_CPU_KERNELS.name} must be true or false, got {value!r}")
