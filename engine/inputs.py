@@ -15,6 +15,10 @@ class ContextLengthError(ValueError):
         super().__init__(message)
         self.param = param  # the request field to blame: "prompt" or "max_tokens"
 
+    def __reduce__(self) -> tuple[type[ContextLengthError], tuple[str, str]]:
+        # An exception unpickles as cls(*self.args), and args holds the message only: rebuild from both.
+        return type(self), (str(self), self.param)
+
 
 def check_context_length(num_prompt_tokens: int, max_model_len: int, max_tokens: int | None = None) -> None:
     """Raise ``ContextLengthError`` unless the prompt leaves room for ``max_tokens`` (None: for one token).

@@ -3,35 +3,52 @@
 It answers the calls ``AsyncLLMEngine`` answers (generate, abort, load, tokenizer, metrics), from a
 torch-free process: the worker's Kafka, Redis and HTTP work then never competes with the model step
 for a GIL, which measured +13% (SmolLM2) to +77% (a tiny model) on the step inside a worker
-(``bench/step_overhead.py``). Two threads move messages: a sender, so a long prompt's pickling and a
-full pipe never block the event loop, and a reader, which fires the metric listeners with the core's
-step and request records (as the core's own thread would in-process) and hands each step's outputs
-to the event loop in one callback.
+(``bench/step_overhead.py``). Commands are encoded on the event loop (a value that cannot cross the
+pipe fails its own call) and three threads do the rest: a sender, so a full pipe never blocks the event
+loop; a reader, which decodes the core's messages, fires the metric listeners with its step and request
+records (as the core's own thread would in-process) and hands each step's outputs to the event loop in
+one callback; and a watchdog, which kills a core that has work and stops stepping (``watchdog.py``).
+Anything unexpected in those threads marks the engine dead: every stream fails, no call hangs.
+
+What is bounded, and by what:
+- the sender's queue: one ``AddRequest`` and at most one ``AbortRequest`` per stream (aborts of one
+  request are coalesced; a request this client is not streaming is not sent one), plus one ``Inspect``
+  per waiting caller; the number of streams is the caller's to bound (the worker's intake does).
+- the callbacks on the event loop: at most ``_MAX_DISPATCHES`` steps' outputs queued; past that the
+  reader waits, the pipe fills and the core blocks on its next send, so a late event loop slows the
+  core instead of buffering its output (the watchdog does not count that wait against the core).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import itertools
 import logging
 import multiprocessing
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from engine.core.messages import (
     AbortRequest,
+    Added,
     AddRequest,
     CoreDied,
     Inspect,
     Ready,
     Reply,
     Shutdown,
-    StepMessage,
+    Step,
+    client_codec,
+    request_output,
 )
+from engine.core.watchdog import EngineStalled, StallPolicy, StepClock
 from engine.metrics import EngineMetrics, SchedulerStats
 from engine.streams import Stream, stream_outputs
 
@@ -43,6 +60,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _NO_LOAD = SchedulerStats(0, 0, 0, 0, 0.0, 0, 0, 0, 0, 0)
+_MAX_DISPATCHES = 32  # steps of outputs waiting for the event loop before the reader stops reading
+
+# What the sender sends: the encoded command, whether it waits for an answer, the request it aborts.
+_Outgoing = tuple[bytes, bool, str | None]
 
 
 class EngineCoreClient:
@@ -54,6 +75,7 @@ class EngineCoreClient:
         torch_threads: int | None = None,
         log_level: str = "INFO",
         setup: Callable[[Any], None] | None = None,
+        stall: StallPolicy | None = None,
     ) -> None:
         self.model = model
         self.engine_args = dict(engine_args or {})
@@ -66,10 +88,17 @@ class EngineCoreClient:
         self.max_model_len = 0
         self.description = ""
         self.dead_error: BaseException | None = None
+        self.clock = StepClock(stall or StallPolicy())
+        self._codec = client_codec()  # encodes on the event loop, decodes on the reader thread
         self._streams: dict[str, Stream] = {}
         self._replies: dict[int, asyncio.Future[Any]] = {}
+        self._num_unacknowledged = 0
         self._seq = itertools.count()
-        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
+        self._aborting: set[str] = set()  # requests with an abort in the outbox
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the reader thread's only
+        self._dispatches = threading.BoundedSemaphore(_MAX_DISPATCHES)
+        self._dead_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: Any = None  # multiprocessing's SpawnProcess
         self._commands: Connection | None = None
@@ -81,6 +110,11 @@ class EngineCoreClient:
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_unacknowledged(self) -> int:
+        """Requests handed to ``generate`` that the core has not taken yet (the load does not show them)."""
+        return self._num_unacknowledged
 
     @property
     def pid(self) -> int | None:
@@ -111,7 +145,7 @@ class EngineCoreClient:
         results_in.close()
         self._commands, self._results = commands_in, results_out
         try:
-            first = await asyncio.to_thread(results_out.recv)
+            first = self._codec.decode(await asyncio.to_thread(results_out.recv_bytes))
         except EOFError:
             await asyncio.to_thread(self._proc.join, 5)
             raise RuntimeError(
@@ -120,7 +154,8 @@ class EngineCoreClient:
         if isinstance(first, CoreDied):
             await asyncio.to_thread(self._proc.join, 5)
             raise RuntimeError(f"the engine core failed to start:\n{first.error}")
-        assert isinstance(first, Ready), first
+        if not isinstance(first, Ready):
+            raise RuntimeError(f"the engine core's first message is not Ready: {first!r}")
         from engine.tokenizer import load_tokenizer  # the same checkpoint's tokenizer, loaded here
 
         self.tokenizer = await asyncio.to_thread(load_tokenizer, first.model_path)
@@ -128,8 +163,9 @@ class EngineCoreClient:
         self.load = first.load
         self.description = first.description
         logger.info("engine core running in process %d: %s", self._proc.pid, first.description)
-        for target, name in ((self._read, "inflight-core-reader"), (self._write, "inflight-core-sender")):
-            thread = threading.Thread(target=target, name=name, daemon=True)
+        threads = ((self._read, "reader"), (self._write, "sender"), (self._watch, "watchdog"))
+        for target, name in threads:
+            thread = threading.Thread(target=target, name=f"inflight-core-{name}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
@@ -137,7 +173,7 @@ class EngineCoreClient:
         if self._proc is None or self._closing:
             return
         self._closing = True
-        self._outbox.put(Shutdown())
+        self._outbox.put((self._codec.encode(Shutdown()), False, None))
         self._outbox.put(None)  # the sender's signal to stop
         await asyncio.to_thread(self._proc.join, 30)
         if self._proc.is_alive():
@@ -165,21 +201,30 @@ class EngineCoreClient:
         slo_tpot_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs. Leaving the iterator early (or cancelling) aborts the request."""
-        add = AddRequest(
-            -1, request_id, prompt, params, priority, resume_token_ids, resume_by_index, indexes,
-            slo_ttft_s, slo_tpot_s,
-        )  # fmt: skip
+        by_index = None if resume_by_index is None else {i: list(t) for i, t in resume_by_index.items()}
+        index_list = None if indexes is None else list(indexes)
+
+        def add(seq: int) -> AddRequest:
+            return AddRequest(
+                seq, request_id, prompt, params, priority, resume_token_ids, by_index, index_list,
+                slo_ttft_s, slo_tpot_s,
+            )  # fmt: skip
 
         async def send() -> None:
             if self._proc is None:
                 await self.start()
-            await self._ask(lambda seq: dataclasses.replace(add, seq=seq))
+            # Counted from here until the core's answer: the load shows it only from then on.
+            self._num_unacknowledged += 1
+            try:
+                await self._ask(add)
+            finally:
+                self._num_unacknowledged -= 1
 
         return stream_outputs(
             self._streams,
             request_id,
             send,
-            lambda: self._outbox.put(AbortRequest(request_id)),
+            lambda: self._send_abort(request_id),
             lambda: self.dead_error is not None,
         )
 
@@ -187,40 +232,67 @@ class EngineCoreClient:
         """Abort a request wherever it is; the stream then ends with finish_reason "abort"."""
         if self.dead_error is not None:
             raise RuntimeError("the engine loop has died") from self.dead_error
-        self._outbox.put(AbortRequest(request_id))
+        if request_id in self._streams:  # otherwise the core has no such request from this client
+            self._send_abort(request_id)
 
     async def inspect(self, what: str) -> Any:
         """Ask the core a read-only question between steps (see ``engine.core.proc.INSPECTIONS``)."""
         return await self._ask(lambda seq: Inspect(seq, what))
 
-    async def _ask(self, make: Callable[[int], object]) -> Any:
+    def _send_abort(self, request_id: str) -> None:
+        if request_id not in self._aborting:  # one abort of a request in the outbox at a time
+            self._aborting.add(request_id)
+            self._outbox.put((self._codec.encode(AbortRequest(request_id)), False, request_id))
+
+    async def _ask(self, make: Callable[[int], msgspec.Struct]) -> Any:
         if self.dead_error is not None:
             raise RuntimeError("the engine loop has died") from self.dead_error
         assert self._loop is not None
         seq = next(self._seq)
+        try:
+            data = self._codec.encode(make(seq))
+        except (TypeError, ValueError, msgspec.EncodeError) as exc:
+            raise ValueError(f"this request cannot be sent to the engine: {exc}") from exc
         reply: asyncio.Future[Any] = self._loop.create_future()
         self._replies[seq] = reply
-        self._outbox.put(make(seq))
+        self._outbox.put((data, True, None))
         try:
             return await reply
         finally:
             self._replies.pop(seq, None)
 
-    # ---- the two threads -----------------------------------------------------------------------
+    # ---- the threads ---------------------------------------------------------------------------
     def _write(self) -> None:
         assert self._commands is not None
-        while (message := self._outbox.get()) is not None:
-            try:
-                self._commands.send(message)
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                return  # the core is gone; the reader reports it
+        try:
+            while (item := self._outbox.get()) is not None:
+                data, asks, aborts = item
+                if aborts is not None:
+                    self._aborting.discard(aborts)
+                if asks:
+                    self.clock.on_sent(time.monotonic())
+                try:
+                    self._commands.send_bytes(data)
+                except (BrokenPipeError, ConnectionResetError, OSError):
+                    return  # the core is gone; the reader reports it
+        except BaseException as exc:
+            logger.exception("the engine core's sender failed")
+            self._died(RuntimeError(f"the engine core's sender failed: {exc!r}"))
 
     def _read(self) -> None:
+        try:
+            self._read_forever()
+        except BaseException as exc:
+            # A message it cannot decode, a listener that raised: never a silent, hanging client.
+            logger.exception("the engine core's reader failed")
+            self._died(RuntimeError(f"the engine core's reader failed: {exc!r}"))
+
+    def _read_forever(self) -> None:
         assert self._results is not None and self._loop is not None
         loop = self._loop
         while True:
             try:
-                message = self._results.recv()
+                raw = self._results.recv_bytes()
             except (EOFError, OSError):
                 if self._closing:
                     return
@@ -228,41 +300,104 @@ class EngineCoreClient:
                 code = self._proc.exitcode
                 self._died(RuntimeError(f"the engine core process exited (exit code {code})"))
                 return
-            if isinstance(message, StepMessage):
-                for step in message.steps:
-                    self.metrics.on_step(step)
-                for record in message.finished:
-                    self.metrics.on_request_record(record)
-                if message.load is not None:
-                    self.load = message.load
-                if message.outputs:
-                    loop.call_soon_threadsafe(self._dispatch, message.outputs)
+            now = time.monotonic()
+            message = self._codec.decode(raw)
+            if isinstance(message, Step):
+                self._on_step(message, now)
+            elif isinstance(message, Added):
+                self._prompts[message.request_id] = (message.prompt, message.prompt_token_ids)
+                self.load = message.load  # before the answer: the request is never counted nowhere
+                self.clock.on_answer(now, core_busy=True)
+                loop.call_soon_threadsafe(self._resolve, message.seq, None, None)
             elif isinstance(message, Reply):
-                loop.call_soon_threadsafe(self._resolve, message)
+                self.clock.on_answer(now, core_busy=None)
+                error = None if message.error is None else message.error.exception()
+                loop.call_soon_threadsafe(self._resolve, message.seq, message.value, error)
             elif isinstance(message, CoreDied):
                 logger.error("the engine core died:\n%s", message.error)
                 self._died(RuntimeError(f"the engine core died: {message.error.strip().splitlines()[-1]}"))
                 return
+            else:
+                raise TypeError(f"unexpected message from the engine core: {message!r}")
+
+    def _on_step(self, message: Step, now: float) -> None:
+        self.clock.on_step(now, len(message.steps), message.busy)
+        for step in message.steps:
+            self.metrics.on_step(step)
+        for record in message.finished:
+            self.metrics.on_request_record(record)
+        if message.load is not None:
+            self.load = message.load
+        if not message.outputs:
+            return
+        outputs = []
+        for out in message.outputs:
+            prompt, ids = self._prompts.get(out.request_id, (None, []))
+            outputs.append(request_output(out, prompt, ids))
+            if out.finished:
+                self._prompts.pop(out.request_id, None)
+        if not self._dispatches.acquire(blocking=False):
+            self.clock.pause(True)  # the event loop is behind: wait for it, not the core
+            while not self._dispatches.acquire(timeout=1.0):
+                if self._closing or self.dead_error is not None:
+                    return
+            self.clock.pause(False)
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _watch(self) -> None:
+        """Kill a core that has work and has sent nothing within its bound (see ``watchdog.py``)."""
+        try:
+            while not self._closing and self.dead_error is None:
+                time.sleep(self.clock.policy.tick_s)
+                waited = self.clock.overdue(time.monotonic())
+                if waited is None or self._closing:
+                    continue
+                bound = self.clock.bound()
+                logger.error(
+                    "the engine core (process %s) has had work and sent nothing for %.1f s (bound %.1f s): "
+                    "killing it",
+                    self.pid,
+                    waited,
+                    bound,
+                )
+                # Marked first: its requests fail with the stall as the reason, not the kill's exit code.
+                self._died(
+                    EngineStalled(f"the engine core stalled: nothing for {waited:.1f}s (bound {bound:.1f}s)")
+                )
+                with contextlib.suppress(Exception):
+                    self._proc.kill()
+                return
+        except BaseException as exc:
+            logger.exception("the engine core's watchdog failed")
+            self._died(RuntimeError(f"the engine core's watchdog failed: {exc!r}"))
 
     # ---- on the event loop ---------------------------------------------------------------------
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put_nowait(out)
+        try:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put_nowait(out)
+        finally:
+            self._dispatches.release()
 
-    def _resolve(self, reply: Reply) -> None:
-        future = self._replies.get(reply.seq)
+    def _resolve(self, seq: int, value: Any, error: BaseException | None) -> None:
+        future = self._replies.get(seq)
         if future is None or future.done():
             return
-        if reply.error is not None:
-            future.set_exception(reply.error)
+        if error is not None:
+            future.set_exception(error)
         else:
-            future.set_result(reply.value)
+            future.set_result(value)
 
     def _died(self, error: BaseException) -> None:
-        """From the reader thread: every stream and waiting call fails, as with a dead engine thread."""
-        self.dead_error = error
+        """From any thread: every stream and waiting call fails, as with a dead engine thread. The first
+        reason stays (a stall, then the kill's EOF, reads as the stall)."""
+        with self._dead_lock:
+            if self.dead_error is not None:
+                return
+            self.dead_error = error
         assert self._loop is not None
 
         def fail_all() -> None:
@@ -272,4 +407,5 @@ class EngineCoreClient:
                 if not future.done():
                     future.set_exception(RuntimeError("the engine loop has died"))
 
-        self._loop.call_soon_threadsafe(fail_all)
+        with contextlib.suppress(RuntimeError):  # the event loop is already closed: nobody to tell
+            self._loop.call_soon_threadsafe(fail_all)

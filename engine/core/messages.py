@@ -1,78 +1,199 @@
-"""What crosses the pipe between an engine core and its client: small picklable records, torch-free.
+"""What crosses the pipe between an engine core and its client: typed msgspec messages, torch-free.
 
-Client -> core: ``AddRequest`` (answered by a ``Reply``), ``AbortRequest``, ``Inspect`` (answered),
-``Shutdown``. Core -> client: ``Ready`` once, then a ``StepMessage`` per step (or per change of load
-while idle), ``Reply`` to the commands that ask for one, and ``CoreDied`` if its loop fails.
+Client -> core (``Command``): ``AddRequest`` (answered by ``Added`` or a ``Reply`` with the refusal),
+``AbortRequest``, ``Inspect`` (answered by a ``Reply``), ``Shutdown``.
+Core -> client (``Event``): ``Ready`` once, then a ``Step`` per step (or per change of load while idle),
+``Added`` / ``Reply`` to the commands that ask, and ``CoreDied`` if its loop fails.
+
+Every message is a msgspec Struct in a tagged union, encoded as msgpack with ``send_bytes``; nothing is
+pickled, so a value that cannot be rebuilt on the other side fails where it is encoded (the one request
+that sent it), never in a reader thread. The hot message, ``Step``, is encoded as arrays (no field
+names) and carries each request's new tokens only: its prompt went back once, in ``Added``.
+Errors cross as data (``Failure``) and become typed exceptions again on the caller's side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import msgspec
+
+from engine.inputs import ContextLengthError
 from engine.metrics import RequestRecord, SchedulerStats, StepRecord
-
-if TYPE_CHECKING:
-    from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
-class AddRequest:
-    seq: int  # the Reply carries it back
+class Failure(msgspec.Struct, frozen=True):
+    """An exception as data. ``kind``: "context_length" (ContextLengthError, with ``param``),
+    "invalid" (ValueError: the input's fault), "internal" (anything else: RuntimeError)."""
+
+    kind: str
+    message: str
+    param: str | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        if isinstance(exc, ContextLengthError):
+            return cls("context_length", str(exc), exc.param)
+        if isinstance(exc, ValueError):
+            return cls("invalid", str(exc))
+        return cls("internal", f"{type(exc).__name__}: {exc}")
+
+    def exception(self) -> Exception:
+        """The exception the caller raises: the types the worker already maps to OpenAI errors."""
+        if self.kind == "context_length":
+            return ContextLengthError(self.message, self.param or "prompt")
+        if self.kind == "invalid":
+            return ValueError(self.message)
+        return RuntimeError(self.message)
+
+
+# ---- client -> core ---------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", array_like=True, frozen=True):
+    seq: int  # the answer (Added or Reply) carries it back
     request_id: str
     prompt: list[int] | str
     params: SamplingParams
     priority: int = 0
     resume_token_ids: list[int] | None = None
-    resume_by_index: Mapping[int, Sequence[int]] | None = None
-    indexes: Sequence[int] | None = None
+    resume_by_index: dict[int, list[int]] | None = None
+    indexes: list[int] | None = None
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
 
 
-@dataclass(frozen=True)
-class AbortRequest:
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True, frozen=True):
     request_id: str
 
 
-@dataclass(frozen=True)
-class Inspect:
+class Inspect(msgspec.Struct, tag="inspect", array_like=True, frozen=True):
     """A read-only question about the core's state, between steps (tests and tools)."""
 
     seq: int
     what: str  # see engine.core.proc.INSPECTIONS
 
 
-@dataclass(frozen=True)
-class Shutdown:
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):
     pass
 
 
-@dataclass(frozen=True)
-class Ready:
+Command = AddRequest | AbortRequest | Inspect | Shutdown
+
+
+# ---- core -> client ---------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     model_path: str  # the local checkpoint: the client loads the same tokenizer from it
     max_model_len: int
     load: SchedulerStats
     description: str  # for the client's start-up log line
 
 
-@dataclass(frozen=True)
-class Reply:
+class Added(msgspec.Struct, tag="added", array_like=True, frozen=True):
+    """The core took the request: its prompt as the core tokenized it, and the load with it queued."""
+
     seq: int
-    value: Any = None
-    error: BaseException | None = None
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    load: SchedulerStats
 
 
-@dataclass
-class StepMessage:
-    outputs: list[RequestOutput] = field(default_factory=list)
-    steps: list[StepRecord] = field(default_factory=list)
-    finished: list[RequestRecord] = field(default_factory=list)
+class Reply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
+    seq: int
+    value: Any = None  # an inspection's answer: plain data (bool, int, str, lists, dicts)
+    error: Failure | None = None
+
+
+class Completion(msgspec.Struct, array_like=True, frozen=True):
+    """One index's delta of a step: ``CompletionOutput`` on the wire."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[dict[int, float]] | None
+    num_output_tokens: int
+
+
+class Output(msgspec.Struct, array_like=True, frozen=True):
+    """One request's delta of a step: ``RequestOutput`` without the prompt (sent once, in Added)."""
+
+    request_id: str
+    outputs: list[Completion]
+    finished: bool
+    metrics: RequestRecord | None = None
+    error: str | None = None
+
+
+class Step(msgspec.Struct, tag="step", array_like=True):
+    outputs: list[Output] = msgspec.field(default_factory=list)
+    steps: list[StepRecord] = msgspec.field(default_factory=list)
+    finished: list[RequestRecord] = msgspec.field(default_factory=list)
     load: SchedulerStats | None = None  # the load after this step (None: unchanged)
+    busy: bool = False  # the core steps again at once: another Step follows (the stall watch's cue)
 
 
-@dataclass(frozen=True)
-class CoreDied:
-    error: str  # the traceback, as text: the exception itself may not pickle
+class CoreDied(msgspec.Struct, tag="died", array_like=True, frozen=True):
+    error: str  # the traceback, as text
+
+
+Event = Ready | Added | Reply | Step | CoreDied
+
+
+# ---- the edges: engine objects <-> wire structs -------------------------------------------------
+def wire_output(out: RequestOutput) -> Output:
+    completions = [
+        Completion(
+            c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.num_output_tokens
+        )
+        for c in out.outputs
+    ]
+    return Output(out.request_id, completions, out.finished, out.metrics, out.error)
+
+
+def request_output(out: Output, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
+    completions = [
+        CompletionOutput(
+            c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.num_output_tokens
+        )
+        for c in out.outputs
+    ]
+    return RequestOutput(
+        out.request_id, prompt, prompt_token_ids, completions, out.finished, out.metrics, out.error
+    )
+
+
+class Codec:
+    """One side's encoder and decoder (msgspec reuses their buffers and type plans: keep one per side)."""
+
+    def __init__(self, receives: Any) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(receives)
+
+    def encode(self, message: msgspec.Struct) -> bytes:
+        return self._encoder.encode(message)
+
+    def decode(self, raw: bytes) -> Any:
+        return self._decoder.decode(raw)
+
+
+def client_codec() -> Codec:
+    return Codec(Event)
+
+
+def core_codec() -> Codec:
+    return Codec(Command)
+
+
+def seq_of(raw: bytes) -> int | None:
+    """The ``seq`` of a command that failed to decode, if it has one: its asker gets the refusal."""
+    try:
+        fields = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(fields, list) and len(fields) > 1 and fields[0] in ("add", "inspect"):
+        seq = fields[1]
+        return seq if isinstance(seq, int) else None
+    return None

@@ -18,15 +18,23 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
+
 from engine.core.messages import (
     AbortRequest,
+    Added,
     AddRequest,
+    Codec,
     CoreDied,
+    Failure,
     Inspect,
     Ready,
     Reply,
     Shutdown,
-    StepMessage,
+    Step,
+    core_codec,
+    seq_of,
+    wire_output,
 )
 from engine.metrics import RequestRecord, StepRecord
 
@@ -55,6 +63,7 @@ def run_engine_core(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s"
     )
+    codec = core_codec()
     try:
         import torch
 
@@ -67,29 +76,32 @@ def run_engine_core(
             setup(engine)
     except BaseException:
         # Start-up failures (a bad path, a bad argument) go to the client as text; it raises them.
-        _send(results, CoreDied(traceback.format_exc()))
+        _send(results, codec, CoreDied(traceback.format_exc()))
         return
     config = engine.config
     description = (
         f"{config.model.architecture}, dtype {str(config.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} torch threads"
     )
-    if not _send(results, Ready(config.model_path, config.max_model_len, engine.load, description)):
+    ready = Ready(config.model_path, config.max_model_len, engine.load, description)
+    if not _send(results, codec, ready):
         return
-    _Loop(engine, commands, results).run()
+    _Loop(engine, codec, commands, results).run()
 
 
-def _send(conn: Connection, message: object) -> bool:
+def _send(conn: Connection, codec: Codec, message: Any) -> bool:
+    data = codec.encode(message)  # before the pipe: a value that cannot be encoded raises here
     try:
-        conn.send(message)
+        conn.send_bytes(data)
         return True
     except (BrokenPipeError, ConnectionResetError, EOFError):
         return False  # the client is gone
 
 
 class _Loop:
-    def __init__(self, engine: Any, commands: Connection, results: Connection) -> None:
+    def __init__(self, engine: Any, codec: Codec, commands: Connection, results: Connection) -> None:
         self.engine = engine
+        self.codec = codec
         self.commands = commands
         self.results = results
         self.steps: list[StepRecord] = []
@@ -109,19 +121,21 @@ class _Loop:
                 if not self.running:
                     break
                 if engine.has_unfinished_requests():
-                    message = StepMessage(engine.step(), self.steps, self.finished, engine.load)
+                    outputs = [wire_output(out) for out in engine.step()]
+                    busy = engine.has_unfinished_requests()
+                    message = Step(outputs, self.steps, self.finished, engine.load, busy)
                 elif changed:  # an abort of the last request, say: the load changed with no step
-                    message = StepMessage(load=engine.load, finished=self.finished)
+                    message = Step(finished=self.finished, load=engine.load)
                 else:
                     continue
-                sent = _send(self.results, message)  # pickled here, so the lists can be reused
+                sent = _send(self.results, self.codec, message)  # encoded here: the lists can be reused
                 self.steps.clear()
                 self.finished.clear()
                 if not sent:
                     return
         except BaseException:
             logger.exception("engine core loop died")
-            _send(self.results, CoreDied(traceback.format_exc()))
+            _send(self.results, self.codec, CoreDied(traceback.format_exc()))
 
     def _take_commands(self, block: bool) -> bool:
         """Apply every command waiting in the pipe (waiting for one first if ``block``)."""
@@ -129,10 +143,20 @@ class _Loop:
         timeout = None if block else 0.0
         while self.running and self.commands.poll(timeout):
             try:
-                command = self.commands.recv()
+                raw = self.commands.recv_bytes()
             except (EOFError, OSError):
                 self.running = False  # the client is gone: nobody is left to serve
                 break
+            try:
+                command = self.codec.decode(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                # The client encodes with the same types, so this is a bug there: refuse that one
+                # command (its asker gets the error), keep serving the others.
+                logger.error("undecodable engine core command: %s", exc)
+                seq = seq_of(raw)
+                if seq is not None:
+                    self._answer(Reply(seq, error=Failure("invalid", f"undecodable command: {exc}")))
+                continue
             self._apply(command)
             changed = True
             timeout = 0.0
@@ -142,9 +166,10 @@ class _Loop:
         engine = self.engine
         if isinstance(command, AddRequest):
             try:
+                text, ids = engine.tokenize(command.prompt)
                 engine.add_request(
                     command.request_id,
-                    command.prompt,
+                    ids,
                     command.params,
                     priority=command.priority,
                     resume_token_ids=command.resume_token_ids,
@@ -153,19 +178,28 @@ class _Loop:
                     slo_ttft_s=command.slo_ttft_s,
                     slo_tpot_s=command.slo_tpot_s,
                 )
-                reply = Reply(command.seq)
+                answer: Added | Reply = Added(command.seq, command.request_id, text, ids, engine.load)
             except Exception as exc:  # refused (bad input, queue full): the caller raises it
-                reply = Reply(command.seq, error=exc)
-            _send(self.results, reply)
+                answer = Reply(command.seq, error=Failure.of(exc))
+            self._answer(answer)
         elif isinstance(command, AbortRequest):
             engine.abort_request(command.request_id)
         elif isinstance(command, Inspect):
             try:
-                reply = Reply(command.seq, INSPECTIONS[command.what](engine))
+                answer = Reply(command.seq, INSPECTIONS[command.what](engine))
             except Exception as exc:
-                reply = Reply(command.seq, error=exc)
-            _send(self.results, reply)
+                answer = Reply(command.seq, error=Failure.of(exc))
+            self._answer(answer)
         elif isinstance(command, Shutdown):
             self.running = False
         else:
             raise TypeError(f"unknown engine core command {command!r}")
+
+    def _answer(self, answer: Added | Reply) -> None:
+        try:
+            _send(self.results, self.codec, answer)
+        except (TypeError, ValueError, msgspec.EncodeError) as exc:  # an answer that cannot be encoded
+            seq = answer.seq
+            _send(
+                self.results, self.codec, Reply(seq, error=Failure("internal", f"unencodable answer: {exc}"))
+            )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ import pytest
 
 from engine import SamplingParams
 from engine.core.client import EngineCoreClient
+from engine.core.watchdog import EngineStalled, StallPolicy
+from engine.inputs import ContextLengthError
 from engine.llm import LLM
 from engine.metrics import RequestRecord, StepRecord
 
@@ -159,3 +162,100 @@ async def test_the_core_exits_when_its_client_is_gone(tiny_llama_path: Path) -> 
     client._commands.close()
     await asyncio.to_thread(client._proc.join, 20)
     assert client._proc.exitcode == 0
+
+
+async def test_an_over_long_prompt_is_refused_with_its_param_and_the_next_request_runs(
+    core: EngineCoreClient,
+) -> None:
+    """A refusal crosses the pipe as data: the reader lives on, and the caller gets the typed error."""
+    with pytest.raises(ContextLengthError) as refused:
+        async for _ in core.generate(list(range(1, 401)), GREEDY, "too-long"):
+            pass
+    assert refused.value.param == "prompt" and "maximum context length" in str(refused.value)
+    assert core.dead_error is None and core.num_unacknowledged == 0
+    outs = [o async for o in core.generate([7, 8], GREEDY, "after-refusal")]
+    assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 10
+    assert outs[0].prompt_token_ids == [7, 8]  # the prompt came back once, with the acknowledgement
+    assert await kv_clean(core)
+
+
+async def test_an_exception_in_the_reader_marks_the_engine_dead(core: EngineCoreClient) -> None:
+    def broken_listener(_: StepRecord) -> None:  # the listeners run on the reader thread
+        raise KeyError("injected into the reader")
+
+    core.metrics.step_listeners.append(broken_listener)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="engine loop has died"):
+        async for _ in core.generate([1, 2, 3], long, "r1"):
+            pass
+    assert core.dead_error is not None and "reader failed" in str(core.dead_error)
+    assert "injected into the reader" in str(core.dead_error)
+    with pytest.raises(RuntimeError, match="engine loop has died"):
+        async for _ in core.generate([1, 2], GREEDY, "r2"):
+            pass
+
+
+async def test_a_request_counts_as_unacknowledged_until_the_core_takes_it(
+    core: EngineCoreClient,
+) -> None:
+    """SIGSTOP holds the core, so the request is handed to the client but not acknowledged, whatever
+    the host's speed; the count moves to the core's load with the acknowledgement, never to nowhere."""
+    assert core.pid is not None and core.num_unacknowledged == 0
+    os.kill(core.pid, signal.SIGSTOP)
+    try:
+        stream = core.generate([1, 2, 3], GREEDY, "u1")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.2)  # the request reaches the sender and the pipe; the core is stopped
+        assert not first.done()
+        assert core.num_unacknowledged == 1 and core.load.num_waiting + core.load.num_running == 0
+    finally:
+        os.kill(core.pid, signal.SIGCONT)
+    out = await first
+    assert core.num_unacknowledged == 0 and out.request_id == "u1"
+    async for _ in stream:
+        pass
+    assert core.dead_error is None
+
+
+async def test_a_stalled_core_is_killed_and_its_streams_fail(tiny_llama_path: Path) -> None:
+    stall = StallPolicy(floor_s=1.0, warmup_steps=0)
+    client = EngineCoreClient(str(tiny_llama_path), ARGS, torch_threads=1, stall=stall)
+    await client.start()
+    try:
+        assert client.pid is not None
+        pid = client.pid
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        began = 0.0
+        with pytest.raises(RuntimeError, match="engine loop has died") as failed:
+            async for out in client.generate([1, 2, 3], long, "st1"):
+                if out.outputs[0].num_output_tokens == 3:
+                    os.kill(pid, signal.SIGSTOP)  # what a wedged driver looks like from outside
+                    began = time.monotonic()
+        waited = time.monotonic() - began
+        assert isinstance(failed.value.__cause__, EngineStalled)
+        assert isinstance(client.dead_error, EngineStalled)
+        # Detected no sooner than the bound, and within it plus a watch interval (and this host's lag).
+        assert 1.0 <= waited < 1.0 + stall.tick_s + 5.0
+        await asyncio.to_thread(client._proc.join, 10)
+        assert client._proc.exitcode == -signal.SIGKILL  # killed, though stopped
+    finally:
+        await client.shutdown()
+
+
+async def test_an_idle_core_is_never_a_stall(tiny_llama_path: Path) -> None:
+    """No work, no expected message: a stopped idle core is not killed (only one with work is)."""
+    stall = StallPolicy(floor_s=0.5, warmup_steps=0)
+    client = EngineCoreClient(str(tiny_llama_path), ARGS, torch_threads=1, stall=stall)
+    await client.start()
+    try:
+        outs = [o async for o in client.generate([5, 6], GREEDY, "i1")]
+        assert outs[-1].finished
+        assert client.pid is not None
+        os.kill(client.pid, signal.SIGSTOP)
+        await asyncio.sleep(1.5)  # three bounds with nothing to do
+        assert client.dead_error is None
+        os.kill(client.pid, signal.SIGCONT)
+        outs = [o async for o in client.generate([5, 6], GREEDY, "i2")]
+        assert outs[-1].finished and client.dead_error is None
+    finally:
+        await client.shutdown()
