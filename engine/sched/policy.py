@@ -1,14 +1,35 @@
-"""Waiting-queue orders: fcfs (arrival) and priority (lower value first, ties by arrival)."""
+"""Scheduling policies: what the scheduler asks of one, and the two that need no cost model.
+
+The scheduler owns the mechanics (one token budget a step, running requests first, blocks, preemption)
+and asks its policy, chosen once from ``scheduling_policy``, every question whose answer is a matter
+of policy. It never branches on which policy it holds:
+
+    begin_step         order the waiting queue (and the running list) as of now; name waiting
+                       requests to reject, each with the error it finishes with
+    cap_chunk          how many of a request's next tokens this step may take
+    admits             whether a waiting request may take a seat now
+    victim             which running request gives up its blocks when they run out
+    displaces          a running request to preempt so that a waiting one can join
+    end_step           the step is planned: record what the policy plans with next
+    observe_step_time  a step ran: its measured time next to what the plan expected
+
+``SchedulingPolicy`` answers as fcfs does: arrival order, whole chunks, every request admitted, the
+most recently admitted preempted. ``PriorityPolicy`` orders by priority and lets an urgent request
+displace a less urgent one; ``SLOPolicy`` (engine/sched/slo_policy.py) plans against deadlines.
+"""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+from engine.config import EngineConfig
+from engine.cost_model import StepCostModel
 from engine.request import Request
+from engine.sched.output import SchedulerOutput
 
 
 class WaitingQueue(Protocol):
@@ -88,9 +109,71 @@ class PriorityQueue:
         return iter(e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
 
 
-def make_waiting_queue(policy: str) -> WaitingQueue:
-    if policy == "fcfs":
-        return FCFSQueue()
-    if policy == "priority":
-        return PriorityQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r}")
+class SchedulingPolicy:
+    """The policy interface, answered as fcfs does (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.waiting: WaitingQueue = FCFSQueue()
+
+    def begin_step(
+        self, running: list[Request], now: float, tokens_left: Callable[[Request], int]
+    ) -> list[tuple[Request, str]]:
+        """Before a step is scheduled: order the waiting queue (and ``running``, in place) as of
+        ``now``. ``tokens_left(r)``: the tokens running request ``r`` has yet to compute. Returns the
+        waiting requests to reject now, each with the error message it finishes with."""
+        return []
+
+    def cap_chunk(
+        self, request: Request, num_new: int, out: SchedulerOutput, scheduled: Sequence[Request]
+    ) -> int:
+        """How many of the ``num_new`` tokens the budget allows ``request`` this step may take, next to
+        the batch so far (``out``; ``scheduled``: its requests, in order). 0 or less: none."""
+        return num_new
+
+    def admits(self, request: Request, running: Sequence[Request]) -> bool:
+        """Whether the next waiting request may join ``running`` now; False stops admission."""
+        return True
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        """The running request preempted when blocks run out: the most recently admitted."""
+        return running[-1]
+
+    def displaces(self, request: Request, running: Sequence[Request]) -> Request | None:
+        """A running request to preempt so that waiting ``request`` can join (no seat or no blocks)."""
+        return None
+
+    def end_step(self, out: SchedulerOutput, scheduled: Sequence[Request]) -> None:
+        """The step ``out`` is planned (``scheduled``: its requests, before they advance)."""
+
+    def observe_step_time(self, modelled_s: float, measured_s: float) -> None:
+        """A step (or a run of steps, summed) took ``measured_s`` where the plan said ``modelled_s``
+        (``SchedulerOutput.modelled_s``, 0 when the policy plans without a model)."""
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Lower ``priority`` first, ties by arrival; an urgent request displaces a less urgent one."""
+
+    def __init__(self) -> None:
+        self.waiting = PriorityQueue()
+
+    def victim(self, running: Sequence[Request]) -> Request:
+        return max(running, key=priority_key)
+
+    def displaces(self, request: Request, running: Sequence[Request]) -> Request | None:
+        if not running:
+            return None
+        victim = self.victim(running)
+        return victim if victim.priority > request.priority else None
+
+
+def make_policy(config: EngineConfig, cost: StepCostModel | None = None) -> SchedulingPolicy:
+    """The policy ``config.scheduling_policy`` names; ``cost``: the step-cost model it may plan with."""
+    from engine.sched.slo_policy import SLOPolicy  # it builds on this module
+
+    if config.scheduling_policy == "fcfs":
+        return SchedulingPolicy()
+    if config.scheduling_policy == "priority":
+        return PriorityPolicy()
+    if config.scheduling_policy == "slo":
+        return SLOPolicy(config, cost)
+    raise ValueError(f"unknown scheduling policy {config.scheduling_policy!r}")

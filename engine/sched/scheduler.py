@@ -3,7 +3,9 @@
 Every step spends one token budget. Running requests go first (a decode costs one token, an
 unfinished prefill takes what the budget has left: chunked prefill); then waiting requests are
 admitted while sequences, budget and blocks last. When blocks run out a running request is
-preempted (its blocks freed, recomputed later) and the allocation retried.
+preempted (its blocks freed, recomputed later) and the allocation retried. Every choice of order,
+chunk size, admission and victim is the policy's (engine/sched/policy.py), asked the same way
+whichever policy it is.
 
 The step's decision leaves as plain data (``SchedulerOutput``): a request the runner does not hold yet
 goes out in full, one it holds as the blocks allocated since and its computed-token count.
@@ -13,7 +15,6 @@ engine/sched/async_scheduler.py.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 
@@ -23,13 +24,9 @@ from engine.kv_cache.block_pool import KVCacheBlock
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import SchedulerStats
 from engine.request import Request, RequestStatus
-from engine.sched.host_speed import HostSpeed
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.sched.policy import WaitingQueue, make_waiting_queue, priority_key
-from engine.sched.slo import SLOQueue, lost_message, seat_fits, step_time_cap
+from engine.sched.policy import WaitingQueue, make_policy
 from engine.sched.tokens import add_token, check_stop
-
-_RECENT_S = 1.0  # seconds the slo policy's recent step time averages over
 
 
 class EngineQueueFull(RuntimeError):
@@ -50,26 +47,14 @@ class Scheduler:
         self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.static = config.batching == "static"
-        # The slo policy's step-time estimates; the clock is injectable so a simulation can run the
-        # same scheduler on simulated time.
-        self.cost = cost
+        # The clock is injectable so that a simulation can run the same scheduler on simulated time;
+        # ``cost``, the step-cost model, is for a policy that plans with one (slo).
         self.clock = clock
-        self.slo = config.scheduling_policy == "slo"
-        # slo: the calibrated model, which self.cost scales by the host's measured speed
-        self._calibrated = cost
-        window = config.slo_speed_window_s
-        self.host_speed = HostSpeed(window) if self.slo and cost is not None and window else None
-        self.waiting: WaitingQueue = (
-            SLOQueue(cost, config.max_num_batched_tokens, config.slo_starvation_s, config.block_size)
-            if self.slo
-            else make_waiting_queue(config.scheduling_policy)
-        )
-        # slo policy: requests finished early because their TTFT deadline was lost (slo_reject); the
-        # engine takes them after each schedule() and reports them.
+        self.policy = make_policy(config, cost)
+        self.waiting: WaitingQueue = self.policy.waiting
+        # Waiting requests the policy rejected (finished with an error before they ran); the engine
+        # takes them after each schedule() and reports them.
         self.rejected: list[Request] = []
-        self._step_cap: float | None = None  # slo: this step's time bound (see slo.step_time_cap)
-        self._recent_step_s: float | None = None  # slo: moving mean of the planned step times
-        self._prefill_granted = False  # slo: a prefill chunk already ran this step
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # live (not finished) requests by id
         self._finished_since_last_step: set[str] = set()
@@ -142,88 +127,23 @@ class Scheduler:
         self._finished_since_last_step = set()
         self._step_preemptions = 0
         self._scheduled, self._new_blocks = [], {}
-        budget = self.config.max_num_batched_tokens
-        if self.slo:
-            self._slo_prepare()
+        rejected = self.policy.begin_step(self.running, self.clock(), self._tokens_left)
+        for request, message in rejected:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
+            request.error = message
+            self.rejected.append(request)
         admit = not self.static or not self.running  # a static batch admits only when it is empty
-        budget = self._schedule_running(out, budget)
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if admit and not out.preempted_req_ids:
             self._schedule_waiting(out, budget)
         self._describe_for_runner(out)
-        if self.slo and self.cost is not None and not out.is_empty:
-            context = sum(
-                self.requests[rid].num_computed_tokens + n for rid, n in out.num_scheduled_tokens.items()
-            )
-            assert self._calibrated is not None  # self.cost is it, scaled by the host's speed
-            modelled = self._calibrated.step_time(out.total_num_scheduled_tokens, out.num_seqs, context)
-            if self.host_speed is not None:
-                out.modelled_s = modelled
-            # The recent step time, a moving mean over about a second of planned steps, which the
-            # step cap expects of the next ones (slo.step_time_cap). The model is linear, so the
-            # scaled model's time is the calibrated one's times the factor.
-            planned = modelled * (self.host_speed.factor if self.host_speed is not None else 1.0)
-            if self._recent_step_s is None:
-                self._recent_step_s = planned
-            else:
-                weight = 1.0 - math.exp(-planned / _RECENT_S)
-                self._recent_step_s += weight * (planned - self._recent_step_s)
+        self.policy.end_step(out, self._scheduled)
         return out
 
     def observe_step_time(self, modelled_s: float, measured_s: float) -> None:
-        """A step (or a run of steps, summed) took ``measured_s`` where the calibrated model said
-        ``modelled_s``: the slo policy plans the next steps with the model scaled to the host's
-        current speed (engine/sched/host_speed.py)."""
-        if self.host_speed is None or self._calibrated is None:
-            return
-        if self.host_speed.observe(modelled_s, measured_s):
-            self.cost = self._calibrated.scaled(self.host_speed.factor)
-            if isinstance(self.waiting, SLOQueue):
-                self.waiting.cost = self.cost
-
-    def _slo_prepare(self) -> None:
-        now = self.clock()
-        assert isinstance(self.waiting, SLOQueue)
-        cfg = self.config
-        rows = len(self.running)
-        context = sum(r.num_computed_tokens for r in self.running)
-        self._step_cap = None
-        if self.cost is not None:
-            floor = self.cost.step_time(rows, rows, context) if rows else 0.0
-            self._step_cap = step_time_cap(
-                self.running,
-                now,
-                cfg.slo_tpot_headroom,
-                cfg.max_model_len,
-                floor,
-                self._recent_step_s,
-                cfg.slo_tpot_horizon,
-            )
-        self.waiting.reorder(now, (rows, context, self._step_cap))
-        if cfg.slo_reject:
-            budget = cfg.max_num_batched_tokens
-            for request in self.waiting.lost():
-                message = lost_message(request, now, self.cost, budget)
-                self.finish_request(request.request_id, RequestStatus.FINISHED_ERROR)
-                request.error = message
-                self.rejected.append(request)
-        # Decodes first, so the prefill chunks after them are sized against what the step already holds.
-        self.running.sort(key=lambda r: self._target_tokens(r) - r.num_computed_tokens > 1)
-        self._prefill_granted = False
-
-    def _slo_chunk(self, out: SchedulerOutput, request: Request, num_new: int) -> int:
-        """Cut a prefill chunk to what keeps the step within the tightest running TPOT deadline."""
-        if self._step_cap is None or num_new <= 1 or not self.config.enable_chunked_prefill:
-            return num_new
-        assert self.cost is not None
-        context = sum(
-            self.requests[rid].num_computed_tokens + n for rid, n in out.num_scheduled_tokens.items()
-        )
-        fits = self.cost.max_chunk(
-            self._step_cap, out.total_num_scheduled_tokens, out.num_seqs, context, request.num_computed_tokens
-        )
-        if not self._prefill_granted:
-            fits = max(fits, self.kv.block_size)  # one chunk a step always runs: no starved prefills
-        return max(0, min(num_new, fits))
+        """A step (or a run of steps, summed) took ``measured_s`` where the plan said ``modelled_s``
+        (its ``SchedulerOutput.modelled_s``): the policy may plan the next ones differently."""
+        self.policy.observe_step_time(modelled_s, measured_s)
 
     def _describe_for_runner(self, out: SchedulerOutput) -> None:
         """The batch as plain data: in full for requests the runner does not hold, else the diff."""
@@ -253,22 +173,21 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(self._target_tokens(request) - request.num_computed_tokens, budget)
-            if self.slo:
-                num_new = self._slo_chunk(out, request, num_new)
+            num_new = min(self._tokens_left(request), budget)
+            num_new = self.policy.cap_chunk(request, num_new, out, self._scheduled)
             if num_new <= 0:
                 i += 1
                 continue
             preempted_self = False
             while (blocks := self.kv.allocate_slots(request, num_new)) is None:
                 self.num_allocation_failures += 1
-                victim = self._pick_victim(self.running)
+                victim = self.policy.victim(self.running)
                 victim_index = self.running.index(victim)
                 budget += self._preempt(victim, out)
                 if victim is request:
                     preempted_self = True
                     break
-                if victim_index < i:  # priority policy: an already scheduled, less urgent request
+                if victim_index < i:  # an already scheduled request (priority: a less urgent one)
                     i -= 1
             if preempted_self:
                 continue  # the next running request slid into slot i
@@ -293,19 +212,17 @@ class Scheduler:
                     break
                 budget = self._budget_left(out)
                 continue
-            if (
-                self.slo
-                and self.cost is not None
-                and not seat_fits(self.cost, self.running, request, cfg.slo_tpot_headroom)
-            ):
-                break  # one more row would push the decode step past the TPOT: wait for a seat
+            if not self.policy.admits(request, self.running):
+                break
             hits, num_cached = self.kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if not cfg.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
-            if self.slo and (num_new := self._slo_chunk(out, request, num_new)) <= 0:
-                break
+            capped = self.policy.cap_chunk(request, num_new, out, self._scheduled)
+            if capped <= 0 < num_new:
+                break  # the policy allows it nothing this step
+            num_new = capped
             if self.static:
                 # The baseline reserves every request's worst case up front, as fixed-batch servers do,
                 # so nothing in the batch can ever be preempted.
@@ -346,28 +263,22 @@ class Scheduler:
         """The token count a running request's progress catches up with (async: with placeholders)."""
         return request.num_tokens
 
+    def _tokens_left(self, request: Request) -> int:
+        return self._target_tokens(request) - request.num_computed_tokens
+
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - out.total_num_scheduled_tokens
 
     def _add_to_batch(self, out: SchedulerOutput, request: Request, num_tokens: int) -> None:
-        if num_tokens > 1:
-            self._prefill_granted = True
         self._scheduled.append(request)
         out.num_scheduled_tokens[request.request_id] = num_tokens
         out.total_num_scheduled_tokens += num_tokens
 
     # ---- preemption ------------------------------------------------------------------------
-    def _pick_victim(self, candidates: list[Request]) -> Request:
-        if self.config.scheduling_policy == "priority":
-            return max(candidates, key=priority_key)
-        return candidates[-1]  # fcfs: the most recently admitted
-
     def _preempt_for(self, request: Request, out: SchedulerOutput) -> bool:
-        """Priority policy only: evict a strictly less urgent running request to admit ``request``."""
-        if self.config.scheduling_policy != "priority" or self.static or not self.running:
-            return False
-        victim = self._pick_victim(self.running)
-        if victim.priority <= request.priority:
+        """Preempt the running request the policy would displace for ``request``, if any."""
+        victim = None if self.static else self.policy.displaces(request, self.running)
+        if victim is None:
             return False
         self._preempt(victim, out)
         return True

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from engine.cost_model import StepCostModel
 from engine.request import Request
@@ -267,7 +267,7 @@ def step_time_cap(
     return min(caps) if caps else None
 
 
-def seat_fits(cost: StepCostModel, running: list[Request], request: Request, headroom: float) -> bool:
+def seat_fits(cost: StepCostModel, running: Sequence[Request], request: Request, headroom: float) -> bool:
     """Whether a decode step of the running rows plus ``request`` still fits the tightest TPOT among
     them: admitting a request past that point slows every row's decode beyond what chunk cutting can
     give back, so it waits (or is lost) instead of making the whole batch late."""

@@ -15,6 +15,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
 from engine.sched.slo import SLOQueue, remaining_tokens, step_time_cap
+from engine.sched.slo_policy import SLOPolicy
 from tests.engine.sched_utils import EOS, make_request, make_scheduler, step
 
 
@@ -53,6 +54,11 @@ def slo_scheduler(
     )
     kv = KVCacheManager(base.kv.num_total_blocks, cfg.block_size, cfg.enable_prefix_caching)
     return Scheduler(cfg, kv, {EOS}, cost=cost, clock=clock)
+
+
+def slo_policy(sched: Scheduler) -> SLOPolicy:
+    assert isinstance(sched.policy, SLOPolicy)
+    return sched.policy
 
 
 # Each name its own first prompt token, so no two requests share a prefix-cache block. (hash(name)
@@ -203,7 +209,7 @@ def test_prefill_chunks_are_cut_to_hold_the_running_tpot_deadline() -> None:
     # Without headroom the step is planned against 50 ms: R (2 gaps done at t = 80 ms, 61 tokens to
     # go) may take (63 * 50 - 80) / 61 = 50.3 ms a step: 50.3 - 10 - 1 = 39 tokens.
     clock.now += 0.040
-    sched.config = dataclasses.replace(sched.config, slo_tpot_headroom=0.0)
+    slo_policy(sched).headroom = 0.0
     assert step(sched).num_scheduled_tokens == {"R": 1, "W": 39}
 
 
@@ -213,14 +219,15 @@ def test_chunks_follow_the_host_speed_the_served_steps_measure() -> None:
     cost = StepCostModel(0.010, 1e-3, 0.0, 0.0)
     clock = Clock(0.0)
     sched = slo_scheduler(cost, clock, max_num_batched_tokens=256, num_blocks=256)
-    assert sched.host_speed is not None and sched.config.slo_speed_window_s == 1.0
+    policy = slo_policy(sched)
+    assert policy.host_speed is not None and sched.config.slo_speed_window_s == 1.0
     sched.add_request(req("R", 4, 0.0, None, tpot=0.05))
     step(sched)
     for _ in range(50):
         sched.observe_step_time(0.02, 0.04)
-    factor = sched.host_speed.factor
+    factor = policy.host_speed.factor
     assert 1.8 < factor < 2.0
-    assert sched.cost == cost.scaled(factor) and sched.waiting.cost == sched.cost  # type: ignore[attr-defined]
+    assert policy.cost == cost.scaled(factor) and policy.waiting.cost == policy.cost
     sched.add_request(req("W", 200, 0.0, 10.0))
     # R on its target: cap 40 ms; a step with R and a chunk of n takes factor * (10 + 1 + n) ms.
     expected = int((0.040 / factor - 0.011) / 1e-3 + 1e-9)
@@ -231,7 +238,7 @@ def test_chunks_follow_the_host_speed_the_served_steps_measure() -> None:
     off.config = dataclasses.replace(off.config, slo_speed_window_s=None)
     fixed = Scheduler(off.config, off.kv, {EOS}, cost=cost, clock=Clock(0.0))
     fixed.observe_step_time(0.02, 0.04)
-    assert fixed.host_speed is None and fixed.cost is cost
+    assert slo_policy(fixed).host_speed is None and slo_policy(fixed).cost is cost
 
 
 def test_a_stream_absorbs_a_long_step_when_recent_steps_leave_room_within_the_horizon() -> None:
@@ -377,7 +384,7 @@ def test_engine_loads_the_cost_model_and_holds_tpot_with_it(tiny_llama_path: Pat
         max_model_len=256,
         num_blocks=64,
     )
-    assert eng.scheduler.cost == StepCostModel.load(cost_path)
+    assert slo_policy(eng.scheduler).cost == StepCostModel.load(cost_path)
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     eng.add_request("stream", [5, 6, 7], params)
     eng.step()  # prefilled: it streams from now on
@@ -405,12 +412,12 @@ def test_engine_measures_its_steps_against_the_cost_model(tiny_llama_path: Path,
     eng.add_request("a", [5, 6, 7], params)
     while eng.has_unfinished_requests():
         eng.step()
-    speed = eng.scheduler.host_speed
+    speed = slo_policy(eng.scheduler).host_speed
     assert speed is not None and speed.factor > 2.0
-    assert eng.scheduler.cost == calibrated.scaled(speed.factor)
+    assert slo_policy(eng.scheduler).cost == calibrated.scaled(speed.factor)
     # Off: the plan keeps the calibrated model.
     off = LLMEngine.from_engine_args(str(tiny_llama_path), num_blocks=64, slo_speed_window_s=None, **args)
     off.add_request("a", [5, 6, 7], params)
     while off.has_unfinished_requests():
         off.step()
-    assert off.scheduler.host_speed is None and off.scheduler.cost == calibrated
+    assert slo_policy(off.scheduler).host_speed is None and slo_policy(off.scheduler).cost == calibrated
