@@ -4,6 +4,19 @@ Atomicity is what the contracts rest on: a worker's events reach the log and the
 holds the lease (so a fenced-off worker can never add a duplicate), and a request's terminal status is
 written together with its last event (so whoever sees the status also finds every event in the log).
 Per-request scripts take ``keys.request_keys(id)``: KEYS[1] record, [2] log, [3] owner, [4] cancel.
+
+Fencing. The lease (the owner key) lapses, so it alone cannot keep a stalled worker out: once it is
+gone, that worker would take it back. Two tokens in the record do:
+
+- ``epoch``: START counts every claim; the claimant passes its epoch to every later write, and a write
+  whose epoch is not the record's is refused. A worker whose lease lapsed while another claimed the
+  request can never write again, even after that other worker's lease lapses in turn.
+- the terminal status: no script writes an event, a lease or a record field after it, so the log ends
+  with exactly one terminal event.
+
+A record without an epoch (Redis lost it, or a worker older than epochs claimed it) falls back to the
+owner key alone. Under ``maxmemory`` (OOM) or on a replica (READONLY) Redis refuses every script's
+first write; each script reads first and writes after, so such a refusal leaves nothing half written.
 """
 
 from __future__ import annotations
@@ -38,7 +51,8 @@ return alive
 """
 
 # ARGV: worker, lease_ms, seed, default_ttl_s, now_s.
-# Returns {'terminal', status} | {'busy', owner} | {'ok', seed, cancelled(0/1), log...}.
+# Returns {'terminal', status} | {'busy', owner} | {'ok', seed, cancelled(0/1), epoch, log...}: the epoch
+# is this claim's fencing token (see above).
 START = f"""
 {_TERMINAL}
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -49,27 +63,50 @@ redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
 redis.call('HSETNX', KEYS[1], 'seed', ARGV[3])
 redis.call('HSETNX', KEYS[1], 'started', ARGV[5])
 redis.call('HSET', KEYS[1], 'status', 'in_progress', 'worker', ARGV[1])
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
 redis.call('EXPIRE', KEYS[1], tonumber(redis.call('HGET', KEYS[1], 'ttl') or ARGV[4]))
-local out = {{'ok', redis.call('HGET', KEYS[1], 'seed'), redis.call('EXISTS', KEYS[4])}}
+local out = {{'ok', redis.call('HGET', KEYS[1], 'seed'), redis.call('EXISTS', KEYS[4]), epoch}}
 for _, ev in ipairs(redis.call('LRANGE', KEYS[2], 0, -1)) do out[#out + 1] = ev end
 return out
 """
 
-# ARGV: worker, lease_ms, ttl_s, channel, final(0/1), num_field_args, fields..., events...
-# Returns 0 when another worker holds the lease (this one is fenced off), else 1.
-# A missing lease is taken: after a Redis restart the holder carries on instead of stalling.
-PUBLISH = """
-local owner = redis.call('GET', KEYS[3])
-if owner and owner ~= ARGV[1] then return 0 end
-local nfields = tonumber(ARGV[6])
-local first_event = 7 + nfields
+# The fencing check of every write by a worker that claimed a request. ARGV[1] worker, ARGV[epoch_arg]
+# its epoch. Returns 'ok', 'lost' (another claim since, or another worker holds the lease) or
+# 'terminal' (the request is finished: nothing may be written any more).
+_FENCE = f"""
+{_TERMINAL}
+local function fence(record, owner_key, epoch_arg)
+  local state = redis.call('HMGET', record, 'status', 'epoch')
+  if state[1] and terminal(state[1]) then return 'terminal' end
+  if state[2] and state[2] ~= ARGV[epoch_arg] then return 'lost' end
+  local owner = redis.call('GET', owner_key)
+  if owner and owner ~= ARGV[1] then return 'lost' end
+  return 'ok'
+end
+"""
+
+# ARGV: worker, lease_ms, ttl_s, channel, final(0/1), epoch, num_field_args, fields..., events...
+# Returns 0 when this worker is fenced off (another claim, or the request is terminal), else 1.
+# A missing lease is taken back when the epoch is still this worker's: after a Redis restart, or an
+# outage longer than the lease, the holder carries on instead of stalling.
+# A final call of the claim that finished the request returns 1 and writes nothing: the same call run
+# again (a batch retried after NOSCRIPT) must neither fail the finish nor log a second terminal event.
+PUBLISH = f"""
+{_FENCE}
+local verdict = fence(KEYS[1], KEYS[3], 6)
+if verdict == 'terminal' and ARGV[5] == '1' and redis.call('HGET', KEYS[1], 'epoch') == ARGV[6] then
+  return 1
+end
+if verdict ~= 'ok' then return 0 end
+local nfields = tonumber(ARGV[7])
+local first_event = 8 + nfields
 for i = first_event, #ARGV do
   redis.call('RPUSH', KEYS[2], ARGV[i])
   redis.call('PUBLISH', ARGV[4], ARGV[i])
 end
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 if nfields > 0 then
-  redis.call('HSET', KEYS[1], unpack(ARGV, 7, first_event - 1))
+  redis.call('HSET', KEYS[1], unpack(ARGV, 8, first_event - 1))
   redis.call('EXPIRE', KEYS[1], ARGV[3])
 end
 if ARGV[5] == '1' then
@@ -80,17 +117,23 @@ end
 return 1
 """
 
-# KEYS: owner. ARGV: worker, lease_ms. 1: still ours (extended), 0: lost to another worker.
-REFRESH_LEASE = """
-local owner = redis.call('GET', KEYS[1])
-if owner and owner ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+# KEYS: record, owner. ARGV: worker, lease_ms, epoch.
+# 1: still ours (extended); 0: lost to another claim; -1: the request is terminal (nothing to hold).
+REFRESH_LEASE = f"""
+{_FENCE}
+local verdict = fence(KEYS[1], KEYS[2], 3)
+if verdict == 'terminal' then return -1 end
+if verdict == 'lost' then return 0 end
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
-# KEYS: owner. ARGV: worker. Hands a request back without finishing it (drain, lost Redis).
+# KEYS: record, owner. ARGV: worker, epoch. Hands a request back without finishing it (drain, lost
+# Redis); only the claim that holds the lease can.
 RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+local epoch = redis.call('HGET', KEYS[1], 'epoch')
+if epoch and epoch ~= ARGV[2] then return 0 end
+if redis.call('GET', KEYS[2]) == ARGV[1] then return redis.call('DEL', KEYS[2]) end
 return 0
 """
 

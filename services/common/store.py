@@ -17,7 +17,7 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys, scripts
@@ -33,7 +33,10 @@ from services.common.wire import (
     encode_event,
 )
 
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+# Every failure of a Redis call, not only a lost connection: a server over ``maxmemory`` (OOM) or one
+# demoted to a replica by a failover (READONLY) answers with an error reply, and for the services that is
+# the same as an outage: buffer, retry, answer 503, but never treat the request as settled.
+REDIS_ERRORS = (RedisError, OSError)
 
 _Queue = Callable[[Pipeline], object]  # queues one command on a pipeline
 
@@ -61,6 +64,7 @@ class StartResult:
     status: str | None = None  # terminal: the status; busy: the owner
     seed: int | None = None
     cancelled: bool = False
+    epoch: int = 0  # ok: this claim's fencing token, passed to every later write (scripts.py)
     events: list[Event] = field(default_factory=list)
 
 
@@ -194,8 +198,10 @@ class Store:
         outcome = str(reply[0])
         if outcome != "ok":
             return StartResult(outcome, status=str(reply[1]))
-        events = [decode_event(raw) for raw in reply[3:]]
-        return StartResult("ok", seed=int(reply[1]), cancelled=bool(int(reply[2])), events=events)
+        events = [decode_event(raw) for raw in reply[4:]]
+        return StartResult(
+            "ok", seed=int(reply[1]), cancelled=bool(int(reply[2])), epoch=int(reply[3]), events=events
+        )
 
     def publish_call(
         self,
@@ -205,10 +211,14 @@ class Store:
         ttl_s: int,
         events: Sequence[str],
         *,
+        epoch: int,
         final: bool = False,
         fields: dict[str, Any] | None = None,
     ) -> tuple[str, list[str], list[Any]]:
-        """One PUBLISH script call, for ``eval_many``: events (encoded) to log and channel, atomically."""
+        """One PUBLISH script call, for ``eval_many``: events (encoded) to log and channel, atomically.
+
+        ``epoch``: the claim's (``StartResult.epoch``); the script refuses the call (0) when another
+        claim came since or the request is terminal."""
         flat = [str(v) for kv in (fields or {}).items() for v in kv]
         args = [
             worker,
@@ -216,20 +226,26 @@ class Store:
             ttl_s,
             keys.events(request_id),
             int(final),
+            epoch,
             len(flat),
             *flat,
             *events,
         ]
         return scripts.PUBLISH, keys.request_keys(request_id), args
 
-    async def refresh_leases(self, request_ids: Sequence[str], worker: str, lease_s: float) -> set[str]:
-        """Extend this worker's leases; returns the ids it has lost to another worker."""
-        calls = [(scripts.REFRESH_LEASE, [keys.owner(i)], [worker, int(lease_s * 1000)]) for i in request_ids]
+    async def refresh_leases(self, held: Sequence[tuple[str, int]], worker: str, lease_s: float) -> set[str]:
+        """Extend this worker's leases, given as (request id, epoch); returns the ids it may no longer
+        write: lost to another claim, or terminal (finished by someone else)."""
+        lease_ms = int(lease_s * 1000)
+        calls = [
+            (scripts.REFRESH_LEASE, [keys.record(i), keys.owner(i)], [worker, lease_ms, epoch])
+            for i, epoch in held
+        ]
         results = await self.eval_many(calls) if calls else []
-        return {i for i, ok in zip(request_ids, results, strict=True) if not ok}
+        return {i for (i, _), ok in zip(held, results, strict=True) if int(ok) != 1}
 
-    async def release(self, request_id: str, worker: str) -> None:
-        await self._eval(scripts.RELEASE, [keys.owner(request_id)], [worker])
+    async def release(self, request_id: str, worker: str, epoch: int) -> None:
+        await self._eval(scripts.RELEASE, [keys.record(request_id), keys.owner(request_id)], [worker, epoch])
 
     async def owner(self, request_id: str) -> str | None:
         value = await self.client.get(keys.owner(request_id))

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from redis.asyncio.client import PubSub
+
 from services.common import keys
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
@@ -36,8 +38,11 @@ class Control:
         self._strikes: dict[str, float] = {}  # request id -> when its origin was first seen gone
 
     async def cancel_listener(self) -> None:
-        pubsub = self.store.client.pubsub()
-        await pubsub.subscribe(keys.CANCEL_CHANNEL)
+        async with self.store.client.pubsub() as pubsub:  # closed when a failure ends this run of it
+            await pubsub.subscribe(keys.CANCEL_CHANNEL)
+            await self._listen(pubsub)
+
+    async def _listen(self, pubsub: PubSub) -> None:
         while True:
             try:
                 message = await pubsub.get_message(ignore_subscribe_messages=False, timeout=1.0)
@@ -88,7 +93,7 @@ class Control:
         interval = self.settings.lease_ttl_s / 3
         while True:
             await asyncio.sleep(interval)
-            held = [r.id for r in self.runs.values() if r.holds_lease]
+            held = [(r.id, r.epoch) for r in self.runs.values() if r.holds_lease]
             try:
                 lost = await self.store.refresh_leases(
                     held, self.settings.worker_id, self.settings.lease_ttl_s
@@ -99,7 +104,7 @@ class Control:
             for request_id in lost:
                 run = self.runs.get(request_id)
                 if run is not None:
-                    log.warning("lost the lease of %s to another worker; stopping it here", request_id)
+                    log.warning("%s is another worker's or finished now; stopping it here", request_id)
                     self.fence(run)
             try:
                 await self._cancel_orphans()

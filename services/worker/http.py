@@ -26,6 +26,7 @@ def create_app(worker: Worker) -> Starlette:
         # A dead engine fails whatever it is given: not ready (it has also left the consumer group).
         alive = worker.engine.dead_error is None
         ready = worker.started and alive and not worker.draining and worker.publisher.healthy
+        ready = ready and not worker.problems()  # a background task down (supervise.py)
         return JSONResponse({"ready": ready, **worker.stats()}, status_code=200 if ready else 503)
 
     async def metrics(_: Request) -> Response:

@@ -4,7 +4,9 @@ Engine outputs arrive as fast as steps run; the publisher sends whatever has acc
 pipelined round trip (one PUBLISH script per request), so at low load a token goes out at once and
 under load events batch up instead of queueing per token. Events of a request are numbered only
 when sent, and a failed send keeps them numbered and queued, so a Redis outage delays a stream but
-never reorders, renumbers or drops it (until ``redis_outage_s`` passes; then the runs are failed).
+never reorders, renumbers or drops it (until ``redis_outage_s`` passes; then the runs are stopped and
+the worker runs them again from the log once Redis takes writes). Every write carries the run's claim
+(its epoch), so Redis refuses events of a run that is no longer this worker's, or already finished.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ HOLD_S = 0.25
 
 
 class PublishError(RuntimeError):
-    """Redis stayed unreachable past the outage budget: the run's events could not be delivered."""
+    """The run's events could not be delivered: another claim fenced it off, Redis failed past the
+    outage budget, or the publisher itself failed."""
 
 
 class Publisher:
@@ -93,13 +96,20 @@ class Publisher:
                     down_s = now - self._failing_since
                     log.error("Redis unreachable for %.0fs, failing %d requests: %s", down_s, len(batch), exc)
                     for run in batch:
-                        self._give_up(run, exc)
+                        self._give_up(run, f"Redis unreachable: {exc!r}")
                     continue
-                log.warning("Redis publish failed, retrying: %s", exc)
+                log.warning("Redis publish failed, retrying: %r", exc)
                 for run in batch:
                     self._dirty.setdefault(run.id, run)
                 await asyncio.sleep(0.2)
                 self._wake.set()
+            except Exception as exc:
+                # Not Redis: a bug, which sending the same batch again would repeat. Its runs stop
+                # (the worker runs them again from the log, service.py) instead of waiting for ever on
+                # events that cannot go out; the supervisor restarts this loop.
+                for run in batch:
+                    self._give_up(run, f"the publisher failed: {exc!r}")
+                raise
 
     async def _send(self, batch: list[Run]) -> None:
         s = self.settings
@@ -117,7 +127,14 @@ class Publisher:
             fields = box.final.fields if final and box.final is not None else None
             calls.append(
                 self.store.publish_call(
-                    run.id, self.worker, s.lease_ttl_s, ttl, box.unsent, final=final, fields=fields
+                    run.id,
+                    self.worker,
+                    s.lease_ttl_s,
+                    ttl,
+                    box.unsent,
+                    epoch=run.epoch,
+                    final=final,
+                    fields=fields,
                 )
             )
             sent.append((run, len(box.unsent), final))
@@ -146,11 +163,11 @@ class Publisher:
                 run.holds_lease = False
                 self._resolve(run, None)
 
-    def _give_up(self, run: Run, exc: BaseException) -> None:
+    def _give_up(self, run: Run, reason: str) -> None:
         run.outbox.pending.clear()
         run.outbox.unsent.clear()
         self._on_fenced(run)
-        self._resolve(run, PublishError(f"Redis unreachable: {exc}"))
+        self._resolve(run, PublishError(reason))
 
     @staticmethod
     def _resolve(run: Run, error: BaseException | None) -> None:

@@ -24,17 +24,19 @@ class Outcome(StrEnum):
     """How the worker let go of a request (the ``outcome`` label of ``inflight:worker_outcomes_total``)."""
 
     DONE = "done"  # finished here: its terminal event and record are in Redis
-    SKIPPED = "skipped"  # already terminal when consumed (a redelivery, or cancelled while in Kafka)
+    SKIPPED = "skipped"  # found terminal in Redis (a redelivery, cancelled while in Kafka, a retry's)
     HANDED_BACK = "handed_back"  # drain: stopped unfinished; another worker resumes it from the log
-    FENCED = "fenced"  # another worker owns it now (lease lost, or Redis gone past the outage budget)
-    ERROR = "error"  # the worker itself failed running it
+    FENCED = "fenced"  # another worker owns it now (it lost the lease or its writes were refused)
+    ERROR = "error"  # the worker itself failed running it, and its record may not be terminal
     REJECTED = "rejected"  # the Kafka message could not be read
 
     @property
     def releases_offset(self) -> bool:
-        """Whether the request's offsets may be committed: all but a handed-back request, which
-        another worker must still read from the log."""
-        return self is not Outcome.HANDED_BACK
+        """Whether the request's offsets may be committed: only once its record is terminal or another
+        worker holds it. Not a handed-back request (another worker must still read it from the log),
+        nor one that ended in error: its record may still say "queued", and committing past it would
+        lose the request."""
+        return self not in (Outcome.HANDED_BACK, Outcome.ERROR)
 
 
 @dataclass
@@ -106,6 +108,7 @@ class Run:
     handed_back: bool = False  # drain: stop without finishing, another worker resumes
     fenced: bool = False  # another worker owns it now: stop silently
     holds_lease: bool = False
+    epoch: int = 0  # the claim's fencing token (Store.start): every write to Redis carries it
     engine_ids: set[str] = field(default_factory=set)  # ids live in the engine now
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None

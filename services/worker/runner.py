@@ -77,7 +77,7 @@ class Runner:
             if run.handed_back:
                 return Outcome.HANDED_BACK
             await asyncio.sleep(min(1.0, s.lease_ttl_s / 4))
-        run.holds_lease = True
+        run.holds_lease, run.epoch = True, start.epoch
         if any(isinstance(e, DoneEvent) for e in start.events):
             return Outcome.SKIPPED
         self._resume(run, start.events)
@@ -100,7 +100,7 @@ class Runner:
         await self._generate(run, params, seed)
         if run.handed_back or run.fenced:
             if run.handed_back and run.holds_lease:
-                await self.store.release(run.id, s.worker_id)
+                await self.store.release(run.id, s.worker_id, run.epoch)
             return Outcome.HANDED_BACK if run.handed_back else Outcome.FENCED
         return await self._finish(run)
 

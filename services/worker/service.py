@@ -10,6 +10,7 @@ model step). Each job has one module:
     cancel listener control.py    the cancel channel -> engine.abort
     lease keeper    control.py    extends this worker's leases; a lost lease stops that request here
     load reporting  load.py       requests held (Prometheus), pod-deletion-cost
+The loops run supervised (supervise.py): one that raises is restarted, and /readyz reports it meanwhile.
 This module owns the set of runs and the lifecycle: start, drain (SIGTERM), stop.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Coroutine
@@ -33,7 +33,7 @@ from services.common.kafka import ensure_topic, make_consumer, make_probe
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.wire import TERMINAL
-from services.worker import telemetry
+from services.worker import faults, telemetry
 from services.worker.commits import Committer, RebalanceListener
 from services.worker.control import Control
 from services.worker.engine_client import EngineClient
@@ -44,10 +44,11 @@ from services.worker.offsets import OffsetTracker
 from services.worker.publisher import Publisher
 from services.worker.run import Outcome, Run
 from services.worker.runner import Runner
+from services.worker.supervise import Supervisor, TaskFactory
 
 log = logging.getLogger(__name__)
 
-_MAX_ATTEMPTS = 3  # a request the worker fails this often while Redis answers is failed for good
+_MAX_ATTEMPTS = 3  # a request the worker fails this often (not Redis) is failed for good
 
 
 class Worker:
@@ -68,7 +69,10 @@ class Worker:
         )
         self.load = LoadReporter(self._spawn)
         self.consumer: AIOKafkaConsumer | None = None
+        self.supervisor = Supervisor()
         self.started = False
+        # Set once a dead engine's requests are handed back and the group left (main.py may then exit).
+        self.handed_over = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
         self._consumer_tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget, referenced until done
@@ -87,15 +91,25 @@ class Worker:
         consumer.subscribe([self.settings.kafka_topic], listener=RebalanceListener(self.committer))
         await consumer.start()
         # The tasks that use the consumer stop with it when the engine dies.
-        self._consumer_tasks = [asyncio.create_task(coro) for coro in (
-            self.intake.fetch_forever(consumer), self.committer.run_forever(),
-            telemetry.report_lag_forever(consumer))]  # fmt: skip
+        self._consumer_tasks = [
+            self._supervise("fetch", lambda: self.intake.fetch_forever(consumer)),
+            self._supervise("commit_loop", self.committer.run_forever),
+            self._supervise("consumer_lag", lambda: telemetry.report_lag_forever(consumer)),
+        ]
         self._tasks.extend(self._consumer_tasks)
-        for coro in (self.publisher.run_forever(), self.control.cancel_listener(),
-                     self.control.lease_keeper(), self._watch_engine()):  # fmt: skip
-            self._tasks.append(asyncio.create_task(coro))
+        self._tasks.append(self._supervise("publisher", self.publisher.run_forever))
+        self._tasks.append(self._supervise("cancel_listener", self.control.cancel_listener))
+        self._tasks.append(self._supervise("lease_keeper", self.control.lease_keeper))
+        self._tasks.append(self._supervise("engine_watch", self._watch_engine))
         self.started = True
         log.info("worker %s consuming %s", self.settings.worker_id, self.settings.kafka_topic)
+
+    def _supervise(self, name: str, factory: TaskFactory) -> asyncio.Task[None]:
+        return self.supervisor.start(name, faults.failing_task(name, factory))
+
+    def problems(self) -> list[str]:
+        """Why this worker is not fully working, one line each (/readyz answers 503 while any)."""
+        return self.supervisor.problems()
 
     async def drain(self) -> None:
         """SIGTERM: stop fetching, let in-flight requests finish within the grace period, hand the rest
@@ -165,6 +179,8 @@ class Worker:
                 outcome = Outcome.HANDED_BACK
                 raise
             except Exception as exc:
+                # Only the retry loop itself can get here. ERROR keeps the offset uncommitted: the
+                # request is read again after the next rebalance or restart, never dropped.
                 log.exception("request %s failed in the worker", run.id)
                 run.span.record_exception(exc)
             finally:
@@ -182,35 +198,41 @@ class Worker:
 
     async def _until_settled(self, run: Run) -> Outcome:
         """Run the request until Redis shows it terminal (or another worker holds it): only then may its
-        offset be committed. An attempt that ended in error or fenced (Redis unreachable when claiming,
-        or past ``redis_outage_s`` while running) left the record "queued" or "running": it runs again
-        from the log once Redis answers. On drain or engine death it is handed back instead."""
+        offset be committed. An attempt that failed, whatever the error, or was fenced (Redis refused or
+        did not answer past ``redis_outage_s``) left the record "queued" or "in_progress": it runs again
+        from the log, after a backoff, until Redis takes its writes. On drain or engine death it is
+        handed back instead (offset uncommitted: another worker resumes it)."""
         delay_s = 0.2
-        for attempt in itertools.count(1):
+        worker_failures = 0  # failures that were not Redis's
+        while True:
             try:
                 outcome = await self.runner.execute(run)
             except REDIS_ERRORS as exc:
-                log.warning("request %s: Redis unreachable (%s); retrying", run.id, exc)
+                # Unreachable, or refusing writes (OOM under maxmemory, READONLY after a failover).
+                log.warning("request %s: Redis failed (%r); retrying", run.id, exc)
                 outcome = Outcome.ERROR
+            except Exception as exc:
+                log.exception("request %s failed in the worker; retrying", run.id)
+                run.span.record_exception(exc)
+                outcome = Outcome.ERROR
+                worker_failures += 1
+                with contextlib.suppress(Exception):  # whatever of it may still be in the engine
+                    await self.engine.abort(run.id)
             if outcome not in (Outcome.ERROR, Outcome.FENCED):
                 return outcome
-            while not await self._settled(run.id):
-                if self.draining or self.engine.dead_error is not None:
-                    return Outcome.HANDED_BACK
-                if attempt >= _MAX_ATTEMPTS and self.publisher.healthy and outcome is Outcome.ERROR:
-                    # Redis answers and the worker keeps failing this one request: not Redis's fault.
-                    # Failing it is terminal (offset committed) rather than a partition stuck on it.
-                    run.errors.setdefault(0, "the worker failed this request repeatedly")
-                    run.error_code = "worker_error"
-                    break
-                await asyncio.sleep(delay_s)
-                delay_s = min(delay_s * 2, 2.0)
-                if await self._reachable():
-                    break
-            else:
-                return outcome  # terminal in Redis (or another worker's): the offset may move on
+            settled = await self._settled(run.id)
+            if settled is not None:
+                return settled  # terminal in Redis, or another worker's: the offset may move on
+            if self.draining or self.engine.dead_error is not None:
+                return Outcome.HANDED_BACK
+            if worker_failures >= _MAX_ATTEMPTS and not run.errors:
+                # The worker keeps failing this one request: not Redis's fault. Failing it is terminal
+                # (offset committed once Redis has it) rather than a partition stuck on it.
+                run.errors[0] = "the worker failed this request repeatedly"
+                run.error_code = "worker_error"
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, 2.0)
             run = self._retry(run)
-        raise AssertionError("unreachable")
 
     def _retry(self, old: Run) -> Run:
         """A fresh run of the same delivery: it claims the request again and resumes from the log."""
@@ -221,22 +243,17 @@ class Worker:
         self.runs[run.id] = run
         return run
 
-    async def _settled(self, request_id: str) -> bool:
-        """Terminal in Redis, or held by another live worker (whose own delivery will settle it)."""
+    async def _settled(self, request_id: str) -> Outcome | None:
+        """SKIPPED when terminal in Redis, FENCED when held by another live worker (whose own delivery
+        will settle it), None while neither is known (Redis failing counts as not known)."""
         try:
             record = await self.store.get_record(request_id)
             if record is not None and record.get("status") in TERMINAL:
-                return True
+                return Outcome.SKIPPED
             owner = await self.store.owner(request_id)
         except REDIS_ERRORS:
-            return False
-        return owner is not None and owner != self.settings.worker_id
-
-    async def _reachable(self) -> bool:
-        try:
-            return bool(await self.store.client.ping())
-        except REDIS_ERRORS:
-            return False
+            return None
+        return Outcome.FENCED if owner is not None and owner != self.settings.worker_id else None
 
     async def _watch_engine(self) -> None:
         """A dead engine fails every request it is given: stop taking any. Stop fetching, hand back what
@@ -265,11 +282,17 @@ class Worker:
                 log.info("left the consumer group: the engine is dead")
             except (KafkaError, OSError) as exc:
                 log.warning("leaving the consumer group failed: %r", exc)
+        self.handed_over.set()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
+
+    def _background_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("background work failed", exc_info=exc)  # one-off work: nothing to restart
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -282,4 +305,5 @@ class Worker:
             "engine_pid": self.engine.pid,
             "partitions": sorted(tp.partition for tp in self.consumer.assignment()) if self.consumer else [],
             "publisher_healthy": self.publisher.healthy,
+            "problems": self.problems(),
         }

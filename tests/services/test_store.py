@@ -57,19 +57,20 @@ async def test_start_claims_once_and_resumes_from_the_log(store: Store) -> None:
     rid = _rid()
     await store.create_record(rid, {"kind": "completion"}, ttl_s=60)
     first = await store.start(rid, "w1", lease_s=5, seed=42, ttl_s=60)
-    assert (first.outcome, first.seed, first.events) == ("ok", 42, [])
+    assert (first.outcome, first.seed, first.epoch, first.events) == ("ok", 42, 1, [])
     # Another worker sees the live lease and must not run it.
     busy = await store.start(rid, "w2", lease_s=5, seed=7, ttl_s=60)
     assert (busy.outcome, busy.status) == ("busy", "w1")
     delta = DeltaEvent(rid, 1, 0, [5, 6], "ab", worker="w1")
-    call = store.publish_call(rid, "w1", 5, 60, [encode_event(delta)])
+    call = store.publish_call(rid, "w1", 5, 60, [encode_event(delta)], epoch=first.epoch)
     assert await store.eval_many([call]) == [1]
     # w1 dies: its lease lapses and w2 resumes with the seed fixed at first claim and the log so far.
     await store.client.delete(keys.owner(rid))
     resumed = await store.start(rid, "w2", lease_s=5, seed=7, ttl_s=60)
-    assert (resumed.outcome, resumed.seed, resumed.events) == ("ok", 42, [delta])
+    assert (resumed.outcome, resumed.seed, resumed.epoch, resumed.events) == ("ok", 42, 2, [delta])
     # A fenced-off worker cannot add events any more.
-    late = store.publish_call(rid, "w1", 5, 60, [encode_event(DeltaEvent(rid, 2, 0, [9], "c"))])
+    late_event = encode_event(DeltaEvent(rid, 2, 0, [9], "c"))
+    late = store.publish_call(rid, "w1", 5, 60, [late_event], epoch=first.epoch)
     assert await store.eval_many([late]) == [0]
     assert await store.read_log(rid) == [delta]
 
@@ -77,10 +78,10 @@ async def test_start_claims_once_and_resumes_from_the_log(store: Store) -> None:
 async def test_finish_is_atomic_and_terminal(store: Store) -> None:
     rid = _rid()
     await store.create_record(rid, {"kind": "chat"}, ttl_s=60)
-    await store.start(rid, "w1", lease_s=5, seed=1, ttl_s=60)
+    claim = await store.start(rid, "w1", lease_s=5, seed=1, ttl_s=60)
     done = DoneEvent(rid, 1, "completed", prompt_tokens=3, completion_tokens=0)
     call = store.publish_call(
-        rid, "w1", 5, 60, [encode_event(done)], final=True, fields={"status": "completed"}
+        rid, "w1", 5, 60, [encode_event(done)], epoch=claim.epoch, final=True, fields={"status": "completed"}
     )
     assert await store.eval_many([call]) == [1]
     record = await store.get_record(rid)

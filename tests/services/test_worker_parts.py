@@ -89,7 +89,7 @@ async def test_publisher_merges_numbers_and_finishes_in_order(parts: Parts) -> N
     run = await _admitted(p, _message(SamplingParams()))
     start = await p.store.start(run.id, worker, lease_s=5, seed=1, ttl_s=60)
     assert start.outcome == "ok"
-    run.holds_lease = True
+    run.holds_lease, run.epoch = True, start.epoch
     # Three deltas queued before the publisher gets to run: one event, one round trip.
     trips = p.publisher.num_round_trips
     for token, text in ((11, "a"), (12, "b"), (13, "c")):
@@ -122,8 +122,9 @@ async def test_publisher_holds_back_what_nobody_streams(parts: Parts) -> None:
     whole = await _admitted(p, _message(SamplingParams(), stream=False))
     streamed = await _admitted(p, _message(SamplingParams(), stream=True))
     for run in (whole, streamed):
-        assert (await p.store.start(run.id, worker, lease_s=5, seed=1, ttl_s=60)).outcome == "ok"
-        run.holds_lease = True
+        start = await p.store.start(run.id, worker, lease_s=5, seed=1, ttl_s=60)
+        assert start.outcome == "ok"
+        run.holds_lease, run.epoch = True, start.epoch
     trips = p.publisher.num_round_trips
     for token in range(8):
         p.publisher.emit(whole, PendingDelta(0, [token], "x"))
@@ -144,8 +145,9 @@ async def test_publisher_holds_back_what_nobody_streams(parts: Parts) -> None:
 
     # Held back, but not for ever: the timer sends it (progress, and little lost to a crash).
     long = await _admitted(p, _message(SamplingParams(), stream=False))
-    assert (await p.store.start(long.id, worker, lease_s=5, seed=1, ttl_s=60)).outcome == "ok"
-    long.holds_lease = True
+    start = await p.store.start(long.id, worker, lease_s=5, seed=1, ttl_s=60)
+    assert start.outcome == "ok"
+    long.holds_lease, long.epoch = True, start.epoch
     began = time.monotonic()
     p.publisher.emit(long, PendingDelta(0, [7], "y"))
     while not await p.store.read_log(long.id):
@@ -156,7 +158,7 @@ async def test_publisher_holds_back_what_nobody_streams(parts: Parts) -> None:
 async def test_publisher_fences_a_run_whose_lease_moved(parts: Parts) -> None:
     p = parts
     run = await _admitted(p, _message(SamplingParams()))
-    await p.store.start(run.id, p.settings.worker_id, lease_s=5, seed=1, ttl_s=60)
+    run.epoch = (await p.store.start(run.id, p.settings.worker_id, lease_s=5, seed=1, ttl_s=60)).epoch
     await p.store.client.delete(keys.owner(run.id))  # this worker's lease lapsed...
     assert (await p.store.start(run.id, "other-worker", lease_s=5, seed=1, ttl_s=60)).outcome == "ok"
     p.publisher.emit(run, PendingDelta(0, [11], "a"))
@@ -205,9 +207,10 @@ async def test_runner_resumes_a_dead_workers_stream(parts: Parts, engine: AsyncL
              for t in o.outputs[0].token_ids]  # fmt: skip
     run = await _admitted(p, _message(params))
     # A worker that died after publishing three tokens: its events are in the log, its lease is gone.
-    await p.store.start(run.id, "dead-worker", lease_s=5, seed=99, ttl_s=60)
+    dead = await p.store.start(run.id, "dead-worker", lease_s=5, seed=99, ttl_s=60)
     early = DeltaEvent(run.id, 1, 0, whole[:3], "", worker="dead-worker")
-    await p.store.eval_many([p.store.publish_call(run.id, "dead-worker", 5, 60, [encode_event(early)])])
+    call = p.store.publish_call(run.id, "dead-worker", 5, 60, [encode_event(early)], epoch=dead.epoch)
+    await p.store.eval_many([call])
     await p.store.client.delete(keys.owner(run.id))
     assert await Runner(engine, p.store, p.publisher, p.settings).execute(run) is Outcome.DONE
     assert run.resumed_from == 3
@@ -264,14 +267,13 @@ async def test_runner_resumes_n_completions_each_from_its_own_point(
     expected = {i: whole.output.choice(i).token_ids for i in range(3)}
     run = await _admitted(p, _message(params))
     # A dead worker's log: index 1 finished, index 0 three tokens in, index 2 not started.
-    await p.store.start(run.id, "dead-worker", lease_s=5, seed=99, ttl_s=60)
+    dead = await p.store.start(run.id, "dead-worker", lease_s=5, seed=99, ttl_s=60)
     early = [
         DeltaEvent(run.id, 1, 1, expected[1], "", "length", worker="dead-worker"),
         DeltaEvent(run.id, 2, 0, expected[0][:3], "", worker="dead-worker"),
     ]
-    await p.store.eval_many(
-        [p.store.publish_call(run.id, "dead-worker", 5, 60, [encode_event(e) for e in early])]
-    )
+    logged = [encode_event(e) for e in early]
+    await p.store.eval_many([p.store.publish_call(run.id, "dead-worker", 5, 60, logged, epoch=dead.epoch)])
     await p.store.client.delete(keys.owner(run.id))
     seen: list[tuple[str, list[int] | None]] = []
     real_generate = engine.generate
