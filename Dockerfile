@@ -15,7 +15,6 @@ WORKDIR /src
 COPY pyproject.toml README.md* ./
 COPY engine ./engine
 COPY services ./services
-COPY bench ./bench
 COPY inflight ./inflight
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 

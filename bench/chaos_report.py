@@ -13,7 +13,7 @@ from bench.chaos_traffic import Result
 from services.common import keys
 
 if TYPE_CHECKING:
-    from bench.chaos import Stack
+    from harness.stack import Stack
 
 
 @dataclass

@@ -1,12 +1,15 @@
-"""``inflight bench ...``: the benchmark commands (the ``inflight`` command dispatches here).
+"""``python -m bench ...``: the benchmarks and the planner's research instruments, run from the
+repository root (bench/ is not installed: it imports engine, services and inflight, never the reverse).
 
-inflight bench engine   the seed's experiment: continuous vs static vs HF peers (make bench)
-inflight bench sweep    any targets over a range of request rates, Poisson / gamma / trace
-inflight bench peers    this engine vs vLLM's CPU backend, same workload, dtype and threads
-inflight bench trace    Chrome/Perfetto trace (and timelines) from saved run JSON files
-inflight bench service  the full service path (bench/service_bench.py)
-inflight bench chaos    fault-injection soak of the service path (bench/chaos.py, make chaos)
-inflight bench host     how steady this host's speed is (bench/host_drift.py)
+python -m bench engine    the seed's experiment: continuous vs static vs HF peers (make bench)
+python -m bench sweep     any targets over a range of request rates, Poisson / gamma / trace
+python -m bench peers     this engine vs vLLM's CPU backend, same workload, dtype and threads
+python -m bench trace     Chrome/Perfetto trace (and timelines) from saved run JSON files
+python -m bench service   the full service path (bench/service_bench.py)
+python -m bench chaos     fault-injection soak of the service path (bench/chaos.py, make chaos)
+python -m bench host      how steady this host's speed is (bench/host_drift.py)
+python -m bench policies  the scheduling policies measured on the real engine (bench/policy_bench.py)
+python -m bench validate  plan validate with repeats, host drift or the service path (bench/plan_validate.py)
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import experiment, host_drift, peers, sweep
+from bench import experiment, host_drift, peers, plan_validate, policy_bench, sweep
 
 
 def _trace_command(args: argparse.Namespace) -> int:
@@ -33,9 +36,9 @@ def _trace_command(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="inflight bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    experiment.add_arguments(sub.add_parser("engine", help="the seed's experiment (issue 2's figures)"))
+    experiment.add_arguments(sub.add_parser("engine", help="continuous vs static batching vs HF"))
     sweep.add_arguments(sub.add_parser("sweep", help="rate sweep over any targets"))
     peers.add_arguments(sub.add_parser("peers", help="this engine vs vLLM's CPU backend, side by side"))
     t = sub.add_parser("trace", help="Chrome/Perfetto trace from saved runs (out/runs/*.json)")
@@ -47,6 +50,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("chaos", help="fault-injection soak (arguments go to bench/chaos.py)", add_help=False)
     host_drift.add_arguments(sub.add_parser("host", help="how steady this host's speed is, core by core"))
+    policy_bench.add_arguments(sub.add_parser("policies", help="fcfs vs priority vs slo on the real engine"))
+    plan_validate.add_arguments(
+        sub.add_parser("validate", help="plan validate with --repeats, --host-drift or --service")
+    )
     return p
 
 
@@ -70,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         return peers.main(args)
     if args.command == "host":
         return host_drift.main(args)
+    if args.command == "policies":
+        return policy_bench.main(args)
+    if args.command == "validate":
+        return plan_validate.main(args)
     return _trace_command(args)
 
 

@@ -1,4 +1,4 @@
-"""``inflight bench engine``: the seed's controlled experiment in one CPU run (issue 2's benchmark).
+"""``python -m bench engine``: the seed's controlled experiment in one CPU run (issue 2's benchmark).
 
 Same model (the ~50M-parameter bench checkpoint, float32), same threads, same workload for every
 target; greedy, EOS ignored, per-request max_tokens; prefix caching off; each target warmed up.
@@ -29,11 +29,12 @@ from bench.compare import describe_identical, peer_comparisons
 from bench.figures import issue2_figures, print_figures
 from bench.micro import decode_probe, linear_params
 from bench.results import RunResult, write_json
-from bench.session import Session, bench_model_path, set_threads
-from bench.stats import backlog_throughput, max_sustained_rate, parse_slo
+from bench.session import Session, set_threads
+from bench.stats import backlog_throughput, max_sustained_rate
 from bench.targets import TARGETS, TargetConfig
 from bench.timeline import chrome_trace, request_timelines
-from bench.workload import LengthMix, describe, synthetic
+from inflight.plan.slo import parse_slo
+from inflight.plan.workload import LengthMix, bench_model_path, describe, synthetic
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(
         out / "results.json",
         {
-            "command": "inflight bench engine " + " ".join(args.argv),
+            "command": "python -m bench engine " + " ".join(args.argv),
             "wall_s": time.time() - started,
             "threads": threads,
             "dtype": args.dtype,

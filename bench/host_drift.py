@@ -1,4 +1,4 @@
-"""``inflight bench host``: how steady this host's speed is, before any figure from it is trusted.
+"""``python -m bench host``: how steady this host's speed is, before any figure from it is trusted.
 
 A fixed piece of work (bf16 matmuls of decode and prefill shapes, one intra-op thread) runs in a loop
 on each allowed core at once, one process a core, and its rate is sampled every ``window`` seconds.
@@ -9,7 +9,7 @@ Everything is reported relative to each core's median rate:
                  that length sees; a validation that compares a calibration with a later run of
                  that length cannot be more exact than the spread of these means. Their log standard
                  deviation times sqrt(2) is how far two such spans differ (one sigma): what
-                 ``inflight plan validate --host-drift`` takes to widen its band by
+                 ``python -m bench validate --host-drift`` takes to widen its band by
     correlation  between the cores' windows: near 0, two workers on this host drift independently
 
 On the 2-core VM this project is developed on (a cloud vCPU pair), nothing else running: over four

@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 
 from bench.results import RunResult
-from bench.workload import random_prompt
 from engine.config import ModelConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from inflight.plan.workload import random_prompt
 
 
 def linear_shapes(mc: ModelConfig) -> list[tuple[int, int, int]]:

@@ -1,4 +1,4 @@
-"""``inflight bench peers``: this engine against vLLM's CPU backend, side by side in one run.
+"""``python -m bench peers``: this engine against vLLM's CPU backend, side by side in one run.
 
 The workload is the engine-speed issue's: N requests at t = 0 (default 64), a quarter of the prompts
 256-512 tokens and the rest 16-128, outputs log-uniform 8-256, greedy with EOS ignored, prefix
@@ -25,10 +25,10 @@ from typing import Any
 from bench.compare import identical_outputs
 from bench.micro import decode_probe
 from bench.results import write_json
-from bench.session import Session, bench_model_path, set_threads
+from bench.session import Session, set_threads
 from bench.targets import TargetConfig
-from bench.workload import LengthMix, synthetic
 from engine.platform import cpu_auto_dtype, cpu_flags, cpu_model_name
+from inflight.plan.workload import LengthMix, bench_model_path, synthetic
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batches",
         default="64:2048,16:512",
-        help="comma list of max_num_seqs:max_num_batched_tokens (default: the issue's two settings)",
+        help="comma list of max_num_seqs:max_num_batched_tokens (default: %(default)s)",
     )
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="compute threads of each engine")

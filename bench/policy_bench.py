@@ -1,7 +1,8 @@
 """Scheduling policies on the real engine: fcfs vs priority vs slo vs slo+reject on bursty arrivals.
 
-``inflight plan policies --real`` (``make bench-policies``). The simulated comparison
-(inflight/plan/policies.py) predicts; this measures, with the same mix, loads and table:
+``python -m bench policies`` (``make bench-policies``). The simulated comparison
+(``inflight plan policies``, inflight/plan/policies.py) predicts; this measures, with the same mix,
+loads and table:
 
 1. Capacity, measured: four batches of the mix's requests all at t = 0 on the fcfs engine,
    completed requests per second over the middle half of the completions (``measure_capacity``).
@@ -33,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.results import RequestResult, RunResult
-from bench.stats import SLO, summarize
-from bench.workload import LengthMix, RequestSpec, synthetic
+from bench.stats import summarize
 from engine.cost_model import TERMS, StepCostModel
+from inflight.plan.slo import SLO
+from inflight.plan.workload import LengthMix, RequestSpec, synthetic
 
 POLICIES = ("fcfs", "priority", "slo", "slo+reject")
 SHORT_PROMPT_MAX = 128  # the mix's questions are 16-128 tokens, its documents 256-512
@@ -175,7 +177,7 @@ def check_pin(pinned: dict[str, Any], model: str, engine: dict[str, Any], terms:
     """A capacity is another run's only if it measured the same engine, and its host level means the
     same only against the same cost model: refuse anything else rather than label loads wrongly."""
     if pinned.get("source") != "measured" or "capacity_host_level" not in pinned:
-        raise ValueError("pin the capacity of a measured run (plan policies --real), not a simulated one")
+        raise ValueError("pin the capacity of a measured run (python -m bench policies), not a simulated one")
     for what, mine, theirs in (
         ("model", model, pinned.get("model")),
         ("engine settings", engine, pinned.get("engine")),
@@ -319,8 +321,57 @@ def compare(
     }
 
 
+def add_arguments(p: Any) -> None:
+    p.add_argument("--cost", default=None, help="COST.json (default: calibrate first, on these settings)")
+    p.add_argument("--slo", nargs="+", default=None, help="ttft:MS tpot:MS (default: from the cost model)")
+    p.add_argument("--cvs", default=None, help="gamma arrival CVs (default 2,4)")
+    p.add_argument("--loads", default=None, help="offered load as fractions of capacity (default 0.8,1,1.2)")
+    p.add_argument("--out", default="plan-policies", help="directory for policies.json and policies.png")
+    p.add_argument("--quick", action="store_true", help="tiny model, loads 0.8 and 1.2, 2.5 s runs")
+    p.add_argument("--model", default=None, help="checkpoint (default: bench preset; --quick: tiny)")
+    p.add_argument("--duration", type=float, default=None, help="seconds of arrivals a run")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--policies", default=None, help="comma list, fcfs among them (default fcfs,priority,slo,slo+reject)"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs of every policy a cell, in turn (paired ratios to fcfs)"
+    )
+    p.add_argument(
+        "--capacity-from",
+        default=None,
+        help="an earlier run's policies.json: reuse its measured capacity and host level instead of a "
+        "burst, so both runs' loads are the same arrival rates (same model, settings and --cost)",
+    )
+
+
+def main(args: Any) -> int:
+    """``python -m bench policies``: measure, then write policies.json and policies.png and print the
+    table, as ``inflight plan policies`` does for the simulation."""
+    from inflight.plan.policies import plot, table
+    from inflight.plan.slo import parse_slo
+
+    bounds: tuple[float, float] | None = None
+    if args.slo:
+        slo = parse_slo(args.slo)
+        if slo.ttft_s is None or slo.tpot_s is None:
+            raise SystemExit("--slo needs both ttft:MS and tpot:MS")
+        bounds = (slo.ttft_s, slo.tpot_s)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = run_from_args(args, bounds, out)
+    (out / "policies.json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out / "policies.png")
+    print(table(result))
+    print(f"wrote {out / 'policies.json'} and {out / 'policies.png'}")
+    return 0
+
+
 def run_from_args(args: Any, slo: tuple[float, float] | None, out: Any) -> dict[str, Any]:
-    """``inflight plan policies --real``: settle the model, cost model and grid, then compare."""
+    """Settle the model, cost model and grid, then compare."""
     import torch
 
     from engine.models.tiny import default_model_path
@@ -345,7 +396,7 @@ def run_from_args(args: Any, slo: tuple[float, float] | None, out: Any) -> dict[
     elif args.quick:
         model = str(default_model_path())
     else:
-        from bench.session import bench_model_path
+        from inflight.plan.workload import bench_model_path
 
         model = str(bench_model_path())
     engine = {

@@ -1,4 +1,4 @@
-"""``inflight bench service``: the full service path, through the gateway with the ``openai`` client.
+"""``python -m bench service``: the full service path, through the gateway with the ``openai`` client.
 
 Two measurements, one command (``make bench-service``), JSON plus a plot under ``--out``:
 
@@ -24,15 +24,13 @@ import os
 import statistics
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import openai
 import redis as redis_lib
 
-from harness.servers import start_kafka, start_redis
-from harness.stack import ServiceProcess, launch, stack_env
+from harness.stack import build_stack
 from services.common import keys
 
 PROMPT = (
@@ -42,7 +40,7 @@ TARGET_P50_MS, TARGET_P99_MS = 10.0, 25.0
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="inflight bench service", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench service", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench-results", help="directory for service.json and service.png")
     p.add_argument("--model", help="model directory (default: the tiny random-weight model)")
     p.add_argument("--requests", type=int, default=200, help="low-load requests per path (default 200)")
@@ -237,26 +235,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"in-process engine: {args.requests} requests ...", flush=True)
     engine_totals, engine_firsts = asyncio.run(_engine_latencies(args.model, args.requests, args.max_tokens))
 
-    workdir = Path(tempfile.mkdtemp(prefix="inflight-bench-"))
-    kafka, redis = start_kafka(workdir=workdir / "kafka"), start_redis(workdir=workdir / "redis")
-    children: list[ServiceProcess] = []
+    env = {
+        "INFLIGHT_SERVED_MODEL_NAME": "bench",
+        "INFLIGHT_MAX_PENDING": str(args.max_pending),
+        "INFLIGHT_LOG_LEVEL": "WARNING",
+    }
+    if args.torch_threads:
+        env["INFLIGHT_TORCH_THREADS"] = str(args.torch_threads)
+    stack = build_stack(args.model, Path(tempfile.mkdtemp(prefix="inflight-bench-")), tag="bench", env=env)
     try:
-        env = {
-            **stack_env(kafka, redis, args.model),
-            "INFLIGHT_SERVED_MODEL_NAME": "bench",
-            "INFLIGHT_KAFKA_TOPIC": f"inflight.bench.{uuid.uuid4().hex[:6]}",
-            "INFLIGHT_MAX_PENDING": str(args.max_pending),
-            "INFLIGHT_LOG_LEVEL": "WARNING",
-        }
-        if args.torch_threads:
-            env["INFLIGHT_TORCH_THREADS"] = str(args.torch_threads)
-        children = [launch("worker", env, workdir), launch("gateway", env, workdir)]
-        for child in children:
-            child.wait_ready()
-        gateway = children[1]
+        gateway = stack.gateways[0]
         client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="bench", max_retries=0, timeout=60)
         print(f"service path: {args.requests} requests ...", flush=True)
-        records = redis_lib.Redis.from_url(redis.url, decode_responses=True)
+        records = redis_lib.Redis.from_url(stack.redis.url, decode_responses=True)
         service_totals, service_firsts, stages = _service_latencies(
             client, "bench", args.requests, args.max_tokens, records
         )
@@ -265,10 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             _overload(gateway.url, "bench", args.overload_s, args.concurrency, gateway.proc.pid)
         )
     finally:
-        for child in children:
-            child.stop()
-        kafka.stop()
-        redis.stop()
+        stack.close()
 
     added_total = [s - e for s, e in zip(service_totals, engine_totals, strict=False)]
     added_first = [s - e for s, e in zip(service_firsts, engine_firsts, strict=False)]

@@ -1,11 +1,13 @@
-"""Shared plumbing of the benchmark commands: the model, threads, targets kept warm, runs saved."""
+"""Shared plumbing of the benchmark commands: threads, targets kept warm, runs saved.
+
+The default checkpoint (``bench_model_path``) and the warm-up requests come from the planner's
+workloads (inflight/plan/workload.py), which the planner's validation runs on too.
+"""
 
 from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -13,34 +15,10 @@ from typing import Any
 import torch
 
 from bench.results import RunResult, write_json
-from bench.stats import SLO, summarize
+from bench.stats import summarize
 from bench.targets import Target, TargetConfig, make_target
-from bench.workload import RequestSpec, random_prompt
-
-
-def bench_model_path() -> Path:
-    """The benchmark checkpoint (tiny.py's "bench" preset, ~50M parameters, float32), written once
-    in the model cache (``engine.paths.models_dir``) and renamed into place, so a concurrent run
-    sees either none or a complete one."""
-    from engine.models.tiny import write_tiny_checkpoint
-    from engine.paths import models_dir
-
-    target = models_dir() / "bench-llama"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".bench-llama-", dir=target.parent))
-    try:
-        write_tiny_checkpoint(tmp, preset="bench", dtype="float32")
-        tmp.chmod(0o755)
-        os.rename(tmp, target)
-    except OSError:
-        if not target.is_dir():
-            raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+from inflight.plan.slo import SLO
+from inflight.plan.workload import RequestSpec, warmup_specs
 
 
 def set_threads(threads: int) -> int:
@@ -48,15 +26,6 @@ def set_threads(threads: int) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
-
-
-def warmup_specs(vocab_size: int, max_model_len: int) -> list[RequestSpec]:
-    """A short prompt, a medium one and a long one, a few tokens each: every code path runs once."""
-    import random
-
-    rng = random.Random(12345)
-    lengths = [max(1, min(n, max_model_len - 8)) for n in (24, 130, 500)]
-    return [RequestSpec(f"w{i}", 0.0, random_prompt(n, vocab_size, rng), 4) for i, n in enumerate(lengths)]
 
 
 def fmt_ms(summary: dict[str, Any], key: str, q: str) -> str:

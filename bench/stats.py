@@ -13,12 +13,11 @@ low even if its raw tokens/s is high.
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from bench.results import RequestResult, RunResult
+from bench.results import RunResult
+from inflight.plan.slo import SLO
 
 PERCENTILES = (50, 95, 99)
 
@@ -45,46 +44,6 @@ def distribution(values: Sequence[float]) -> dict[str, float]:
     for q in PERCENTILES:
         out[f"p{q}_ms"] = 1e3 * percentile(values, q)
     return out
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float | None = None
-    tpot_s: float | None = None
-
-    def met(self, r: RequestResult) -> bool:
-        if not r.completed:
-            return False
-        ttft, tpot = r.ttft, r.tpot
-        if self.ttft_s is not None and (ttft is None or ttft > self.ttft_s):
-            return False
-        return not (self.tpot_s is not None and tpot is not None and tpot > self.tpot_s)
-
-    def describe(self) -> str:
-        parts = []
-        if self.ttft_s is not None:
-            parts.append(f"ttft:{self.ttft_s * 1e3:g}")
-        if self.tpot_s is not None:
-            parts.append(f"tpot:{self.tpot_s * 1e3:g}")
-        return " ".join(parts) or "none"
-
-
-_SLO_ITEM = re.compile(r"^(ttft|tpot):(\d+(?:\.\d+)?)(ms|s)?$")
-
-
-def parse_slo(items: Iterable[str]) -> SLO:
-    """``["ttft:2000", "tpot:300"]`` or ``["ttft:2000 tpot:300"]`` -> SLO (milliseconds; a trailing
-    ``s`` means seconds)."""
-    bounds: dict[str, float] = {}
-    for item in " ".join(items).replace(",", " ").split():
-        m = _SLO_ITEM.match(item.strip().lower())
-        if m is None:
-            raise ValueError(f"bad SLO item {item!r}: expected ttft:MS or tpot:MS")
-        name, value, unit = m.group(1), float(m.group(2)), m.group(3) or "ms"
-        if name in bounds:
-            raise ValueError(f"SLO bound {name} given twice")
-        bounds[name] = value if unit == "s" else value / 1e3
-    return SLO(ttft_s=bounds.get("ttft"), tpot_s=bounds.get("tpot"))
 
 
 def summarize(run: RunResult, slo: SLO | None = None) -> dict[str, Any]:

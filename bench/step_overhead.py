@@ -38,8 +38,7 @@ from typing import Any
 import httpx
 
 from engine.metrics import StepRecord
-from harness.servers import start_kafka, start_redis
-from harness.stack import launch, stack_env
+from harness.stack import build_stack
 
 THRESHOLD = 0.05  # the bar: run the engine core in its own process above a 5% cost
 
@@ -161,51 +160,47 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or str(default_model_path())
     engine = LLMEngine.from_engine_args(model, max_num_seqs=max(args.concurrency, 8))
     work = Path(tempfile.mkdtemp(prefix="inflight-step-overhead-"))
-    with start_kafka(workdir=work / "kafka") as kafka, start_redis(workdir=work / "redis") as redis:
-        tag = uuid.uuid4().hex[:8]
-        env = {
-            **stack_env(kafka, redis, model),
-            "INFLIGHT_KAFKA_TOPIC": f"inflight.overhead.{tag}",
-            "INFLIGHT_KAFKA_CONSUMER_GROUP": f"overhead-{tag}",
-            "INFLIGHT_FETCH_MAX_WAITING": str(args.concurrency * 2),
-            "INFLIGHT_SERVED_MODEL_NAME": "model",
-            "INFLIGHT_WORKER_PORT": "0",
-        }
-        gateway = launch("gateway", env, work / "logs")
-        if args.pin:
-            for proc in (kafka.proc, redis.proc, gateway.proc):
-                if proc is not None:
-                    os.sched_setaffinity(proc.pid, others)
-        try:
-            gateway.wait_ready()
-            _alone(args, engine, args.concurrency)  # warm-up
-            recorded: list[StepRecord] = []
-            began = time.monotonic()
-            asyncio.run(_through_worker(args, env, engine, gateway.url, recorded))
-            worker_s = time.monotonic() - began
-            in_worker = _full_decode_steps(recorded, args.concurrency)
-            recorded.clear()
-            engine.metrics.step_listeners.append(recorded.append)
-            began = time.monotonic()
-            _alone(args, engine, args.requests)
-            alone_s = time.monotonic() - began
-            alone = _full_decode_steps(recorded, args.concurrency)
-            recorded = []
-            began = time.monotonic()
-            # Last: it moves this process's threads off core 0 for the rest of the run.
-            asyncio.run(
-                _through_worker(
-                    args,
-                    {**env, "INFLIGHT_KAFKA_CONSUMER_GROUP": f"core-{tag}"},
-                    model,
-                    gateway.url,
-                    recorded,
-                )
+    settings = {
+        "INFLIGHT_FETCH_MAX_WAITING": str(args.concurrency * 2),
+        "INFLIGHT_SERVED_MODEL_NAME": "model",
+        "INFLIGHT_WORKER_PORT": "0",
+    }
+    # No worker process: this process is the worker, with the engine above.
+    stack = build_stack(model, work, workers=0, tag="overhead", env=settings)
+    env, gateway = stack.env, stack.gateways[0]
+    if args.pin:
+        for proc in (stack.kafka.proc, stack.redis.proc, gateway.proc):
+            if proc is not None:
+                os.sched_setaffinity(proc.pid, others)
+    try:
+        _alone(args, engine, args.concurrency)  # warm-up
+        recorded: list[StepRecord] = []
+        began = time.monotonic()
+        asyncio.run(_through_worker(args, env, engine, gateway.url, recorded))
+        worker_s = time.monotonic() - began
+        in_worker = _full_decode_steps(recorded, args.concurrency)
+        recorded.clear()
+        engine.metrics.step_listeners.append(recorded.append)
+        began = time.monotonic()
+        _alone(args, engine, args.requests)
+        alone_s = time.monotonic() - began
+        alone = _full_decode_steps(recorded, args.concurrency)
+        recorded = []
+        began = time.monotonic()
+        # Last: it moves this process's threads off core 0 for the rest of the run.
+        asyncio.run(
+            _through_worker(
+                args,
+                {**env, "INFLIGHT_KAFKA_CONSUMER_GROUP": env["INFLIGHT_KAFKA_CONSUMER_GROUP"] + "-core"},
+                model,
+                gateway.url,
+                recorded,
             )
-            core_s = time.monotonic() - began
-            in_core = _full_decode_steps(recorded, args.concurrency)
-        finally:
-            gateway.stop(timeout_s=10)
+        )
+        core_s = time.monotonic() - began
+        in_core = _full_decode_steps(recorded, args.concurrency)
+    finally:
+        stack.close()
     if not in_worker or not alone or not in_core:
         raise SystemExit("no full decode steps recorded: raise --requests or --max-tokens")
     med_w, med_a, med_c = statistics.median(in_worker), statistics.median(alone), statistics.median(in_core)

@@ -1,10 +1,10 @@
-"""``inflight bench sweep``: any targets over a range of request rates, light load to overload.
+"""``python -m bench sweep``: any targets over a range of request rates, light load to overload.
 
-    inflight bench sweep --targets continuous,static --rates 0.2,0.5,1,2 --num-requests 64
-    inflight bench sweep --targets continuous --process gamma --cv 3 --rates 0.5,1
-    inflight bench sweep --targets continuous,hf-batch --trace my.jsonl --speedups 0.5,1,2
-    inflight bench sweep --targets continuous --rates 1 --engine-arg max_num_batched_tokens=256
-    inflight bench sweep --targets continuous,vllm --rates 1,4 --engine-arg dtype=bfloat16
+    python -m bench sweep --targets continuous,static --rates 0.2,0.5,1,2 --num-requests 64
+    python -m bench sweep --targets continuous --process gamma --cv 3 --rates 0.5,1
+    python -m bench sweep --targets continuous,hf-batch --trace my.jsonl --speedups 0.5,1,2
+    python -m bench sweep --targets continuous --rates 1 --engine-arg max_num_batched_tokens=256
+    python -m bench sweep --targets continuous,vllm --rates 1,4 --engine-arg dtype=bfloat16
 
 Each rate runs every target on the same requests (a rate only rescales arrival times), interleaved
 target by target. Where continuous and vllm (``make bench-peers``) both ran a point, their greedy
@@ -25,11 +25,11 @@ from typing import Any
 from bench import plots
 from bench.compare import describe_identical, peer_comparisons
 from bench.results import RunResult, write_json
-from bench.session import Session, bench_model_path, set_threads
-from bench.stats import parse_slo
+from bench.session import Session, set_threads
 from bench.targets import TARGETS, TargetConfig
 from bench.timeline import chrome_trace, request_timelines
-from bench.workload import LengthMix, RequestSpec, describe, load_trace, synthetic
+from inflight.plan.slo import parse_slo
+from inflight.plan.workload import LengthMix, RequestSpec, bench_model_path, describe, load_trace, synthetic
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     write_json(
         out / "sweep.json",
         {
-            "command": "inflight bench sweep " + " ".join(args.argv),
+            "command": "python -m bench sweep " + " ".join(args.argv),
             "threads": threads,
             "model": model,
             "workloads": {label: describe(specs) for label, _, specs in points},

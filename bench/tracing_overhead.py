@@ -147,7 +147,7 @@ def measure(
 ) -> dict[str, Any]:
     torch.set_num_threads(threads)
     if model == "bench":
-        from bench.session import bench_model_path
+        from inflight.plan.workload import bench_model_path
 
         path = bench_model_path()
     else:

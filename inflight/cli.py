@@ -4,8 +4,8 @@ Adding a subcommand is adding a module there that defines ``NAME``, ``HELP``, ``
 ``run(args) -> int``, and naming it in ``COMMANDS`` below. Modules import their heavy dependencies (torch,
 FastAPI, plotting) inside ``run``, so ``inflight --help`` stays fast and runs in the torch-free gateway
 image.
-A command whose module sets ``PASSTHROUGH = True`` owns its argument parsing (``--help`` included): it gets
-the remaining arguments untouched, as a list, instead of a parsed namespace.
+The benchmarks are not a subcommand: they live in the repository's ``bench/`` tree (``python -m bench``),
+which the installed package neither carries nor imports.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ COMMANDS: dict[str, str] = {
     "gateway": "inflight.commands.gateway",
     "worker": "inflight.commands.worker",
     "dev": "inflight.commands.dev",
-    "bench": "inflight.commands.bench",
     "plan": "inflight.commands.plan",
 }
 
@@ -34,18 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         module = _module(name)
-        passthrough = getattr(module, "PASSTHROUGH", False)
-        command = sub.add_parser(name, help=module.HELP, add_help=not passthrough)
-        if not passthrough:
-            module.add_arguments(command)
+        module.add_arguments(sub.add_parser(name, help=module.HELP))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] and argv[0] in COMMANDS and getattr(_module(argv[0]), "PASSTHROUGH", False):
-        return int(_module(argv[0]).run(argv[1:]) or 0)
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     return int(_module(args.command).run(args) or 0)
 
 

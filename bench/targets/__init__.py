@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from bench.results import RunResult
-from bench.workload import RequestSpec
+from inflight.plan.workload import RequestSpec
 
 TARGETS = ("continuous", "static", "hf-batch", "hf-generate", "vllm")
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from bench.results import RequestResult, RunResult, StepSample
 from bench.targets import TargetConfig
-from bench.workload import RequestSpec
 from engine.llm_engine import LLMEngine
 from engine.metrics import RequestRecord, StepRecord
 from engine.sampling_params import SamplingParams
+from inflight.plan.workload import RequestSpec
 
 
 class EngineTarget:

@@ -20,7 +20,7 @@ import torch
 
 from bench.results import RequestResult, RunResult
 from bench.targets import TargetConfig
-from bench.workload import RequestSpec
+from inflight.plan.workload import RequestSpec
 
 # HF page size (tokens per whole-model block) stays at its default; only the capacity is matched.
 _HF_PAGE_SIZE = 256

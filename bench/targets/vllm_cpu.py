@@ -31,7 +31,7 @@ import torch
 
 from bench.results import RequestResult, RunResult
 from bench.targets import TargetConfig
-from bench.workload import RequestSpec
+from inflight.plan.workload import RequestSpec
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("vllm_driver.py")

@@ -1,5 +1,9 @@
-"""``inflight plan calibrate|simulate|size|validate|policies``: the step-cost model, the capacity
-planner, its validation against real engines, and the scheduling policies compared."""
+"""``inflight plan calibrate|simulate|size|validate|preset|policies``: the step-cost model, the capacity
+planner, its validation against real engines, and the scheduling policies compared in simulation.
+
+The research instruments around them live in the benchmark tree of a source checkout: repeated and
+service-path validations, the policies measured on real engines, the host's speed (``python -m bench
+validate|policies|host``)."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--quick", action="store_true", help="a few-second grid (tests, smoke checks)")
 
     sim = sub.add_parser("simulate", help="simulate a fleet on a trace with the cost model's step times")
-    sim.add_argument("--trace", required=True, help="the benchmark's JSONL trace (bench/workload.py)")
+    sim.add_argument("--trace", required=True, help="a JSONL trace (inflight/plan/workload.py)")
     sim.add_argument("--model", default=None, help="checkpoint whose vocabulary/tokenizer reads the trace")
     _fleet_arguments(sim)
     sim.add_argument("--workers", type=int, required=True)
@@ -54,66 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--max-workers", type=int, default=4096)
     _fleet_arguments(size)
 
-    val = sub.add_parser(
-        "validate", help="predicted vs measured: real engines and the simulator replay the same trace"
+    validate_arguments(
+        sub.add_parser(
+            "validate", help="predicted vs measured: real engines and the simulator replay the same trace"
+        )
     )
-    val.add_argument("--model", default=None, help="checkpoint (default: the bench preset)")
-    val.add_argument("--cost", default=None, help="COST.json (default: calibrate first, same threads)")
-    val.add_argument("--workers", default="1,2", help="fleet sizes to validate, comma list")
-    val.add_argument("--threads", type=int, default=0, help="intra-op threads a worker (0: cores / workers)")
-    val.add_argument("--rate", type=float, default=None, help="requests/s a worker (Poisson; default --load)")
-    val.add_argument(
-        "--load",
-        type=float,
-        default=0.7,
-        help="offered load a worker as a fraction of the cost model's simulated capacity (default 0.7: "
-        "queues form, as they do where a planner is asked; the same point on any host)",
-    )
-    val.add_argument(
-        "--num-requests", type=int, default=150, help="requests a worker (P99 of fewer is one request)"
-    )
-    val.add_argument("--seed", type=int, default=11)
-    val.add_argument("--max-num-seqs", type=int, default=32)
-    val.add_argument("--max-num-batched-tokens", type=int, default=512)
-    val.add_argument("--max-model-len", type=int, default=1024)
-    val.add_argument("--num-blocks", type=int, default=2048)
-    val.add_argument(
-        "--shape-cache", type=int, default=None, help="simulate an LRU of this many warm token counts"
-    )
-    val.add_argument(
-        "--host-drift",
-        type=float,
-        default=0.0,
-        help="how far the host's speed moves between a calibration and a run (log, one sigma; "
-        "`inflight bench host` prints it for 30 s spans): widens the band by it",
-    )
-    val.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="run the trace this many times on fresh engines; the repeats show how far two real runs "
-        "of the same trace differ on this host (the floor under any prediction's error)",
-    )
-    val.add_argument(
-        "--speed-window",
-        type=float,
-        default=0.5,
-        help="seconds a window of the run's measured host speed spans in the run-speed prediction",
-    )
-    val.add_argument(
-        "--service",
-        action="store_true",
-        help="measure through the gateway, Kafka and a worker process each (plan/service_replay.py)",
-    )
-    val.add_argument(
-        "--calibrate-workers",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="each worker calibrates itself just before the trace, side by side as they serve; the "
-        "verdict uses that calibration (default: on)",
-    )
-    val.add_argument("--tolerance", type=float, default=0.2, help="relative error allowed a figure")
-    val.add_argument("--out", default="plan-validate.json", help="where to write every figure (JSON)")
 
     pre = sub.add_parser(
         "preset",
@@ -135,36 +84,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     pre.add_argument("--seq-overhead-us", type=float, default=None, help="CPU time a row (default 10)")
 
-    pol = sub.add_parser("policies", help="fcfs vs priority vs slo on bursty arrivals (goodput)")
-    pol.add_argument("--cost", default=None, help="COST.json (--real: default calibrate first)")
-    pol.add_argument("--slo", nargs="+", default=None, help="ttft:MS tpot:MS (--real: default from --cost)")
+    pol = sub.add_parser(
+        "policies",
+        help="fcfs vs priority vs slo on bursty arrivals (goodput), simulated; measured on real engines: "
+        "python -m bench policies",
+    )
+    pol.add_argument("--cost", required=True, help="COST.json from inflight plan calibrate")
+    pol.add_argument("--slo", nargs="+", required=True, help="ttft:MS tpot:MS")
     pol.add_argument("--cvs", default=None, help="gamma arrival CVs (default 2,4)")
     pol.add_argument(
         "--loads", default=None, help="offered load as fractions of capacity (default 0.8,1,1.2)"
     )
-    pol.add_argument("--num-requests", type=int, default=1500, help="simulated: requests a run")
+    pol.add_argument("--num-requests", type=int, default=1500, help="requests a run")
     pol.add_argument("--out", default="plan-policies", help="directory for policies.json and policies.png")
-    real = pol.add_argument_group("--real: the engine in process, arrivals replayed in real time")
-    real.add_argument("--real", action="store_true", help="measure on the engine instead of simulating")
-    real.add_argument("--quick", action="store_true", help="tiny model, loads 0.8 and 1.2, 2.5 s runs")
-    real.add_argument("--model", default=None, help="checkpoint (default: bench preset; --quick: tiny)")
-    real.add_argument("--duration", type=float, default=None, help="seconds of arrivals a run")
-    real.add_argument("--threads", type=int, default=1, help="intra-op threads (0: torch's default)")
-    real.add_argument("--max-num-seqs", type=int, default=64)
-    real.add_argument("--max-num-batched-tokens", type=int, default=512)
-    real.add_argument("--seed", type=int, default=0)
-    real.add_argument(
-        "--policies", default=None, help="comma list, fcfs among them (default fcfs,priority,slo,slo+reject)"
+
+
+def validate_arguments(parser: argparse.ArgumentParser) -> None:
+    """``plan validate``'s arguments (bench's research validation adds its own to the same set)."""
+    parser.add_argument("--model", default=None, help="checkpoint (default: the bench preset)")
+    parser.add_argument("--cost", default=None, help="COST.json (default: calibrate first, same threads)")
+    parser.add_argument("--workers", default="1,2", help="fleet sizes to validate, comma list")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="intra-op threads a worker (0: cores / workers)"
     )
-    real.add_argument(
-        "--repeats", type=int, default=1, help="runs of every policy a cell, in turn (paired ratios to fcfs)"
+    parser.add_argument(
+        "--rate", type=float, default=None, help="requests/s a worker (Poisson; default --load)"
     )
-    real.add_argument(
-        "--capacity-from",
-        default=None,
-        help="an earlier run's policies.json: reuse its measured capacity and host level instead of a "
-        "burst, so both runs' loads are the same arrival rates (same model, settings and --cost)",
+    parser.add_argument(
+        "--load",
+        type=float,
+        default=0.7,
+        help="offered load a worker as a fraction of the cost model's simulated capacity (default 0.7: "
+        "queues form, as they do where a planner is asked; the same point on any host)",
     )
+    parser.add_argument(
+        "--num-requests", type=int, default=150, help="requests a worker (P99 of fewer is one request)"
+    )
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--num-blocks", type=int, default=2048)
+    parser.add_argument(
+        "--shape-cache", type=int, default=None, help="simulate an LRU of this many warm token counts"
+    )
+    parser.add_argument(
+        "--speed-window",
+        type=float,
+        default=0.5,
+        help="seconds a window of the run's measured host speed spans in the run-speed prediction",
+    )
+    parser.add_argument(
+        "--calibrate-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each worker calibrates itself just before the trace, side by side as they serve; the "
+        "verdict uses that calibration (default: on)",
+    )
+    parser.add_argument("--tolerance", type=float, default=0.2, help="relative error allowed a figure")
+    parser.add_argument("--out", default="plan-validate.json", help="where to write every figure (JSON)")
 
 
 def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
@@ -182,7 +160,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "--slo-reject", action="store_true", help="slo policy: reject requests whose TTFT is lost"
     )
     # The service path around each engine (0: an in-process engine, what calibrate times). Measured by
-    # `inflight bench service` (its intake and delivery stages) and `inflight plan validate` (loop ms/step).
+    # `python -m bench service` (its intake and delivery stages) and `inflight plan validate` (loop ms/step).
     parser.add_argument("--intake-ms", type=float, default=0.0, help="gateway -> worker queue latency")
     parser.add_argument("--delivery-ms", type=float, default=0.0, help="token -> client latency")
     parser.add_argument("--step-overhead-ms", type=float, default=0.0, help="serving loop time per step")
@@ -205,7 +183,7 @@ def _fleet_arguments(parser: argparse.ArgumentParser) -> None:
 def _model_path(model: str | None) -> str:
     if model:
         return model
-    from bench.session import bench_model_path
+    from inflight.plan.workload import bench_model_path
 
     return str(bench_model_path())
 
@@ -243,7 +221,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _slo(args: argparse.Namespace) -> tuple[float | None, float | None]:
     if not args.slo:
         return None, None
-    from bench.stats import parse_slo
+    from inflight.plan.slo import parse_slo
 
     slo = parse_slo(args.slo)
     return slo.ttft_s, slo.tpot_s
@@ -266,8 +244,8 @@ def _service(args: argparse.Namespace) -> Any:
 
 
 def _trace(path: str, model: str | None, time_scale: float = 1.0) -> list[Any]:
-    from bench.workload import load_trace
     from inflight.plan.traffic import from_specs
+    from inflight.plan.workload import load_trace
 
     vocab, encode = 1 << 30, None
     if model:
@@ -310,10 +288,10 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _size(args: argparse.Namespace) -> int:
-    from bench.stats import parse_slo
     from engine.cost_model import StepCostModel
     from inflight.plan.simulate import FleetConfig, SimRequest
     from inflight.plan.size import Target, plot, search, table
+    from inflight.plan.slo import parse_slo
     from inflight.plan.traffic import sampled_partitions, synthetic
 
     slo = parse_slo(args.slo)
@@ -369,24 +347,17 @@ def _policies(args: argparse.Namespace) -> int:
     from inflight.plan.policies import compare, plot, table
 
     ttft, tpot = _slo(args)
-    if args.slo and (ttft is None or tpot is None):
+    if ttft is None or tpot is None:
         raise SystemExit("--slo needs both ttft:MS and tpot:MS")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.real:
-        from bench.policy_bench import run_from_args
-
-        result = run_from_args(args, None if ttft is None or tpot is None else (ttft, tpot), out)
-    else:
-        if args.cost is None or ttft is None or tpot is None:
-            raise SystemExit("simulated policies need --cost and --slo ttft:MS tpot:MS")
-        result = compare(
-            StepCostModel.load(args.cost),
-            (ttft, tpot),
-            cvs=tuple(float(x) for x in (args.cvs or "2,4").split(",")),
-            loads=tuple(float(x) for x in (args.loads or "0.8,1,1.2").split(",")),
-            num_requests=args.num_requests,
-        )
+    result = compare(
+        StepCostModel.load(args.cost),
+        (ttft, tpot),
+        cvs=tuple(float(x) for x in (args.cvs or "2,4").split(",")),
+        loads=tuple(float(x) for x in (args.loads or "0.8,1,1.2").split(",")),
+        num_requests=args.num_requests,
+    )
     (out / "policies.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out / "policies.png")
     print(table(result))

@@ -22,7 +22,7 @@ class SimRequest:
 @dataclass(frozen=True)
 class ServicePath:
     """The service path around each engine, in seconds; all 0 for an in-process engine (what
-    calibrate times). Measured, not guessed: `inflight bench service` reports the intake ("gateway
+    calibrate times). Measured, not guessed: `python -m bench service` reports the intake ("gateway
     enqueue -> worker claim") and delivery stages, `inflight plan validate` the loop's time per step."""
 
     intake_s: float = 0.0  # at the gateway -> in its worker's fetch queue (produce, broker fetch wait)

@@ -7,7 +7,7 @@ The mix is the benchmark's (short questions, a quarter long documents); for the 
 questions are urgent (0) and the documents not (1), the one labelling a priority user would choose.
 ``slo+reject`` is the slo policy finishing lost requests early.
 
-The real engine runs the same comparison, measured: ``inflight plan policies --real``
+The real engine runs the same comparison, measured, from a source checkout: ``python -m bench policies``
 (bench/policy_bench.py, ``make bench-policies``).
 """
 

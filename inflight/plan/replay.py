@@ -179,9 +179,9 @@ def _warm_shapes(engine: Any) -> set[int]:
 
 def make_engine(model: str, engine_args: dict[str, Any]) -> Any:
     """An engine warmed up as the benchmark warms its targets: every code path runs once, unmeasured."""
-    from bench.session import warmup_specs
     from engine.llm_engine import LLMEngine
     from engine.sampling_params import SamplingParams
+    from inflight.plan.workload import warmup_specs
 
     engine = LLMEngine.from_engine_args(model, **engine_args)
     for i, s in enumerate(warmup_specs(engine.config.model.vocab_size, engine.config.max_model_len)):

@@ -28,7 +28,7 @@ def synthetic(
     mix: Any = None,
     partitions: tuple[list[int], int] | None = None,
 ) -> list[SimRequest]:
-    """The benchmark's synthetic workload (bench/workload.py: arrival process, length mix) as lengths
+    """The benchmark's synthetic workload (inflight/plan/workload.py: arrival process, length mix) as lengths
     only: an hour of a thousand pods' traffic is millions of requests, and no token id is needed.
 
     ``partitions = (kept, total)``: only requests whose key lands on a kept partition are built (each
@@ -36,7 +36,7 @@ def synthetic(
     sampled simulation does not pay for the requests it would drop."""
     import random
 
-    from bench.workload import LengthMix
+    from inflight.plan.workload import LengthMix
 
     mix = mix or LengthMix()
     kept, total = partitions if partitions is not None else ([0], 1)

@@ -4,6 +4,7 @@ the command that calibrates, measures and judges each fleet size."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from engine.cost_model import StepCostModel
@@ -130,24 +131,52 @@ def report(result: dict[str, Any], tolerance: float = 0.2) -> str:
     return "\n".join(lines)
 
 
-def run_from_args(args: Any, model: str, pinned: dict[str, Any]) -> int:
-    """``inflight plan validate``: calibrate (or load), then validate each fleet size; 1 if a figure
-    from the calibration misses by more than ``args.tolerance``. ``pinned``: engine settings the
-    cost model and simulator assume (async scheduling off)."""
+# One fleet size measured and predicted: (model, specs, engine_args, cost, workers=, threads=) -> the
+# result and its report. The planner's is ``in_process_fleet``; the benchmark tree brings others
+# (repeated runs, the whole service path).
+FleetValidation = Callable[..., tuple[dict[str, Any], str]]
+
+
+def in_process_fleet(args: Any) -> FleetValidation:
+    """Real engines in worker processes and the simulator on the same trace (validate.py), once."""
+    from inflight.plan.calibrate import DEFAULT_GRID
+
+    def one(
+        model: str, specs: Any, engine_args: dict[str, Any], cost: StepCostModel, **kw: Any
+    ) -> tuple[dict[str, Any], str]:
+        result = validate(
+            model,
+            specs,
+            engine_args,
+            cost,
+            shape_cache=args.shape_cache,
+            grid=DEFAULT_GRID if args.calibrate_workers else None,
+            speed_window_s=args.speed_window,
+            **kw,
+        )
+        return result, report(result, args.tolerance)
+
+    return one
+
+
+def run_from_args(args: Any, model: str, pinned: dict[str, Any], fleet: FleetValidation | None = None) -> int:
+    """``inflight plan validate``: calibrate (or load), then validate each fleet size with ``fleet``
+    (default: ``in_process_fleet``); 1 if a figure from the calibration misses by more than
+    ``args.tolerance``. ``pinned``: engine settings the cost model and simulator assume (async
+    scheduling off)."""
     import json
     import os
     from pathlib import Path
 
     import torch
 
-    from bench.workload import synthetic
     from engine.config import ModelConfig
     from inflight.plan.calibrate import DEFAULT_GRID, calibrate, describe
     from inflight.plan.policies import capacity
+    from inflight.plan.workload import synthetic
 
     sizes = [int(x) for x in args.workers.split(",")]
-    if args.service and args.repeats > 1:
-        raise SystemExit("--repeats measures the engines' replay; --service runs once")
+    fleet = fleet or in_process_fleet(args)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     # Each worker its own cores, as pods have: the largest fleet decides, and the calibration uses the
     # same count (a model timed on two threads says nothing of a one-thread worker).
@@ -178,20 +207,8 @@ def run_from_args(args: Any, model: str, pinned: dict[str, Any]) -> int:
     results = []
     for workers in sizes:
         specs = synthetic(args.num_requests * workers, rate * workers, vocab, seed=args.seed)
-        if args.service:  # through the gateway, Kafka and worker processes
-            from inflight.plan.service_replay import report_service, validate_service
-
-            kw = {"threads": threads, "shape_cache": args.shape_cache}
-            result = validate_service(model, specs, engine_args, cost, workers=workers, **kw)
-            print(report_service(result, args.tolerance), flush=True)
-        else:
-            grid = DEFAULT_GRID if args.calibrate_workers else None
-            kw = {"threads": threads, "shape_cache": args.shape_cache, "grid": grid}
-            kw["speed_window_s"] = args.speed_window
-            kw["host_drift"] = args.host_drift
-            kw["repeats"] = args.repeats
-            result = validate(model, specs, engine_args, cost, workers=workers, **kw)
-            print(report(result, args.tolerance), flush=True)
+        result, text = fleet(model, specs, engine_args, cost, workers=workers, threads=threads)
+        print(text, flush=True)
         results.append(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"cost": cost.to_json(), "runs": results}, indent=1) + "\n")

@@ -9,7 +9,7 @@ import pytest
 
 from bench.cli import main
 from bench.targets import TargetConfig, make_target
-from bench.workload import RequestSpec
+from inflight.plan.workload import RequestSpec
 
 
 def test_sweep_and_trace_commands(tiny_model: Path, tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""``inflight bench host``: the summary's arithmetic on known samples, and a short real sampling."""
+"""``python -m bench host``: the summary's arithmetic on known samples, and a short real sampling."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from bench.results import RequestResult, RunResult
-from bench.stats import SLO, backlog_throughput, max_sustained_rate, parse_slo, percentile, summarize
+from bench.stats import backlog_throughput, max_sustained_rate, percentile, summarize
+from inflight.plan.slo import SLO, parse_slo
 
 
 def test_percentile_known_values() -> None:

@@ -12,7 +12,7 @@ from bench.stats import summarize
 from bench.targets import TargetConfig
 from bench.targets.engine import EngineTarget
 from bench.timeline import ABSENT, DECODE, PREFILL, WAITING, batch_matrix, chrome_trace, request_timelines
-from bench.workload import RequestSpec
+from inflight.plan.workload import RequestSpec
 
 # Two requests at once, then three more while they run. The first two generate long enough (tens of
 # steps) that the others arrive while they run even where a tiny-model step takes a millisecond.

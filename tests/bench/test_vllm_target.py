@@ -25,7 +25,7 @@ from bench.targets.vllm_cpu import (
     run_result,
     thread_binding,
 )
-from bench.workload import RequestSpec
+from inflight.plan.workload import RequestSpec
 
 SPECS = [
     RequestSpec("a", 0.0, (5, 6, 7, 8), 3),

@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.workload import LengthMix, RequestSpec, arrival_times, describe, load_trace, save_trace, synthetic
+from inflight.plan.workload import (
+    LengthMix,
+    RequestSpec,
+    arrival_times,
+    describe,
+    load_trace,
+    save_trace,
+    synthetic,
+)
 
 
 def _gaps(times: list[float]) -> list[float]:

@@ -1,4 +1,5 @@
-"""The engine is the bottom layer: importing any of it loads no service, benchmark or command-line code."""
+"""The engine is the bottom layer: importing any of it loads no service, benchmark, harness or command-line
+code, nor the service stack's libraries (FastAPI, Kafka, Redis). tests/test_layering.py pins the rest."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-UPPER = {"services", "bench", "inflight"}  # the layers above the engine
+# The layers above the engine, the repository-only trees, and the service stack's own libraries.
+UPPER = {"services", "bench", "inflight", "harness", "tests", "fastapi", "aiokafka", "redis"}
 
 
 def test_engine_imports_no_service_bench_or_cli_module() -> None:
@@ -44,21 +46,3 @@ def test_no_engine_source_imports_upper_layers_even_lazily() -> None:
                 names = [node.module]
             offenders += [f"{path.relative_to(REPO)}: {n}" for n in names if n.split(".")[0] in UPPER]
     assert offenders == []
-
-
-def test_cli_lists_every_command_and_hands_bench_its_arguments() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "inflight", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    for command in ("gateway", "worker", "dev", "bench"):
-        assert command in done.stdout
-    bench = subprocess.run(
-        [sys.executable, "-m", "inflight", "bench", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert bench.returncode == 0, bench.stderr
-    assert "service" in bench.stdout and "sweep" in bench.stdout  # bench's own parser answered

@@ -1,5 +1,5 @@
-"""The real-engine policy benchmark end to end on the tiny model: one bursty cell, four policies, the
-table, JSON and plot. Structure and accounting only; how the policies rank is the full run's finding,
+"""The real-engine policy benchmark (``python -m bench policies``) end to end on the tiny model: one
+bursty cell, four policies, the table, JSON and plot. Structure and accounting only; how the policies rank is the full run's finding,
 not a test's (a two-second run on a shared host)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from bench.cli import main
 from bench.policy_bench import POLICIES, steady_rate
 from engine.cost_model import StepCostModel
-from inflight.cli import main
 from inflight.plan.policies import by_met_load, ceiling, paired_ratios
 
 
@@ -23,7 +23,7 @@ def one_cell(model: Path, tmp_path: Path, out: Path, duration: str) -> list[str]
     # policies' estimates only need to be plausible here, and calibrating would take longer than the run.
     cost = tmp_path / "cost.json"
     StepCostModel(0.001, 2e-5, 1e-5, 1e-8).save(cost)
-    args = ["plan", "policies", "--real", "--model", str(model), "--cost", str(cost)]
+    args = ["policies", "--model", str(model), "--cost", str(cost)]
     args += ["--cvs", "4", "--loads", "1.2", "--duration", duration, "--out", str(out)]
     # A tight TTFT bound, so that at 1.2x capacity in bursts some requests miss it.
     return [*args, "--slo", "ttft:150", "tpot:50", "--max-num-seqs", "8"]

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from bench.workload import LengthMix, synthetic
 from engine.cost_model import StepCostModel
 from inflight.cli import main
 from inflight.plan.validate import (
@@ -34,6 +33,7 @@ from inflight.plan.validate import (
     within_band,
 )
 from inflight.plan.validate_command import report
+from inflight.plan.workload import LengthMix, synthetic
 
 TOLERANCE = 0.25  # simulated with the run's own step costs
 # Simulated with the calibration made seconds before the run. On this shared 2-core host a step waits for
@@ -130,8 +130,8 @@ def run_both(tiny_model_path: Path, tmp_path: Path) -> None:
 def test_service_figures_from_stream_times() -> None:
     # a: 4 tokens, first at 0.1 s, last at 0.4 s (TPOT 0.1 s); b: one token at 0.6 s (no TPOT);
     # c never answered: not counted. 5 tokens over 0.6 s.
-    from bench.workload import RequestSpec
-    from inflight.plan.service_replay import service_figures
+    from bench.service_replay import service_figures
+    from inflight.plan.workload import RequestSpec
 
     specs = [
         RequestSpec("a", 0.0, (5, 6), 4),
@@ -220,8 +220,10 @@ def test_repeats_measure_the_same_trace_again_and_bound_what_a_prediction_can_ma
     tiny_model_path: Path,
 ) -> None:
     # On a shared host two runs of one trace differ: the repeats measure by how much, so that a
-    # prediction's error can be read against it. Each repeat is a real run on a fresh engine.
-    from inflight.plan.validate import FIGURES, validate
+    # prediction's error can be read against it. Each repeat is a real run on a fresh engine
+    # (``python -m bench validate --repeats``).
+    from bench.plan_validate import validate_repeated
+    from inflight.plan.validate import FIGURES
 
     engine_args = {
         "max_num_seqs": 8,
@@ -237,7 +239,7 @@ def test_repeats_measure_the_same_trace_again_and_bound_what_a_prediction_can_ma
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        result = validate(
+        result = validate_repeated(
             str(tiny_model_path), specs, engine_args, cost, workers=1, threads=1, repeats=3, in_process=True
         )
     finally:

@@ -1,4 +1,7 @@
-"""Benchmark workloads: when each request arrives, its prompt, and exactly how many tokens it generates.
+"""Workloads: when each request arrives, its prompt, and exactly how many tokens it generates.
+
+The planner simulates and validates on them (``plan simulate --trace`` reads the trace format below);
+the benchmarks (bench/) replay the same lists on real targets.
 
 A workload is a plain list of ``RequestSpec``; every target replays the same list, so arrival times,
 prompt tokens and output lengths are identical across targets. Output lengths are fixed per request
@@ -17,7 +20,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -235,3 +241,37 @@ def describe(specs: Sequence[RequestSpec]) -> dict[str, float]:
         "arrival_span_s": span,
         "offered_rate": (len(specs) - 1) / span if span > 0 else math.inf,
     }
+
+
+def warmup_specs(vocab_size: int, max_model_len: int) -> list[RequestSpec]:
+    """A short prompt, a medium one and a long one, a few tokens each: every code path runs once."""
+    import random
+
+    rng = random.Random(12345)
+    lengths = [max(1, min(n, max_model_len - 8)) for n in (24, 130, 500)]
+    return [RequestSpec(f"w{i}", 0.0, random_prompt(n, vocab_size, rng), 4) for i, n in enumerate(lengths)]
+
+
+def bench_model_path() -> Path:
+    """The benchmark checkpoint (tiny.py's "bench" preset, ~50M parameters, float32), written once
+    in the model cache (``engine.paths.models_dir``) and renamed into place, so a concurrent run
+    sees either none or a complete one."""
+    from engine.models.tiny import write_tiny_checkpoint
+    from engine.paths import models_dir
+
+    target = models_dir() / "bench-llama"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".bench-llama-", dir=target.parent))
+    try:
+        write_tiny_checkpoint(tmp, preset="bench", dtype="float32")
+        tmp.chmod(0o755)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

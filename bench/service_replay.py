@@ -1,6 +1,6 @@
 """The validation through the whole service path: the trace replayed by streaming clients against a
 gateway, Kafka (tansu on loopback) and N worker processes, next to the simulator's prediction with
-the path's own latencies (``plan validate --service``).
+the path's own latencies (``python -m bench validate --service``).
 
 What the path adds to an in-process engine, and how the prediction accounts for it:
 
@@ -27,7 +27,6 @@ import json
 import math
 import tempfile
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -81,44 +80,33 @@ def measure_service(
     """Run the stack, replay ``specs`` through it, return the figures and the intake it measured."""
     import redis as redis_lib
 
-    from bench.session import warmup_specs
     from engine.config import ModelConfig
+    from harness.stack import build_stack
+    from inflight.plan.workload import warmup_specs
     from services.common import keys
-    from harness.servers import start_kafka, start_redis
-    from harness.stack import ServiceProcess, launch, stack_env
 
     cfg = ModelConfig.from_path(model)
     warm = [w for w in warmup_specs(cfg.vocab_size, int(engine_args.get("max_model_len", 1024)))] * (
         2 * workers
     )
+    env = {
+        "INFLIGHT_SERVED_MODEL_NAME": "validate",
+        "INFLIGHT_KAFKA_PARTITIONS": str(partitions),
+        "INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS": str(fetch_max_wait_ms),
+        "INFLIGHT_MAX_PENDING": str(10 * len(specs) + 100),  # no 429: the trace is the load
+        "INFLIGHT_FETCH_MAX_WAITING": str(max_waiting),
+        "INFLIGHT_ENGINE_ARGS": json.dumps(engine_args),
+        "INFLIGHT_TORCH_THREADS": str(threads),
+        "INFLIGHT_LOG_LEVEL": "WARNING",
+    }
     workdir = Path(tempfile.mkdtemp(prefix="inflight-validate-"))
-    kafka, redis = start_kafka(workdir=workdir / "kafka"), start_redis(workdir=workdir / "redis")
-    children: list[ServiceProcess] = []
+    stack = build_stack(model, workdir, workers=workers, tag="validate", env=env)
     try:
-        env = {
-            **stack_env(kafka, redis, model),
-            "INFLIGHT_SERVED_MODEL_NAME": "validate",
-            "INFLIGHT_KAFKA_TOPIC": f"inflight.validate.{uuid.uuid4().hex[:6]}",
-            "INFLIGHT_KAFKA_PARTITIONS": str(partitions),
-            "INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS": str(fetch_max_wait_ms),
-            "INFLIGHT_MAX_PENDING": str(10 * len(specs) + 100),  # no 429: the trace is the load
-            "INFLIGHT_FETCH_MAX_WAITING": str(max_waiting),
-            "INFLIGHT_ENGINE_ARGS": json.dumps(engine_args),
-            "INFLIGHT_TORCH_THREADS": str(threads),
-            "INFLIGHT_LOG_LEVEL": "WARNING",
-        }
-        children = [launch("worker", env, workdir) for _ in range(workers)]
-        children.append(launch("gateway", env, workdir))
-        for child in children:
-            child.wait_ready(300)
-        times = asyncio.run(_drive(children[-1].url, specs, "validate", warm))
-        records = redis_lib.Redis.from_url(redis.url, decode_responses=True)
+        times = asyncio.run(_drive(stack.url, specs, "validate", warm))
+        records = redis_lib.Redis.from_url(stack.redis.url, decode_responses=True)
         intake = _intake(records, keys)
     finally:
-        for child in children:
-            child.stop()
-        kafka.stop()
-        redis.stop()
+        stack.close()
     return {**service_figures(specs, times), "measured_intake_s": intake}
 
 

@@ -1,0 +1,117 @@
+"""What ships is the product: the wheel carries engine, services and inflight, and none of them imports the
+repository-only trees (bench/, harness/, tests/). Services import no planner; the command line reaches the
+loopback harness only through ``inflight dev``'s optional, lazy import, and the benchmarks through
+``python -m bench`` (which may import everything installed, never the reverse)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+INSTALLED = ("engine", "services", "inflight")
+REPOSITORY_ONLY = {"bench", "harness", "tests"}
+
+
+def _imports(package: str) -> list[tuple[str, str]]:
+    """(file, imported module) for every absolute import in a package, at any depth (lazy ones too)."""
+    found = []
+    for path in sorted((REPO / package).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [(str(path.relative_to(REPO)), alias.name) for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.append((str(path.relative_to(REPO)), node.module))
+    return found
+
+
+def test_the_wheel_holds_exactly_engine_services_and_inflight() -> None:
+    # setuptools' own discovery with the pyproject's settings: what `pip wheel .` packs.
+    from setuptools import find_packages
+
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = find_packages(str(REPO), include=find["include"], exclude=find.get("exclude", ()))
+    assert {p.split(".")[0] for p in packages} == set(INSTALLED)
+    assert "services.gateway" in packages and "inflight.plan" in packages and "engine.sched" in packages
+
+
+def test_nothing_installed_imports_bench_harness_or_tests() -> None:
+    offenders = [
+        f"{f}: {m}" for pkg in INSTALLED for f, m in _imports(pkg) if m.split(".")[0] in REPOSITORY_ONLY
+    ]
+    assert offenders == []
+
+
+def test_services_import_no_planner_or_command_line() -> None:
+    offenders = [f"{f}: {m}" for f, m in _imports("services") if m.split(".")[0] == "inflight"]
+    assert offenders == []
+
+
+def test_importing_every_installed_module_loads_no_repository_only_module() -> None:
+    # A fresh interpreter, so that what other tests imported cannot hide a stray import.
+    script = (
+        "import importlib, json, pkgutil, sys\n"
+        "for top in ('services', 'inflight'):\n"
+        "    package = importlib.import_module(top)\n"
+        "    for info in pkgutil.walk_packages(package.__path__, top + '.'):\n"
+        "        importlib.import_module(info.name)\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=180, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.splitlines()[-1])
+    assert "inflight.plan.simulate" in loaded and "services.gateway.app" in loaded  # the walk did import
+    assert [m for m in loaded if m.split(".")[0] in REPOSITORY_ONLY] == []
+
+
+def test_the_command_line_has_no_bench_and_bench_has_its_own() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "inflight", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    for command in ("gateway", "worker", "dev", "plan"):
+        assert command in done.stdout
+    assert "bench" not in done.stdout
+    bench = subprocess.run(
+        [sys.executable, "-m", "bench", "--help"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert bench.returncode == 0, bench.stderr
+    for command in ("engine", "service", "sweep", "chaos", "host", "policies", "validate"):
+        assert command in bench.stdout
+
+
+def test_inflight_dev_finds_the_harness_of_its_checkout_from_any_directory(tmp_path: Path) -> None:
+    # -I: neither the checkout nor the working directory is on sys.path, as for the console script run
+    # from elsewhere; the editable install maps only the packaged trees. harness/ is still found.
+    script = "from inflight.commands.dev import load_harness\nprint(load_harness().__file__)\n"
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) == REPO / "harness" / "dev.py"
+
+
+def test_inflight_dev_outside_a_checkout_says_it_needs_one(tmp_path: Path) -> None:
+    # inflight as a wheel installs it: the package alone, no harness/ beside it.
+    site = tmp_path / "site"
+    shutil.copytree(REPO / "inflight", site / "inflight")
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(site)!r})\n"
+        "import inflight\n"
+        f"assert inflight.__file__.startswith({str(site)!r}), inflight.__file__\n"
+        "from inflight.cli import main\n"
+        "sys.exit(main(['dev']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "source checkout" in done.stderr and "make run" in done.stderr
