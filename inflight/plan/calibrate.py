@@ -224,9 +224,9 @@ def _serve(eng: Any, seconds: float, grid_fit: StepCostModel) -> list[StepTiming
     new. On the tiny engine the grid alone predicted a served run's steps 27-42% short by kind; a
     served segment in the samples measures the mix a planner is asked about. Its trace (seed 4242)
     is not the validation's."""
-    from bench.workload import LengthMix, synthetic
     from inflight.plan.policies import capacity
     from inflight.plan.replay import replay
+    from inflight.plan.workload import LengthMix, synthetic
 
     cfg = eng.config
     half, quarter = cfg.max_model_len // 2, cfg.max_model_len // 4

@@ -177,7 +177,7 @@ def predict(
     a run are two windows of the same drifting host, and a run outside the band is a model miss.
 
     ``host_drift``: how far (log, one sigma) the host's level moves between a calibration and a
-    run, beyond what the calibration knows of its own (``inflight bench host`` measures it); each
+    run, beyond what the calibration knows of its own (``python -m bench host`` measures it); each
     band draw moves the level by both.
 
     With ``speed`` (a trace a worker) no noise is drawn: each step takes the model's time times its
@@ -307,23 +307,17 @@ def validate(
     grid: Any = None,
     speed_window_s: float = 0.5,
     host_drift: float = 0.0,
-    repeats: int = 1,
     in_process: bool = False,
 ) -> dict[str, Any]:
     """Measure, predict (three or four ways, see the module docstring), diagnose: the whole
     comparison for one fleet size. ``grid``: the workers calibrate themselves on it just before the
     trace. ``speed_window_s``: the windows the run-speed prediction reads the host's speed in.
-    ``host_drift``: widens the calibrations' bands (see predict). ``repeats``: the trace runs that
-    many times on fresh engines, back to back; the first is the one predicted and diagnosed, the
-    others say how far the host lets two measurements of the same trace differ (``repeatability``),
-    the floor under any prediction's error, and the median over all the runs is what the judged
-    prediction is held to (``error_against_median``). ``in_process``: see measure."""
+    ``host_drift``: widens the calibrations' bands (see predict). ``in_process``: see measure. (How
+    far a second run of the same trace lands from the first, the floor under any prediction's error,
+    is the benchmark tree's question: ``python -m bench validate --repeats``.)"""
     kw: dict[str, Any] = {"workers": workers, "threads": threads, "in_process": in_process}
     runs = measure(model, specs, engine_args, grid=grid, **kw)
     measured = figures(specs, runs)
-    # Without the workers' calibration: it exists to predict the first run, and skipping it keeps
-    # the repeats as close in time to the first as the host allows.
-    again = [figures(specs, measure(model, specs, engine_args, **kw)) for _ in range(repeats - 1)]
     overhead = step_overhead(runs)
     warm = frozenset.intersection(*(run.warm_shapes for run in runs))
     sim: dict[str, Any] = {"step_overhead_s": overhead, "warm_shapes": warm, "shape_cache": shape_cache}
@@ -365,24 +359,7 @@ def validate(
             in_band_from_workers_calibration=within_band(measured, from_own),
         )
     result["run_level"] = run_level(runs, judged)
-    if again:
-        result["measured_again"] = again
-        result["repeatability"] = repeatability(measured, again)
-        predicted = result.get("predicted_from_workers_calibration") or from_cal
-        result["error_against_repeats"] = [compare(m, predicted) for m in again]
-        # The measurement a verdict should use: one run is one draw of the host's spells, the
-        # median of several is the trace's figure on this host.
-        median = {k: statistics.median(m[k] for m in (measured, *again)) for k in FIGURES}
-        result["measured_median"] = median
-        result["error_against_median"] = compare(median, predicted)
-        result["in_band_against_median"] = within_band(median, predicted)
     return result
-
-
-def repeatability(first: dict[str, float], again: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Per figure, the largest relative difference of a repeat's measurement from the first run's:
-    what the host alone moves a figure by between two runs of the same trace on the same code."""
-    return {k: max(abs(m[k] - first[k]) / first[k] for m in again) for k in FIGURES}
 
 
 def run_level(runs: Sequence[WorkerRun], cost: StepCostModel) -> float:
