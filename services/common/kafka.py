@@ -10,13 +10,23 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import OffsetOutOfRangeError, TopicAlreadyExistsError
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import (
+    MessageSizeTooLargeError,
+    OffsetOutOfRangeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    TopicAlreadyExistsError,
+)
 from aiokafka.helpers import create_ssl_context
 from aiokafka.structs import TopicPartition
 
 from services.common.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# A message the producer or the broker refuses for its size: retrying cannot help (the gateway answers 413).
+MESSAGE_TOO_LARGE = (MessageSizeTooLargeError, RecordTooLargeError, RecordListTooLargeError)
 
 
 def client_kwargs(settings: Settings) -> dict[str, Any]:
@@ -57,7 +67,17 @@ def make_producer(settings: Settings) -> AIOKafkaProducer:
     )
 
 
+def heartbeat_interval_ms(session_timeout_ms: int) -> int:
+    """A fifth of the session: a dead worker's partitions move on about a session plus a heartbeat after
+    its last beat (a survivor learns of the rebalance at its next heartbeat), and four beats may be lost
+    before a live worker is taken for dead."""
+    return max(100, session_timeout_ms // 5)
+
+
 def make_consumer(settings: Settings) -> AIOKafkaConsumer:
+    # The session timeout is how long a SIGKILLed worker's partitions (and the requests in them) wait
+    # before a rebalance hands them on: the worker's loop never runs a model step (the engine core has a
+    # process of its own), so its heartbeats keep time and a short session is safe.
     session = settings.kafka_session_timeout_ms
     return AIOKafkaConsumer(
         **client_kwargs(settings),
@@ -68,7 +88,10 @@ def make_consumer(settings: Settings) -> AIOKafkaConsumer:
         auto_offset_reset="earliest",
         fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
         session_timeout_ms=session,
-        heartbeat_interval_ms=max(100, session // 5),
+        heartbeat_interval_ms=heartbeat_interval_ms(session),
+        # How long a live member may take to rejoin a rebalance (its revoke callback commits first);
+        # a dead one is dropped after its session anyway, so a generous bound costs no recovery time.
+        rebalance_timeout_ms=max(session, 30_000),
         max_poll_interval_ms=max(session * 3, 60_000),
         metadata_max_age_ms=30_000,
         # One message may be as large as the producer allows: a fetch must be able to hold it.
@@ -121,6 +144,7 @@ async def ensure_topic(settings: Settings) -> None:
         # its listing, and creating such a topic again hides the messages already in it.
         (described,) = await admin.describe_topics([settings.kafka_topic])
         if described.get("error_code") == 0 and described.get("partitions"):
+            await _check_message_limit(admin, settings)
             return
         topic = NewTopic(
             settings.kafka_topic,
@@ -136,6 +160,28 @@ async def ensure_topic(settings: Settings) -> None:
             pass  # another replica created it first
     finally:
         await admin.close()
+
+
+async def _check_message_limit(admin: AIOKafkaAdminClient, settings: Settings) -> None:
+    """Warn when an existing topic (created by someone else) takes smaller messages than the body limit
+    needs: such requests are refused by the broker (413), which an operator should hear about at start."""
+    try:
+        (response,) = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, settings.kafka_topic)]
+        )
+        entries = response.resources[0][4]  # (error_code, error_message, type, name, config_entries)
+    except Exception as exc:  # only a warning is at stake: never fail a start-up over it
+        log.debug("could not read topic %s's max.message.bytes: %r", settings.kafka_topic, exc)
+        return
+    for entry in entries:
+        if entry[0] == "max.message.bytes" and str(entry[1]).isdigit():
+            limit, needed = int(entry[1]), max_message_bytes(settings)
+            if limit < needed:
+                log.warning(
+                    "topic %s takes messages up to %d bytes; bodies up to INFLIGHT_MAX_BODY_BYTES=%d need "
+                    "%d: larger requests will be refused (413). Raise the topic's max.message.bytes.",
+                    settings.kafka_topic, limit, settings.max_body_bytes, needed,
+                )  # fmt: skip
 
 
 def affinity_key(

@@ -11,6 +11,7 @@ unit, ``model_name`` label), so a vLLM dashboard or alert translates by swapping
     service           inflight:admission_rejections_total{reason} (gateway),
                       inflight:requests_cancelled_total{stage}, inflight:kafka_consumer_lag{topic,partition},
                       inflight:gateway_responses_total{route,status}, inflight:worker_requests,
+                      inflight:gateway_stream_buffered_bytes, inflight:gateway_streams_cut_total,
                       inflight:worker_outcomes_total{outcome}
 
 One prefix for every family, defined here only: the services export nothing of their own.
@@ -137,6 +138,16 @@ class ServiceFamilies:
             PREFIX + "gateway_responses",
             "Responses by route and status",
             ["route", "status"],
+            registry=registry,
+        )
+        self.gateway_stream_buffered = Gauge(
+            PREFIX + "gateway_stream_buffered_bytes",
+            "Token events waiting for slow SSE clients, over all of this gateway's streams",
+            registry=registry,
+        )
+        self.gateway_streams_cut = Counter(
+            PREFIX + "gateway_streams_cut",
+            "Streams ended because their client read too slowly (its buffer passed the bound)",
             registry=registry,
         )
         self.worker_requests = Gauge(

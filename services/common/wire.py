@@ -88,9 +88,13 @@ class RequestMessage:
     # Whether a client reads the tokens as they come (SSE). False (a whole response, a job): the worker
     # may hold token events back a little and send them in fewer round trips. Absent: True.
     stream: bool = True
+    # Unix seconds (wall clock, so gateway and worker hosts need synchronised clocks) by which an engine
+    # must start this request: past it a worker fails it with code "timeout" instead of prefilling it
+    # (its client has given up). None: no deadline. Optional like the slo fields: omitted when None.
+    deadline: float | None = None
 
     def encode(self) -> bytes:
-        fields = {k: v for k, v in vars(self).items() if not (k.startswith("slo_") and v is None)}
+        fields = {k: v for k, v in vars(self).items() if not (k in _OMIT_NONE and v is None)}
         body = {"v": WIRE_VERSION, "type": "request", **fields, "params": self.params.to_json()}
         return json.dumps(body, separators=(",", ":")).encode()
 
@@ -122,7 +126,20 @@ class RequestMessage:
             slo_ttft_ms=_optional_ms(obj, "slo_ttft_ms"),
             slo_tpot_ms=_optional_ms(obj, "slo_tpot_ms"),
             stream=bool(obj.get("stream", True)),
+            deadline=_optional_deadline(obj),
         )
+
+
+_OMIT_NONE = frozenset({"slo_ttft_ms", "slo_tpot_ms", "deadline"})
+
+
+def _optional_deadline(obj: dict[str, Any]) -> float | None:
+    value = obj.get("deadline")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < float("inf"):
+        raise WireError(f"deadline must be unix seconds (a positive number), got {value!r}")
+    return float(value)
 
 
 def _optional_ms(obj: dict[str, Any], name: str) -> float | None:
@@ -164,6 +181,7 @@ class DoneEvent:
     error: str | None = None
     code: str | None = None  # machine-readable error kind, e.g. "engine_error", "lost_by_broker"
     worker: str = ""
+    param: str | None = None  # the request field an invalid_request error blames (OpenAI's "param")
 
     type: Literal["done"] = field(default="done", init=False)
 
@@ -204,6 +222,7 @@ def decode_event(raw: bytes | str) -> Event:
         error=obj.get("error"),
         code=obj.get("code"),
         worker=str(obj.get("worker", "")),
+        param=obj.get("param") if isinstance(obj.get("param"), str) else None,
     )
 
 

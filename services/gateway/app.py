@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.common.http_tracing import TracingMiddleware, fastapi_native_tracing_off
@@ -21,6 +22,7 @@ from services.common.telemetry import metrics_payload
 from services.gateway import errors, jobs_routes, live_routes, openai_routes
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import APIError
+from services.gateway.live_feed import LiveFeed
 from services.gateway.prompts import load_model_info
 from services.gateway.state import Gateway
 from services.gateway.streams import Hub
@@ -36,16 +38,20 @@ def create_app(settings: Settings) -> FastAPI:
         info = load_model_info(settings)
         client = connect_redis(settings)
         store = Store(client)
-        hub = Hub(client, store, settings.instance_id, settings.redis_outage_s)
+        hub = Hub(client, store, settings.instance_id, settings.redis_outage_s, settings.stream_buffer_bytes)
+        service_families().gateway_stream_buffered.set_function(lambda: hub.buffered_bytes)
         dispatcher = Dispatcher(settings, store, hub)
         await ensure_topic(settings)
         await hub.start()
         await dispatcher.start()
         app.state.gateway = Gateway(settings, info, store, hub, dispatcher)
-        log.info("gateway serving %s (max_model_len %d)", info.name, info.max_model_len)
+        app.state.live_feed = live_feed = LiveFeed(client, settings.max_live_viewers)
+        known = "unknown here, the workers check it" if info.max_model_len is None else info.max_model_len
+        log.info("gateway serving %s (max_model_len %s)", info.name, known)
         try:
             yield
         finally:
+            await live_feed.stop()
             await dispatcher.stop()
             await hub.stop()
             await client.aclose()
@@ -55,6 +61,10 @@ def create_app(settings: Settings) -> FastAPI:
         version="0.1.0",
         description="Continuous-batching LLM serving: OpenAI-compatible API and async jobs.",
         lifespan=lifespan,
+        # Served below, behind the key guard like the API they describe.
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
         **fastapi_native_tracing_off(),
     )
     errors.install(app)
@@ -92,10 +102,27 @@ def create_app(settings: Settings) -> FastAPI:
             {"ready": ready, "redis": redis_ok, "kafka": kafka_ok}, status_code=200 if ready else 503
         )
 
-    @app.get("/metrics", include_in_schema=False)
+    # With keys set, metrics and the API's description need a key too (probes stay open: the kubelet has
+    # none). Metrics tell request volumes, queue depths and model names to whoever asks; one port with
+    # one guard keeps deployments simple, and a Prometheus scrape sends a key as any client does
+    # (``authorization`` in its scrape config) where a second, firewalled port would have to be exposed
+    # and secured in every deployment.
+    @app.get("/metrics", include_in_schema=False, dependencies=guarded)
     async def metrics() -> Response:
         body, content_type = metrics_payload()
         return Response(body, media_type=content_type)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=guarded)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=guarded)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="inflight API")
+
+    @app.get("/redoc", include_in_schema=False, dependencies=guarded)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="inflight API")
 
     app.add_middleware(_Limits, max_body_bytes=settings.max_body_bytes)
     # Outermost (added last): the server span also covers requests the limits refuse.

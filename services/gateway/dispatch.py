@@ -1,7 +1,7 @@
 """Admission, enqueue and the watch over queued requests.
 
     admit (cluster-wide pending bound, 429 past it) -> record (queued) -> subscribe -> produce
-    -> watch until an engine takes it
+    -> watch until an engine takes it (or its deadline passes: failed with code "timeout")
 
 The watch refreshes this gateway's reservations in the pending set (so they outlive a long queue while
 this gateway lives, and expire soon after it dies), and notices a request whose Kafka message is gone:
@@ -23,7 +23,14 @@ from aiokafka.structs import TopicPartition
 from opentelemetry.trace import SpanKind
 
 from services.common import keys
-from services.common.kafka import ensure_topic, log_holds, make_probe, make_producer, max_message_bytes
+from services.common.kafka import (
+    MESSAGE_TOO_LARGE,
+    ensure_topic,
+    log_holds,
+    make_probe,
+    make_producer,
+    max_message_bytes,
+)
 from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
@@ -47,6 +54,7 @@ class _Queued:
     headers: list[tuple[str, bytes]]
     partition: int
     offset: int
+    deadline: float | None = None  # unix seconds by which an engine must have started it
     attempts: int = 1
 
 
@@ -127,11 +135,16 @@ class Dispatcher:
             if pending_sub is not None and not pending_sub.done():
                 pending_sub.cancel()
             await self._abandon(msg.id, sub)
+            if isinstance(exc, MESSAGE_TOO_LARGE):
+                # The broker (or its topic) takes smaller messages than this gateway's body limit.
+                log.warning("the broker refused a %d-byte request: %r", len(value), exc)
+                message = f"this request encodes to {len(value)} bytes, more than the message broker takes"
+                raise APIError(413, message, code="request_too_large") from None
             if isinstance(exc, KafkaError | TimeoutError):
                 log.warning("produce failed: %r", exc)
                 raise unavailable("the message broker is unavailable", "broker_unavailable") from None
             raise
-        self._queued[msg.id] = _Queued(value, key, headers, partition, offset)
+        self._queued[msg.id] = _Queued(value, key, headers, partition, offset, msg.deadline)
         return sub
 
     def _forget(self, request_id: str, sub: Subscription | None) -> None:
@@ -180,6 +193,8 @@ class Dispatcher:
                 )
                 meta = await asyncio.wait_for(fut, max(0.1, deadline - time.monotonic()))
                 return meta.partition, meta.offset
+            except MESSAGE_TOO_LARGE:
+                raise  # no retry makes it smaller
             except KafkaError:
                 # Hiccups of a broker that just came back (the topic being recreated, tansu's
                 # UnknownError) are retried until the deadline; the caller then answers 503.
@@ -227,6 +242,7 @@ class Dispatcher:
         for request_id in ids:
             if request_id not in alive:
                 self._queued.pop(request_id, None)  # an engine took it (or it was cancelled)
+        alive = await self._expire(alive)
         if not alive:
             return
         topic = self.settings.kafka_topic
@@ -244,6 +260,26 @@ class Dispatcher:
                 and not await log_holds(self._probe, tp, queued.offset, queued.key)
             ):
                 await self._requeue(request_id, queued)
+
+    async def _expire(self, pending: set[str]) -> set[str]:
+        """Fail the pending requests whose deadline has passed; returns the others.
+
+        The worker makes the same check when it takes a request, so one expired in Kafka is never
+        prefilled either way; failing it here answers its client even while no worker is free.
+        """
+        now = time.time()
+        kept = set()
+        for request_id in pending:
+            queued = self._queued.get(request_id)
+            if queued is None or queued.deadline is None or now < queued.deadline:
+                kept.add(request_id)
+                continue
+            self._queued.pop(request_id, None)
+            late_s = now - queued.deadline
+            message = f"no engine could start this request by its deadline ({late_s:.1f}s ago)"
+            if await self.store.fail_queued(request_id, message, "timeout"):
+                await self.store.set_fields(request_id, {"code": "timeout"})
+        return kept
 
     async def _requeue(self, request_id: str, queued: _Queued) -> None:
         """The partition's log ends before this message: the broker lost it."""

@@ -4,6 +4,9 @@ POST   /v1/jobs              202, {"id", "status": "queued", ...}, Location: /v1
 GET    /v1/jobs/{id}         status, result (the OpenAI response), usage, error, timings
 GET    /v1/jobs/{id}/events  SSE: the tokens so far, then live, as stream=true chunks, then [DONE]
 DELETE /v1/jobs/{id}         cancel wherever the job is (queued, running); a finished job is unchanged
+
+Each API key may have ``INFLIGHT_MAX_JOBS_PER_KEY`` unfinished jobs (429 past it); a job created with
+``X-Request-Timeout`` fails with code ``timeout`` if no engine starts it in time (deadlines.py).
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from services.common import keys
-from services.common.wire import TERMINAL, DoneEvent, Kind
+from services.common.wire import TERMINAL, DoneEvent, Kind, WireError, decode_event
+from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
 from services.gateway.openai_routes import SSE_HEADERS, _data, _sse, check_model
 from services.gateway.prompts import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
+from services.gateway.quotas import JobQuota
 from services.gateway.responses import ResponseBuilder, response_from_record
-from services.gateway.state import Gateway, gateway
+from services.gateway.state import Gateway, gateway, new_request_id
 
 router = APIRouter()
 
@@ -47,12 +52,28 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
         first = exc.errors()[0]
         message = f"body.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
         raise APIError(422, message, code="invalid_value", param="body") from None
+    within_s = start_within(request, None)
+    owner = _owner(request)
     extra: dict[str, str | int | float] = {
         "endpoint": body.endpoint,
         "metadata": json.dumps(body.metadata or {}),
-        "owner": _owner(request),
+        "owner": owner,
     }
-    msg, _ = await gw.enqueue(kind, prepared, job=True, subscribe=False, extra=extra)
+    job_id = new_request_id(kind, job=True)
+    quota = JobQuota(gw.store.client, gw.settings.max_jobs_per_key, gw.settings.job_ttl_s)
+    if not await quota.take(owner, job_id):
+        message = (
+            f"this API key has {quota.cap} unfinished jobs, the most it may have; "
+            "submit more once some finish (or cancel some)"
+        )
+        raise APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "5"})
+    try:
+        msg, _ = await gw.enqueue(
+            kind, prepared, job=True, subscribe=False, extra=extra, start_within_s=within_s, request_id=job_id
+        )
+    except BaseException:
+        gw.spawn(quota.give_back(owner, job_id))
+        raise
     record = await gw.store.get_record(msg.id) or {}
     return JSONResponse(
         _job_view(msg.id, record), status_code=202, headers={"Location": f"/v1/jobs/{msg.id}"}
@@ -92,9 +113,7 @@ async def job_events(job_id: str, request: Request) -> StreamingResponse:
         gw.info.tokenizer, logprobs,
     )  # fmt: skip
     sub = await gw.hub.subscribe(job_id)
-    if record.get("status") in TERMINAL and not any(
-        isinstance(e, DoneEvent) for e in await gw.store.read_log(job_id)
-    ):
+    if record.get("status") in TERMINAL and not await _log_ends_done(gw, job_id):
         # Finished without a token log (never enqueued, or the log expired first): answer from the record.
         await gw.hub.unsubscribe(sub)
         return StreamingResponse(
@@ -104,6 +123,16 @@ async def job_events(job_id: str, request: Request) -> StreamingResponse:
     # Following a job does not own it: a client that stops reading leaves the job running.
     stream = _sse(gw, sub, builder, include_usage=True, cancel_on_exit=False)
     return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _log_ends_done(gw: Gateway, job_id: str) -> bool:
+    """Whether the job's token log ends with its terminal event (its last entry: the whole log is read
+    only by the stream, page by page)."""
+    last = await gw.store.client.lindex(keys.log(job_id), -1)
+    try:
+        return last is not None and isinstance(decode_event(last), DoneEvent)
+    except WireError:
+        return False
 
 
 async def _from_record(job_id: str, record: dict[str, str]) -> AsyncIterator[str]:

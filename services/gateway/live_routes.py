@@ -3,27 +3,23 @@
 GET /                   the page: a chat box that streams, and a live view of the engines
 GET /static/{name}      its script and stylesheet
 GET /v1/live/events     SSE: every worker's ``LiveSteps`` messages (see services/common/live.py) as they
-                        are published, relayed from Redis pub/sub; a comment line every few seconds
-                        keeps proxies from closing an idle stream
+                        are published, relayed from the gateway's one Redis subscription (live_feed.py);
+                        a comment line every few seconds keeps proxies from closing an idle stream.
+                        429 past ``INFLIGHT_MAX_LIVE_VIEWERS`` viewers on this gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 from importlib import resources
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
-from redis.asyncio.client import PubSub
 
-from services.common.live import LIVE_CHANNEL, LiveSteps
 from services.gateway.errors import APIError
-from services.gateway.openai_routes import SSE_HEADERS
-from services.gateway.state import gateway
-
-log = logging.getLogger(__name__)
+from services.gateway.live_feed import LiveFeed
+from services.gateway.openai_routes import SSE_HEADERS, _data
 
 _STATIC = {"live.js": "text/javascript", "live.css": "text/css"}
 _KEEPALIVE_S = 5.0
@@ -49,42 +45,34 @@ async def live_asset(name: str) -> Response:
     return Response(_asset(name), media_type=_STATIC[name], headers={"Cache-Control": "no-cache"})
 
 
+def _too_many(feed: LiveFeed) -> APIError:
+    message = f"the live view has its {feed.max_viewers} viewers on this gateway; retry shortly"
+    return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "5"})
+
+
 @router.get("/v1/live/events", include_in_schema=False, response_model=None)
 async def live_events(request: Request) -> StreamingResponse:
-    gw = gateway(request)
-    pubsub = gw.store.client.pubsub()
-    await pubsub.subscribe(LIVE_CHANNEL)
+    feed: LiveFeed = request.app.state.live_feed
+    if feed.full:
+        raise _too_many(feed)
 
     async def relay() -> AsyncIterator[str]:
+        # Joined here, not in the route: a generator that never starts (its client left at once) would
+        # never run a ``finally`` to leave again.
+        viewer = feed.join()
+        if viewer is None:  # others joined since the check above
+            yield _data(_too_many(feed).body())
+            return
         try:
             yield ": live\n\n"  # the headers and a first byte now: the page knows it is connected
-            idle = 0.0
-            while not await request.is_disconnected():
-                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if message is None:
-                    idle += 1.0
-                    if idle >= _KEEPALIVE_S:
-                        idle = 0.0
-                        yield ": keepalive\n\n"
-                    continue
+            while True:
                 try:
-                    data = message["data"]
-                    LiveSteps.decode(data)  # a message from a newer or older worker is dropped, loudly
-                except (ValueError, KeyError, TypeError) as exc:
-                    log.warning("dropping a live message: %s", exc)
+                    data = await asyncio.wait_for(viewer.queue.get(), _KEEPALIVE_S)
+                except TimeoutError:
+                    yield ": keepalive\n\n"  # also how a gone client is noticed while nothing happens
                     continue
-                idle = 0.0
-                yield f"data: {data.decode() if isinstance(data, bytes) else data}\n\n"
+                yield f"data: {data}\n\n"
         finally:
-            # The client went away (or the server stops): leave the channel without blocking on Redis.
-            await asyncio.shield(_close(pubsub))
+            feed.leave(viewer)
 
     return StreamingResponse(relay(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-
-async def _close(pubsub: PubSub) -> None:
-    try:
-        await pubsub.unsubscribe()
-        await pubsub.aclose()
-    except Exception as exc:  # best effort: a dead Redis connection is closed by the pool anyway
-        log.debug("closing the live subscription: %r", exc)

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from services.common.wire import CANCELLED, COMPLETED, DeltaEvent, DoneEvent, Kind
+from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
 from services.gateway.prompts import Prepared, prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
@@ -73,7 +74,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 async def _serve(
     gw: Gateway, request: Request, kind: Kind, body: _Sampling, prepared: Prepared, logprobs: int | None
 ) -> Any:
-    msg, sub = await gw.enqueue(kind, prepared, job=False, subscribe=True, stream=bool(body.stream))
+    within_s = start_within(request, gw.settings.max_queue_wait_s)
+    msg, sub = await gw.enqueue(
+        kind, prepared, job=False, subscribe=True, stream=bool(body.stream), start_within_s=within_s
+    )
     assert sub is not None
     builder = ResponseBuilder(kind, msg.id, msg.model, int(msg.created), body.n, gw.info.tokenizer, logprobs)
     if body.stream:
@@ -119,7 +123,9 @@ def _done_error(done: DoneEvent) -> APIError:
     if done.status == CANCELLED:
         return APIError(409, "the request was cancelled", code="cancelled")
     if done.code == "invalid_request":
-        return APIError(400, done.error or "invalid request", code="invalid_value")
+        return APIError(400, done.error or "invalid request", code="invalid_value", param=done.param)
+    if done.code == "timeout":  # no engine started it by its deadline (deadlines.py)
+        return APIError(504, done.error or "the request timed out waiting for an engine", code="timeout")
     # slo_ttft_unmet: the engine's slo policy dropped it because its deadline could no longer be met,
     # which is overload, not a fault: retryable, like a broker that lost it.
     status = 503 if done.code in ("lost_by_broker", "store_unavailable", "slo_ttft_unmet") else 500
@@ -130,8 +136,12 @@ async def _sse(
     gw: Gateway, sub: Subscription, builder: ResponseBuilder, include_usage: bool, *, cancel_on_exit: bool
 ) -> AsyncIterator[str]:
     """Server-sent events: one chunk per token event, then usage (if asked) and [DONE]; an error after
-    the stream started is its last event. A client that goes away cancels the request."""
+    the stream started is its last event. A client that goes away, or reads too slowly to keep up
+    (its buffer overflows), cancels the request."""
     finished = False
+    if cancel_on_exit:
+        # At once: the writer may be stuck on a client that stopped reading, and nobody gets these tokens.
+        sub.on_overflow = lambda: gw.spawn(gw.dispatcher.cancel(sub.request_id))
     try:
         async for event in sub.events(gw.settings.request_timeout_s):
             if event is None:
@@ -148,7 +158,7 @@ async def _sse(
                     yield _data(_done_error(event).body())
                 return
     except StreamError as exc:
-        finished = True
+        # Not finished: the request itself runs on, for nobody, unless cancelled below.
         yield _data(error_body(503, f"the stream was interrupted: {exc}", code=exc.code))
     finally:
         # Runs also when the client disconnects (the generator is cancelled): never await here.

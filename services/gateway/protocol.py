@@ -19,6 +19,8 @@ TokenId = Annotated[int, Field(ge=0, le=_MAX_INT)]
 # Bounded: the detokenizer checks every step whether the output's tail could begin a stop string, a
 # scan that grows with the square of a stop string's length.
 StopStr = Annotated[str, Field(min_length=1, max_length=1024)]
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 def reject_unencodable(data: Any) -> Any:
@@ -129,4 +131,6 @@ class JobRequest(_Checked):
     model_config = ConfigDict(extra="ignore")
     endpoint: Literal["/v1/completions", "/v1/chat/completions"]
     body: dict[str, Any]
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    # OpenAI's limits for metadata: 16 pairs, keys up to 64 characters, values up to 512. Stored in the
+    # job's record and returned by every GET, so unbounded values would grow both.
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)

@@ -44,15 +44,18 @@ class Gateway:
         subscribe: bool,
         stream: bool = False,
         extra: dict[str, str | int | float] | None = None,
+        start_within_s: float | None = None,
+        request_id: str | None = None,
     ) -> tuple[RequestMessage, Subscription | None]:
-        prefix = "job" if job else ("cmpl" if kind == "completion" else "chatcmpl")
+        """Admit and produce one request; ``start_within_s``: its deadline, counted from now."""
+        created = time.time()
         msg = RequestMessage(
-            id=f"{prefix}-{uuid.uuid4().hex}",
+            id=request_id or new_request_id(kind, job),
             kind=kind,
             model=self.info.name,
             prompt_token_ids=prepared.prompt_token_ids,
             params=prepared.params,
-            created=time.time(),
+            created=created,
             priority=prepared.priority,
             job=job,
             prompt=prepared.text,
@@ -61,6 +64,7 @@ class Gateway:
             slo_ttft_ms=prepared.slo_ttft_ms,
             slo_tpot_ms=prepared.slo_tpot_ms,
             stream=stream,
+            deadline=None if start_within_s is None else created + start_within_s,
         )
         record: dict[str, str | int | float] = {
             "kind": kind,
@@ -81,6 +85,11 @@ class Gateway:
         # Trace context headers are added by the produce span (the client's traceparent is its ancestor).
         sub = await self.dispatcher.submit(msg, key, [], record, subscribe=subscribe)
         return msg, sub
+
+
+def new_request_id(kind: Kind, job: bool) -> str:
+    prefix = "job" if job else ("cmpl" if kind == "completion" else "chatcmpl")
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def gateway(request: Request) -> Gateway:

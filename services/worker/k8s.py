@@ -11,8 +11,10 @@ throttled on the trailing edge: at most one per `min_interval_s`, only when the 
 last value of a burst is always written once the interval has passed (an idle pod must end up at 0).
 The blocking client call runs in a thread so the worker's I/O loop never waits on the API server.
 
-Outside a cluster (no KUBERNETES_SERVICE_HOST, or no POD_NAME / POD_NAMESPACE from the downward API)
-`PodDeletionCost.from_env()` returns a disabled instance whose `update` does nothing. Inside one, the
+Outside a cluster (no KUBERNETES_SERVICE_HOST, or no POD_NAME / POD_NAMESPACE from the downward API),
+or without a mounted service-account token, `PodDeletionCost.from_env()` returns a disabled instance
+whose `update` does nothing. The deployments leave it off by default (no token mounted): RBAC cannot
+restrict the `patch pods` it needs to the worker's own pod, whose name is generated. Inside one, the
 `kubernetes` client (seconds to import and set up) is built on the first write, in the worker thread.
 """
 
@@ -98,8 +100,10 @@ class PodDeletionCost:
         env = dict(os.environ if environ is None else environ)
         if not in_cluster(env):
             return cls(None, min_interval_s=min_interval_s)
-        if not os.path.isfile(token_path):  # automountServiceAccountToken: false
-            log.warning("pod-deletion-cost: no service account token at %s; not publishing", token_path)
+        if not os.path.isfile(token_path):
+            # How the chart and the kustomize base turn the feature off (their default): no token is
+            # mounted, because the Role it needs could patch any pod of the namespace.
+            log.info("pod-deletion-cost: off (no service account token at %s)", token_path)
             return cls(None, min_interval_s=min_interval_s)
         factory = functools.partial(_incluster_api, env, token_path, ca_path)
         return cls(factory, env["POD_NAME"], env["POD_NAMESPACE"], min_interval_s=min_interval_s)

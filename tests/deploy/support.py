@@ -47,14 +47,38 @@ def load_yaml(path: Path) -> Any:
 # ---- producing manifests ---------------------------------------------------------------------------
 
 
+# The chart refuses to render without a key source (it fails closed): the smallest install adds one.
+TEST_API_KEY = "test-key"
+
+
+def with_key(values: dict[str, Any] | None) -> dict[str, Any]:
+    """`values` plus an API key, unless they already name a key source or choose an open gateway."""
+    values = dict(values or {})
+    if not (
+        values.get("apiKeys") or values.get("existingSecret") or "allowAnonymous" in values.get("auth", {})
+    ):
+        values["apiKeys"] = [TEST_API_KEY]
+    return values
+
+
 def render_chart(
-    values: dict[str, Any] | None = None, *, release: str = "rel", namespace: str = "serving"
+    values: dict[str, Any] | None = None,
+    *,
+    release: str = "rel",
+    namespace: str = "serving",
+    add_key: bool = True,
 ) -> dict[str, str]:
-    """Template path -> rendered text, as `helm template` would produce offline."""
+    """Template path -> rendered text, as `helm template` would produce offline.
+
+    `add_key`: render `with_key(values)`, the chart's defaults being "defaults plus an API key"; False
+    renders `values` as they are (to test what the chart refuses).
+    """
     import helm_python as helm
 
     with helm.Chart.load(CHART) as chart:
-        return chart.render(values, name=release, namespace=namespace, is_install=True)
+        return chart.render(
+            with_key(values) if add_key else values, name=release, namespace=namespace, is_install=True
+        )
 
 
 def manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:

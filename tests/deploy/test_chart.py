@@ -20,6 +20,7 @@ from tests.deploy.support import (
     of_kind,
     pod_spec,
     render_chart,
+    with_key,
 )
 
 ALL_ON = CHART / "ci" / "all-on-values.yaml"
@@ -34,7 +35,7 @@ def all_on() -> dict[str, str]:
 
 @pytest.mark.parametrize("values_file", [None, ALL_ON, CPU], ids=["defaults", "all-on", "cpu"])
 def test_chart_lints_clean(values_file: Path | None) -> None:
-    values = load_yaml(values_file) if values_file else None
+    values = with_key(load_yaml(values_file) if values_file else None)
     report = helm.lint(CHART, values, strict=True, namespace="serving")
     assert report["errors"] == []
     # Severity 1 is informational ("icon is recommended"); warnings and errors fail.
@@ -166,7 +167,9 @@ def test_sasl_needs_a_mechanism() -> None:
 
 def test_notes_tell_the_operator_what_is_missing() -> None:
     notes = render_chart()["inflight/templates/NOTES.txt"]
-    assert "no API keys are set" in notes
+    assert "accepts every request" not in notes
+    open_notes = render_chart({"auth": {"allowAnonymous": True}})["inflight/templates/NOTES.txt"]
+    assert "without API keys the gateway accepts every request" in open_notes
     assert 'PersistentVolumeClaim "inflight-model"' in notes
     assert "grace period 95 s" in notes
     crowded = render_chart({"worker": {"keda": {"enabled": True, "maxReplicas": 20}}})[

@@ -153,3 +153,43 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboards(compose: d
     for path in dashboards:
         dashboard = json.loads(path.read_text())
         assert dashboard["uid"] and dashboard["title"]
+
+
+def _published(port: str | dict[str, Any]) -> tuple[str, str]:
+    """(host address, host port) of a `ports` entry; address '' when it binds every interface."""
+    if isinstance(port, dict):
+        return str(port.get("host_ip", "")), str(port.get("published", ""))
+    parts = str(port).rsplit(":", 2)
+    return (parts[0] if len(parts) == 3 else ""), (parts[-2] if len(parts) >= 2 else "")
+
+
+def test_nothing_is_published_beyond_this_host(compose: dict[str, Any]) -> None:
+    """The gateway runs without API keys unless INFLIGHT_API_KEYS is set, Redis with a known dev
+    password, Kafka with none: every published port binds to loopback."""
+    published = {
+        (name, _published(port))
+        for name, service in _services(compose).items()
+        for port in service.get("ports", [])
+    }
+    assert ("gateway", ("127.0.0.1", "8000")) in published
+    assert {(name, host) for name, (host, _) in published if host != "127.0.0.1"} == set()
+
+
+def test_kafka_takes_the_largest_request_the_gateway_accepts(compose: dict[str, Any]) -> None:
+    from services.common.kafka import max_message_bytes
+    from services.common.settings import Settings
+
+    services = _services(compose)
+    body = services["gateway"]["environment"]["INFLIGHT_MAX_BODY_BYTES"]
+    for name in ("worker", "worker-cpu"):
+        assert services[name]["environment"]["INFLIGHT_MAX_BODY_BYTES"] == body, "one limit for both sides"
+    largest = max_message_bytes(Settings.from_env({"INFLIGHT_MAX_BODY_BYTES": body}))
+    assert int(body) >= 4 * 1024 * 1024 and largest > 8 * 1024 * 1024
+    configs = dict(
+        a.split("=", 2)[1:] for a in services["kafka-init"]["command"] if a.startswith("--config=")
+    )
+    topic = int(configs["max.message.bytes"])
+    broker = services["kafka"]["environment"]
+    assert topic >= largest, f"the topic refuses messages over {topic} bytes; a request may take {largest}"
+    assert int(broker["KAFKA_MESSAGE_MAX_BYTES"]) >= topic
+    assert int(broker["KAFKA_REPLICA_FETCH_MAX_BYTES"]) >= topic

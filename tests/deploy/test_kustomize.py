@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.deploy.support import (
     K8S,
+    KUBE_VERSIONS,
     REPO,
     component,
     env_of,
@@ -24,6 +27,7 @@ from tests.deploy.support import (
     of_kind,
     pod_spec,
     render_chart,
+    validate_object,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -119,9 +123,17 @@ def _shape(objs: list[dict[str, Any]], name: str) -> dict[str, Any]:
     }
     probes = {k: (container[k]["httpGet"]["path"], container[k].get("failureThreshold")) for k in
               ("startupProbe", "readinessProbe", "livenessProbe")}  # fmt: skip
+    # Which Secret references may be missing: INFLIGHT_API_KEYS may not (no keys, no gateway).
+    optional = {
+        k: v["secretKeyRef"].get("optional", False)
+        for k, v in env.items()
+        if isinstance(v, dict) and "secretKeyRef" in v
+    }
     return {
         "env names": sorted(env),
         "env literals": literals,
+        "optional secrets": optional,
+        "api token": pod_spec(deployment).get("automountServiceAccountToken"),
         "probes": probes,
         "ports": [(p["name"], p["containerPort"]) for p in container["ports"]],
         "grace": pod_spec(deployment)["terminationGracePeriodSeconds"],
@@ -136,3 +148,58 @@ def test_base_matches_the_chart_defaults(name: str) -> None:
     chart = manifests(render_chart())
     base = kustomize(K8S / "base")
     assert _shape(chart, name) == _shape(base, name)
+
+
+def _access(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the workers may do with the Kubernetes API: RBAC rules and whether a token is mounted."""
+    return {
+        "rules": sorted(json.dumps(r, sort_keys=True) for o in of_kind(objs, "Role") for r in o["rules"]),
+        "cluster roles": of_kind(objs, "ClusterRole") + of_kind(objs, "ClusterRoleBinding"),
+        "worker token": pod_spec(component(objs, "worker"))["automountServiceAccountToken"],
+    }
+
+
+def _with_component(tmp_path: Path) -> list[dict[str, Any]]:
+    """The base plus the pod-deletion-cost component, as an overlay would add it."""
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    base = os.path.relpath(K8S / "base", overlay)
+    part = os.path.relpath(K8S / "components" / "pod-deletion-cost", overlay)
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{base}]\ncomponents: [{part}]\n"
+    )
+    return kustomize(overlay)
+
+
+def test_worker_api_access_matches_the_chart_off_and_on(tmp_path: Path) -> None:
+    """Off in both by default (no Role, no token); the component grants what the chart's opt-in does."""
+    base = kustomize(K8S / "base")
+    assert _access(base) == _access(manifests(render_chart()))
+    assert _access(base)["rules"] == [] and _access(base)["worker token"] is False
+    (account,) = [a for a in of_kind(base, "ServiceAccount") if a["metadata"]["name"] == "inflight-worker"]
+    assert account["automountServiceAccountToken"] is False
+
+    opted = _with_component(tmp_path)
+    chart_on = manifests(render_chart({"worker": {"podDeletionCost": {"enabled": True}}}))
+    assert _access(opted) == _access(chart_on)
+    assert _access(opted)["worker token"] is True
+    for obj in opted:
+        for version in KUBE_VERSIONS:
+            validate_object(obj, version)
+
+
+def test_cpu_dev_kafka_takes_the_largest_request(cpu_dev: list[dict[str, Any]]) -> None:
+    """Its topic is auto-created with the broker's limit, whose default (1 MiB) refuses large bodies."""
+    from services.common.kafka import max_message_bytes
+    from services.common.settings import Settings
+
+    kafka = next(
+        d
+        for d in of_kind(cpu_dev, "Deployment") + of_kind(cpu_dev, "StatefulSet")
+        if d["metadata"]["name"] == "kafka"
+    )
+    env = {e["name"]: e.get("value") for e in main_container(kafka)["env"]}
+    largest = max_message_bytes(Settings())
+    assert int(env["KAFKA_MESSAGE_MAX_BYTES"]) >= largest
+    assert int(env["KAFKA_REPLICA_FETCH_MAX_BYTES"]) >= largest

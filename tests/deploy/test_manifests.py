@@ -78,7 +78,7 @@ def test_every_object_is_valid_kubernetes(layout: Layout, version: str) -> None:
 
 def test_the_validator_rejects_what_an_api_server_would() -> None:
     """validate_object is only worth something if it fails: a typo, a wrong type, a CRD mistake."""
-    deployment = {
+    deployment: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": "x"},
@@ -261,23 +261,29 @@ def test_references_resolve(layout: Layout) -> None:
                 assert ref.get("optional") or ref["key"] in data, f"{ref} does not resolve"
 
 
-def test_worker_may_patch_its_own_pod(layout: Layout) -> None:
-    """The RBAC that services/worker/k8s.py needs for the pod-deletion-cost annotation."""
+# Layouts whose workers publish their pod-deletion-cost: the feature needs a Role that can patch every pod
+# of the namespace (RBAC cannot name generated pods), so it is opt-in and everything else grants nothing.
+OPTED_IN = {"chart-all-on"}
+
+
+def test_worker_pod_access_only_where_opted_in(layout: Layout) -> None:
+    """The RBAC that services/worker/k8s.py needs, present only in layouts that opt in, and patch only."""
     worker = component(layout.objs, "worker")
     spec = pod_spec(worker)
+    gateway = pod_spec(component(layout.objs, "gateway"))
+    assert gateway["automountServiceAccountToken"] is False, "the gateway has no business with the API"
+    assert not of_kind(layout.objs, "ClusterRole") and not of_kind(layout.objs, "ClusterRoleBinding")
     roles = of_kind(layout.objs, "Role")
-    if not roles:  # the chart with rbac.create=false and podDeletionCost off
-        assert spec.get("automountServiceAccountToken") is False
+    if layout.name not in OPTED_IN:
+        assert roles == [] and of_kind(layout.objs, "RoleBinding") == []
+        assert spec.get("automountServiceAccountToken") is False, "no API token without a use for it"
         return
     assert spec.get("automountServiceAccountToken", True) is True
-    role = next(r for r in roles if r["metadata"]["name"].endswith("inflight-worker"))
-    rules = [r for r in role["rules"] if "pods" in r["resources"] and "" in r["apiGroups"]]
-    assert rules and set(rules[0]["verbs"]) == {"patch"}, "least privilege: the updater only patches"
+    (role,) = roles
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}], "patch only"
     binding = next(
         b for b in of_kind(layout.objs, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"]
     )
-    assert {"kind": "ServiceAccount", "name": spec["serviceAccountName"]}.items() <= binding["subjects"][
-        0
-    ].items()
-    gateway = pod_spec(component(layout.objs, "gateway"))
-    assert gateway["automountServiceAccountToken"] is False, "the gateway has no business with the API"
+    assert [(s["kind"], s["name"]) for s in binding["subjects"]] == [
+        ("ServiceAccount", spec["serviceAccountName"])
+    ]

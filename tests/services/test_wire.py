@@ -131,3 +131,19 @@ def test_garbage_is_rejected() -> None:
             RequestMessage.decode(raw)
     with pytest.raises(WireError, match="non-terminal"):
         decode_event(json.dumps({"v": 1, "type": "done", "id": "r", "seq": 1, "status": "queued"}))
+
+
+def test_deadline_round_trips_and_is_optional_both_ways() -> None:
+    with_deadline = dataclasses.replace(_request(), deadline=1700000030.25)
+    assert RequestMessage.decode(with_deadline.encode()) == with_deadline
+    # Without one the field is left out, so a worker of an older build reads the message as before;
+    # and a message from an older gateway decodes as "no deadline".
+    assert "deadline" not in json.loads(_request().encode())
+    assert RequestMessage.decode(_request().encode()).deadline is None
+
+
+@pytest.mark.parametrize("value", [0, -5, "soon", True, [1]])
+def test_a_malformed_deadline_is_rejected(value: object) -> None:
+    body = {**json.loads(_request().encode()), "deadline": value}
+    with pytest.raises(WireError, match="deadline"):
+        RequestMessage.decode(json.dumps(body))

@@ -161,16 +161,17 @@ default
 {{- end -}}
 
 {{/*
-Refuse an open gateway without keys. Open: reachable through an Ingress, a LoadBalancer or NodePort
-Service, or with no NetworkPolicy naming who may connect. Keys: apiKeys, or existingSecret (which is
-expected to hold INFLIGHT_API_KEYS; the chart cannot read it).
+Fail closed: no key source (apiKeys, or existingSecret, which must then hold INFLIGHT_API_KEYS) fails
+the render unless auth.allowAnonymous says an open gateway is meant. Not tied to the exposure: a
+NetworkPolicy still admits every pod of the namespace, and the exposure can change after install.
 */}}
 {{- define "inflight.checkAuth" -}}
-{{- $g := .Values.gateway -}}
-{{- $np := .Values.networkPolicy -}}
-{{- $open := or $g.ingress.enabled (has $g.service.type (list "LoadBalancer" "NodePort")) (not $np.enabled) (empty $np.gatewayFrom) -}}
-{{- $keys := or .Values.apiKeys .Values.existingSecret -}}
-{{- if and $open (not $keys) (not .Values.auth.allowAnonymous) -}}
-{{- fail "the gateway would be open to all sources (Ingress, LoadBalancer/NodePort Service, or no networkPolicy.gatewayFrom) without API keys: set apiKeys (or existingSecret), restrict networkPolicy.gatewayFrom, or set auth.allowAnonymous=true on purpose" -}}
+{{- if not (or .Values.apiKeys .Values.existingSecret .Values.auth.allowAnonymous) -}}
+{{- fail "no API keys: the gateway would accept every request. Set apiKeys, or existingSecret naming a Secret that holds INFLIGHT_API_KEYS; to run an open gateway on purpose, set auth.allowAnonymous=true" -}}
 {{- end -}}
+{{- end -}}
+
+{{/* The gateway's INFLIGHT_API_KEYS reference may be missing only when an open gateway was chosen. */}}
+{{- define "inflight.apiKeysOptional" -}}
+{{- and .Values.auth.allowAnonymous (not .Values.apiKeys) -}}
 {{- end -}}
