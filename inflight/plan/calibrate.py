@@ -22,8 +22,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.cost_model import StepCostModel, StepSample, fit
+from engine.cost_model import StepCostModel
 from engine.models.row_padding import RowPadding
+from inflight.plan.fit import StepSample, fit
 from inflight.plan.replay import StepTiming, engine_padding, note_shape
 
 

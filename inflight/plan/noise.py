@@ -21,7 +21,7 @@ import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from engine.cost_model import ar1_mean_variance
+from inflight.plan.fit import ar1_mean_variance
 
 # Runs of more decode steps than this draw their mean factor in one go (see StepNoise.run).
 _EXACT_RUN = 32

@@ -47,7 +47,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from engine.cost_model import StepCostModel, StepSample, fit
+from engine.cost_model import StepCostModel
+from inflight.plan.fit import StepSample, fit
 
 GB = 1e9
 GIB = 1 << 30

@@ -36,7 +36,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from engine.cost_model import StepCostModel, StepSample, fit
+from engine.cost_model import StepCostModel
+from inflight.plan.fit import StepSample, fit
 from inflight.plan.noise import SpeedTrace
 from inflight.plan.replay import StepTiming, WorkerRun, make_engine, replay, replay_fleet
 from inflight.plan.simulate import FleetConfig, ServicePath, simulate

@@ -1,5 +1,6 @@
-"""The step-cost model: the fit recovers known coefficients, stays non-negative, round-trips JSON;
-``calibrate --quick`` fits the real engine."""
+"""Fitting the step-cost model: the fit recovers known coefficients and stays non-negative, first
+steps of a shape are fitted apart, padded rows are fitted on; ``calibrate --quick`` fits the real
+engine."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.cost_model import StepCostModel, StepSample, fit
+from engine.cost_model import StepCostModel
 from engine.models.row_padding import RowPadding
 from inflight.cli import main
+from inflight.plan.fit import StepSample, fit
 
 
 def _samples(truth: StepCostModel) -> list[StepSample]:
@@ -48,41 +50,6 @@ def test_fit_never_goes_negative() -> None:
     assert got.per_seq == 0.0
     assert min(got.fixed, got.per_token, got.per_context) >= 0.0
     assert got.per_token == pytest.approx(1e-4, rel=0.05)
-
-
-def test_decode_run_time_is_the_sum_of_its_steps() -> None:
-    m = StepCostModel(0.003, 4e-5, 2e-4, 3e-6)
-    steps = sum(m.step_time(16, 16, 4000 + 16 * k) for k in range(25))
-    assert m.decode_run_time(16, 4000, 25) == pytest.approx(steps, rel=1e-12)
-
-
-def test_max_chunk() -> None:
-    m = StepCostModel(0.010, 1e-4, 0.0, 1e-6)
-    # 10 decodes at context 100 each plus a chunk of a prompt with 200 tokens computed: 20 ms holds
-    # 10 ms fixed + 1 ms of tokens + 1 ms of decode context + 0.2 ms of cached context + n * 101 us,
-    # so n = floor(7.8 / 0.101) = 77.
-    n = m.max_chunk(0.020, 10, 10, 1000, 200)
-    assert n == 77
-    assert m.step_time(10 + n, 11, 1200 + n) <= 0.020 < m.step_time(10 + n + 1, 11, 1200 + n + 1)
-    assert m.max_chunk(0.005, 10, 10, 1000, 0) < 0
-
-
-def test_json_round_trip_and_rejects_unknown_fields(tmp_path: Path) -> None:
-    m = StepCostModel(
-        0.001, 2e-5, 0.0, 1e-7, 0.004, host={"cpu": "x"}, engine={"block_size": 16}, fit={"rel_rms": 0.1}
-    )
-    m.save(tmp_path / "c.json")
-    assert StepCostModel.load(tmp_path / "c.json") == m
-    # A model saved before first_shape existed loads with none.
-    old = m.to_json()
-    del old["first_shape"]
-    assert StepCostModel.from_json(old).first_shape == 0.0
-    raw = json.loads((tmp_path / "c.json").read_text())
-    raw["per_flop"] = 1.0
-    with pytest.raises(ValueError, match="per_flop"):
-        StepCostModel.from_json(raw)
-    with pytest.raises(ValueError, match="fixed"):
-        StepCostModel(-1.0, 0.0, 0.0, 0.0)
 
 
 def test_calibrate_quick_fits_the_engine(

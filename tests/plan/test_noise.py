@@ -10,7 +10,8 @@ from dataclasses import replace
 
 import pytest
 
-from engine.cost_model import NoiseFit, StepCostModel, StepSample, fit, fit_noise, level_log_std
+from engine.cost_model import StepCostModel
+from inflight.plan.fit import NoiseFit, StepSample, fit, fit_noise, level_log_std
 from inflight.plan.noise import SpeedTrace, StepNoise
 from inflight.plan.simulate import FleetConfig, SimRequest, simulate
 from inflight.plan.traffic import synthetic
