@@ -41,7 +41,7 @@ class Grid:
 
 # About 15 s on a quiet 2-core host with the bench preset (grid only, two threads) plus 20 s served, a
 # minute or more when other work shares the cores; --quick is a few seconds, for tests. The served
-# segment sets the model's level (engine.cost_model.fit) and its noise, so it is the longer part: its
+# segment sets the model's level (inflight.plan.fit.fit) and its noise, so it is the longer part: its
 # steps drift with the host for seconds at a time (lag-1 correlation 0.93 of the slow part), and 10 s
 # holds only a few such stretches.
 DEFAULT_GRID = Grid((16, 128, 512), (1, 4, 16, 48), (32, 256, 1024), 12288, 8, 2, served_s=20.0)

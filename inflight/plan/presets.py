@@ -34,7 +34,7 @@ the host adds beyond the two overhead figures.
 The cost model is linear and the roofline is a max, so the preset is not the sum of the roofline's
 terms: the roofline is evaluated on a grid of serving batch shapes (decode batches of 1..max_num_seqs
 at contexts 128..max_model_len, prefill chunks up to the token budget, decodes with a chunk mixed in)
-and fitted with ``engine.cost_model.fit`` like a calibration, so its ``fit`` stats (rel_rms, rel_max)
+and fitted with ``inflight.plan.fit.fit`` like a calibration, so its ``fit`` stats (rel_rms, rel_max)
 say how well the linear form follows the roofline. Pure Python.
 """
 
