@@ -37,6 +37,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.dead_error: BaseException | None = None
+        self._num_unacknowledged = 0
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> AsyncLLMEngine:
@@ -70,6 +71,11 @@ class AsyncLLMEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_unacknowledged(self) -> int:
+        """Requests handed to ``generate`` not yet added on the engine thread (``load`` shows them after)."""
+        return self._num_unacknowledged
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -147,19 +153,23 @@ class AsyncLLMEngine:
         async def add() -> None:
             if self._thread is None:
                 await self.start()
-            await self._call(
-                lambda: self.engine.add_request(
-                    request_id,
-                    prompt,
-                    params,
-                    priority=priority,
-                    resume_token_ids=resume_token_ids,
-                    resume_by_index=resume_by_index,
-                    indexes=indexes,
-                    slo_ttft_s=slo_ttft_s,
-                    slo_tpot_s=slo_tpot_s,
+            self._num_unacknowledged += 1
+            try:
+                await self._call(
+                    lambda: self.engine.add_request(
+                        request_id,
+                        prompt,
+                        params,
+                        priority=priority,
+                        resume_token_ids=resume_token_ids,
+                        resume_by_index=resume_by_index,
+                        indexes=indexes,
+                        slo_ttft_s=slo_ttft_s,
+                        slo_tpot_s=slo_tpot_s,
+                    )
                 )
-            )
+            finally:
+                self._num_unacknowledged -= 1
 
         def abort() -> None:
             self._commands.put(lambda: self.engine.abort_request(request_id))

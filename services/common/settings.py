@@ -144,6 +144,13 @@ class Settings:
     # then shares no interpreter with the model step (it cost the step +13% to +77% on one CPU core,
     # bench/step_overhead.py). false: the engine loop on a thread of the worker process.
     engine_process: bool = True
+    # A core with work that sends nothing for this long (or for 10x its recent p99 step interval, if
+    # longer) is treated as dead: killed, its requests handed back, the worker exits for a restart.
+    # 10 s: a loaded host stretches healthy steps to seconds, and a false alarm costs a resume of every
+    # running request; a real stall is then noticed before its requests' clients give up.
+    engine_stall_timeout_s: float = 10.0
+    # The same bound for the core's first steps, which compile kernels and capture graphs.
+    engine_stall_warmup_s: float = 300.0
     # Tracing: one engine-step span (batch composition) every this many steps; 0 = none. Steps are
     # many and shared by every request's trace, so they are sampled on their own, not per request.
     trace_step_sample_every: int = 0
@@ -180,6 +187,7 @@ class Settings:
             "max_jobs_per_key": self.max_jobs_per_key,
             "fetch_max_waiting": self.fetch_max_waiting,
             "lease_ttl_s": self.lease_ttl_s,
+            "engine_stall_timeout_s": self.engine_stall_timeout_s,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -313,6 +321,8 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_WORKER_PORT": ("worker_port", "int"),
     "INFLIGHT_TORCH_THREADS": ("torch_threads", "int"),
     "INFLIGHT_ENGINE_PROCESS": ("engine_process", "bool"),
+    "INFLIGHT_ENGINE_STALL_TIMEOUT_S": ("engine_stall_timeout_s", "float"),
+    "INFLIGHT_ENGINE_STALL_WARMUP_S": ("engine_stall_warmup_s", "float"),
     "INFLIGHT_TRACE_STEP_SAMPLE_EVERY": ("trace_step_sample_every", "int"),
     "INFLIGHT_BIND_HOST": ("bind_host", "str"),
     "INFLIGHT_LOG_LEVEL": ("log_level", "str"),

@@ -36,6 +36,10 @@ class EngineClient(Protocol):
         """The engine's load as of its last step (waiting, running, KV): read, never its live state."""
 
     @property
+    def num_unacknowledged(self) -> int:
+        """Requests handed to ``generate`` that the engine has not taken yet: ``load`` does not count them."""
+
+    @property
     def dead_error(self) -> BaseException | None: ...
 
     async def start(self) -> None: ...

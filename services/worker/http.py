@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 
@@ -15,7 +16,15 @@ from services.common.telemetry import metrics_payload
 from services.worker.service import Worker
 
 
-def create_app(worker: Worker) -> Starlette:
+class Probes:
+    """What the probes have answered. After a stall the worker exits once a readiness probe has seen it
+    not ready with its engine dead, so the probe records why (a process that is gone reads as refused)."""
+
+    def __init__(self) -> None:
+        self.saw_dead_engine = asyncio.Event()
+
+
+def create_app(worker: Worker, probes: Probes | None = None) -> Starlette:
     async def healthz(_: Request) -> Response:
         dead = getattr(worker.engine, "dead_error", None)
         if dead is not None:
@@ -27,6 +36,8 @@ def create_app(worker: Worker) -> Starlette:
         alive = worker.engine.dead_error is None
         ready = worker.started and alive and not worker.draining and worker.publisher.healthy
         ready = ready and not worker.problems()  # a background task down (supervise.py)
+        if not alive and probes is not None:
+            probes.saw_dead_engine.set()
         return JSONResponse({"ready": ready, **worker.stats()}, status_code=200 if ready else 503)
 
     async def metrics(_: Request) -> Response:
@@ -53,6 +64,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-def make_server(worker: Worker, host: str, port: int) -> uvicorn.Server:
-    config = uvicorn.Config(create_app(worker), host=host, port=port, log_level="warning", lifespan="off")
+def make_server(worker: Worker, host: str, port: int, probes: Probes | None = None) -> uvicorn.Server:
+    app = create_app(worker, probes)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
     return _Server(config)

@@ -2,7 +2,13 @@
 
 Backpressure: the worker fetches only while the engine's waiting queue has room, counting requests
 consumed but not yet in the engine, so the bound holds at all times; otherwise its partitions are
-paused and Kafka is the buffer.
+paused and Kafka is the buffer. A request counts from its fetch until it leaves the waiting queue:
+
+    fetched, claiming (no engine id)  ->  handed to the engine client, not yet acknowledged by the core
+      (``num_unacknowledged``)  ->  acknowledged: in the core's load (``load.num_waiting``)  ->  running
+
+so a long step or a stalled core, during which nothing is acknowledged, stops the fetch instead of
+piling requests into the client's queue.
 """
 
 from __future__ import annotations
@@ -53,9 +59,13 @@ class Intake:
         self.stopped = False  # drain: fetch nothing more
 
     def room(self) -> int:
-        # Requests consumed but not yet in the engine count as waiting: the bound holds at all times.
+        # Requests consumed but not yet in the engine count as waiting, and so do those handed to it that
+        # its core has not acknowledged (its load shows them only from then on): the bound holds at all
+        # times. The engine client updates its load before the count drops, so no request is ever missed
+        # (for an instant one may count twice: the fetch then waits a poll longer).
         intake = sum(1 for r in self.runs.values() if not r.engine_ids)
-        return self.settings.fetch_max_waiting - self.engine.load.num_waiting - intake
+        waiting = self.engine.load.num_waiting + self.engine.num_unacknowledged
+        return self.settings.fetch_max_waiting - waiting - intake
 
     async def fetch_forever(self, consumer: AIOKafkaConsumer) -> None:
         while True:

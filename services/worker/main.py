@@ -1,11 +1,20 @@
-"""``inflight worker``: load the model, join the consumer group, serve until SIGTERM, then drain."""
+"""``inflight worker``: load the model, join the consumer group, serve until SIGTERM, then drain.
+
+A worker whose engine core stalled (``engine/core/watchdog.py``: it had work and sent nothing within its
+bound, and was killed) hands its requests back, leaves the group, and exits with ``EXIT_ENGINE_STALLED``
+once a readiness probe has seen it not ready (or after ``STALL_EXIT_WAIT_S``): a stall may be a wedged
+driver or device, which only a fresh process (a restarted container) can clear. The in-process engine
+(``INFLIGHT_ENGINE_PROCESS=false``) has no such watch: a thread cannot be killed.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
+from typing import TYPE_CHECKING
 
 from services.common.settings import Settings
 from services.common.telemetry import setup_telemetry
@@ -13,7 +22,16 @@ from services.common.tracing import shutdown_tracing
 from services.worker import faults
 from services.worker.engine_client import EngineClient
 
+if TYPE_CHECKING:
+    from services.worker.http import Probes
+    from services.worker.service import Worker
+
 log = logging.getLogger(__name__)
+
+EXIT_ENGINE_STALLED = 3
+# How long a stalled worker waits for a readiness probe to see it not ready before it exits anyway:
+# Kubernetes probes readiness every 10 s by default.
+STALL_EXIT_WAIT_S = 10.0
 
 
 # INFLIGHT_MODEL's name for the small random-weight checkpoint of engine/models/tiny.py: its answers are
@@ -37,9 +55,10 @@ def resolve_model(settings: Settings) -> str:
     return settings.model
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings) -> int:
+    """Serve until stopped; the process's exit code (0, or ``EXIT_ENGINE_STALLED``)."""
     from services.common.store import connect_redis
-    from services.worker.http import make_server
+    from services.worker.http import Probes, make_server
     from services.worker.live import LivePublisher
     from services.worker.live import stop as stop_live
     from services.worker.service import Worker
@@ -54,29 +73,52 @@ async def serve(settings: Settings) -> None:
     live.attach(engine)
     live_task = asyncio.create_task(live.run_forever(connect_redis(settings)))
     worker = Worker(settings, engine, spans)
-    server = make_server(worker, settings.bind_host, settings.worker_port)
+    probes = Probes()
+    server = make_server(worker, settings.bind_host, settings.worker_port, probes)
     http = asyncio.create_task(server.serve())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(worker.drain()))
     await worker.start()
+    stall_exit = asyncio.create_task(_exit_after_stall(worker, probes))
     await worker.wait_stopped()
+    stall_exit.cancel()
     server.should_exit = True
     await http
     await stop_live(live_task)
+    return EXIT_ENGINE_STALLED if _stalled(engine) else 0
+
+
+def _stalled(engine: EngineClient) -> bool:
+    from engine.core.watchdog import EngineStalled  # torch-free
+
+    return isinstance(engine.dead_error, EngineStalled)
+
+
+async def _exit_after_stall(worker: Worker, probes: Probes) -> None:
+    await worker.handed_over.wait()  # a dead engine's requests are back in Kafka, the group left
+    if not _stalled(worker.engine):
+        return  # a core that died (killed, crashed) leaves the worker up: /healthz 500 says so
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(probes.saw_dead_engine.wait(), STALL_EXIT_WAIT_S)
+    log.error("the engine core stalled: exiting (code %d) for a restart", EXIT_ENGINE_STALLED)
+    await worker.drain()
 
 
 async def start_engine(model: str, settings: Settings) -> EngineClient:
     """The engine core in its own process (the default), or its loop on a thread of this one."""
     if settings.engine_process:
         from engine.core.client import EngineCoreClient  # torch-free: the core process imports torch
+        from engine.core.watchdog import StallPolicy
 
+        stall = StallPolicy(floor_s=settings.engine_stall_timeout_s, warmup_s=settings.engine_stall_warmup_s)
         client = EngineCoreClient(
             model,
             settings.engine_args,
             torch_threads=settings.torch_threads,
             log_level=settings.log_level,
             setup=faults.install,
+            stall=stall,
         )
         await client.start()
         return client
@@ -96,6 +138,8 @@ def main(settings: Settings) -> None:
     resolve_model(settings)  # no model: exit now, before telemetry and the event loop start
     tracing = setup_telemetry("inflight-worker", settings.log_level)
     try:
-        asyncio.run(serve(settings))
+        code = asyncio.run(serve(settings))
     finally:
         shutdown_tracing(tracing)  # export the drained requests' spans before the process exits
+    if code:
+        raise SystemExit(code)

@@ -57,6 +57,7 @@ class Final:
     error: str | None = None
     code: str | None = None
     fields: dict[str, str | int | float] = field(default_factory=dict)
+    param: str | None = None  # the request field an invalid_request error blames
 
 
 # Everything the request has emitted, per completion index (resumed tokens included): the one
@@ -103,6 +104,7 @@ class Run:
     tracing: RunTrace = field(default_factory=RunTrace)
     errors: dict[int, str] = field(default_factory=dict)  # completion index -> why it failed
     error_code: str = "engine_error"
+    error_param: str | None = None  # with "invalid_request": the field to blame (ContextLengthError.param)
     resumed_from: int = 0  # output tokens that came from the log (a crash resume)
     cancelled: bool = False  # the client asked: finish as cancelled
     handed_back: bool = False  # drain: stop without finishing, another worker resumes
@@ -174,5 +176,6 @@ class Run:
             error=box.final.error,
             code=box.final.code,
             worker=worker,
+            param=box.final.param,
         )
         return encode_event(done)

@@ -111,7 +111,7 @@ class Runner:
             run.prompt_token_ids = self._prompt(run, params)
         except Exception as exc:  # bad parameters, or a chat template that cannot render these messages
             run.errors[0] = str(exc)
-            run.error_code = "invalid_request"
+            run.error_code, run.error_param = "invalid_request", getattr(exc, "param", None)
             return await self._finish(run)
         seed = params.seed if params.seed is not None else start.seed
         assert seed is not None
@@ -218,8 +218,9 @@ class Runner:
                 raise
             log.warning("request %s failed: %s", run.id, exc)
             if isinstance(exc, ValueError):
-                # The engine refused the input (a token id beyond the vocabulary, ...): the client's fault.
-                run.error_code = "invalid_request"
+                # The engine refused the input (a token id beyond the vocabulary, a prompt too long for
+                # its context: ContextLengthError names the field): the client's fault.
+                run.error_code, run.error_param = "invalid_request", getattr(exc, "param", None)
             for i in todo:
                 if not run.output.finished(i):
                     run.errors[i] = str(exc)
@@ -251,7 +252,7 @@ class Runner:
         if run.cancelled:
             final = Final(CANCELLED, "cancelled by the client", "cancelled")
         elif run.errors:
-            final = Final(FAILED, "; ".join(run.errors.values()), run.error_code)
+            final = Final(FAILED, "; ".join(run.errors.values()), run.error_code, param=run.error_param)
         else:
             final = Final(COMPLETED)
         final.fields = self._record_fields(run, final)
