@@ -1,20 +1,27 @@
 """Supervised background tasks: restarted after a failure with a capped, growing backoff; reported while
-down or freshly restarted; never restarted once cancelled or finished.
+down or freshly restarted; never restarted once cancelled or finished. Then in a worker process: its
+/readyz while a task is down, and the restarted task at work.
 
-The supervisor's clock is a manual one here, so "stable for stable_s" is a fact of the test, not of how
-fast the host runs it; the backoff sleeps are real but tiny.
+The supervisor's clock is a manual one in the unit tests, so "stable for stable_s" is a fact of the test,
+not of how fast the host runs it; the backoff sleeps are real but tiny.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import httpx
 import pytest
 
 from services.worker.supervise import Supervisor
+from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for
 
-pytestmark = pytest.mark.timeout(30)
+if TYPE_CHECKING:
+    from harness.servers import ServerProcess
+
 
 _sleep = asyncio.sleep  # the real one: a test below replaces asyncio.sleep to record the backoff
 
@@ -33,6 +40,7 @@ async def _until(predicate: object, timeout_s: float = 10.0) -> None:
             await _sleep(0.001)
 
 
+@pytest.mark.timeout(30)
 async def test_a_failing_task_is_restarted_and_reported(caplog: pytest.LogCaptureFixture) -> None:
     clock = Clock()
     sup = Supervisor(base_s=0.001, cap_s=0.004, stable_s=5.0, clock=clock)
@@ -64,6 +72,7 @@ async def test_a_failing_task_is_restarted_and_reported(caplog: pytest.LogCaptur
     assert task.cancelled() and sup.problems() == [] and starts == 5
 
 
+@pytest.mark.timeout(30)
 async def test_backoff_doubles_up_to_the_cap_and_starts_over_after_a_stable_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -98,6 +107,7 @@ async def test_backoff_doubles_up_to_the_cap_and_starts_over_after_a_stable_run(
     await asyncio.gather(running, return_exceptions=True)
 
 
+@pytest.mark.timeout(30)
 async def test_down_while_waiting_to_restart_and_a_finished_task_stays_finished() -> None:
     clock = Clock()
     sup = Supervisor(base_s=60.0, cap_s=60.0, stable_s=1.0, clock=clock)
@@ -120,3 +130,51 @@ async def test_down_while_waiting_to_restart_and_a_finished_task_stays_finished(
     down.cancel()
     await asyncio.gather(down, return_exceptions=True)
     assert sup.problems() == []
+
+
+def _readyz(worker: Any) -> tuple[int, dict[str, Any]] | None:
+    try:
+        resp = httpx.get(f"{worker.url}/readyz", timeout=5)
+    except httpx.HTTPError:
+        return None  # not listening yet
+    return resp.status_code, resp.json()
+
+
+def _job(stack: Stack, job_id: str) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"{stack.url}/v1/jobs/{job_id}", timeout=30).json()
+    return body
+
+
+@pytest.mark.timeout(240)
+def test_a_worker_restarts_a_failed_task_and_is_not_ready_meanwhile(
+    kafka: ServerProcess, redis_server: ServerProcess, model_path: Path, tmp_path: Path
+) -> None:
+    """The cancel listener fails at its first three starts: /readyz says 503 and why, then 200 once it
+    has run stably, and the restarted listener does its job (a cancel reaches a running request)."""
+    stack = new_stack(kafka, redis_server, model_path, tmp_path, workers=0)
+    try:
+        worker = stack.add_worker(
+            wait=False, INFLIGHT_FAULT_TASK_FAILS="cancel_listener:3", INFLIGHT_FAULT_STEP_DELAY_S="0.05"
+        )
+
+        def listener_down() -> dict[str, Any] | None:
+            got = _readyz(worker)
+            problems = got[1].get("problems", []) if got else []
+            return got[1] if got and any(p.startswith("cancel_listener: ") for p in problems) else None
+
+        down = wait_for(listener_down, 180, interval_s=0.05, message="readyz to report the listener down")
+        assert down["ready"] is False and "injected fault" in down["problems"][0]
+        wait_for(lambda: (got := _readyz(worker)) is not None and got[0] == 200, 60, message="ready again")
+        body = {"model": MODEL_NAME, "prompt": "cancel me", "max_tokens": 400, "ignore_eos": True}
+        resp = httpx.post(
+            f"{stack.url}/v1/jobs", json={"endpoint": "/v1/completions", "body": body}, timeout=30
+        )
+        job_id = resp.json()["id"]
+        wait_for(lambda: _job(stack, job_id)["status"] == "in_progress", 60, message="the job to run")
+        assert httpx.delete(f"{stack.url}/v1/jobs/{job_id}", timeout=30).json()["status"] == "cancelling"
+        final = wait_for(
+            lambda: (j := _job(stack, job_id))["status"] == "cancelled" and j, 30, message="cancelled"
+        )
+        assert final["usage"]["completion_tokens"] < 400  # stopped by the listener, not run to the end
+    finally:
+        stack.close()

@@ -13,8 +13,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis as redis_lib
+from aiokafka.structs import TopicPartition
 
 from engine.async_engine import AsyncLLMEngine
 from engine.llm_engine import LLMEngine
@@ -28,6 +31,7 @@ from services.common.wire_sampling import WireSampling
 from services.worker.publisher import HOLD_S, Publisher, PublishError
 from services.worker.run import Final, Outcome, PendingDelta, Run
 from services.worker.runner import Runner
+from services.worker.service import Worker
 from tests.services.stack import REDIS_PASSWORD
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,7 +137,8 @@ async def test_publisher_holds_back_what_nobody_streams(parts: Parts) -> None:
     assert p.publisher.num_round_trips == trips
     await p.publisher.finish(whole, Final(COMPLETED, fields={"status": COMPLETED}))
     log = await p.store.read_log(whole.id)
-    assert [type(e) for e in log] == [DeltaEvent, DoneEvent] and log[0].token_ids == list(range(8))
+    assert [type(e) for e in log] == [DeltaEvent, DoneEvent]
+    assert isinstance(log[0], DeltaEvent) and log[0].token_ids == list(range(8))
     assert p.publisher.num_round_trips - trips == 1
 
     p.publisher.emit(streamed, PendingDelta(0, [1], "a"))
@@ -293,3 +298,60 @@ async def test_runner_resumes_n_completions_each_from_its_own_point(
     assert [e.seq for e in log] == list(range(1, len(log) + 1))
     done = log[-1]
     assert isinstance(done, DoneEvent) and done.completion_tokens == 18
+
+
+@pytest.mark.parametrize(("failures", "status"), [(2, "completed"), (3, "failed")])
+async def test_a_run_that_raises_keeps_its_offset_until_its_record_is_terminal(
+    parts: Parts, engine: AsyncLLMEngine, failures: int, status: str
+) -> None:
+    """Any exception in a run (a bug, here after the claim) leaves its record "in_progress": the run is
+    tried again from the log, and its offset is released only once the record is terminal (it used to be
+    released at the first exception, the request lost). A run the worker keeps failing is failed for good."""
+    worker = Worker(parts.settings, engine)
+    publishing = asyncio.create_task(worker.publisher.run_forever())
+    sync_redis = redis_lib.Redis.from_url(
+        parts.settings.redis_url, password=REDIS_PASSWORD, decode_responses=True
+    )
+    msg = _message(SamplingParams(max_tokens=4, ignore_eos=True))
+    released: list[str | None] = []  # the record's status whenever an offset is released
+    tracker_done = worker.tracker.done
+
+    def done(tp: TopicPartition, offset: int, generation: int) -> None:
+        status = sync_redis.hget(keys.record(msg.id), "status")
+        released.append(None if status is None else str(status))
+        tracker_done(tp, offset, generation)
+
+    left = failures
+    resume = worker.runner._resume
+
+    def flaky_resume(run: Run, events: list[Any]) -> None:
+        nonlocal left
+        if left:
+            left -= 1
+            raise KeyError("a bug in the worker")
+        resume(run, events)
+
+    worker.tracker.done = done  # type: ignore[method-assign]
+    worker.runner._resume = flaky_resume  # type: ignore[method-assign]
+    try:
+        tp = TopicPartition("requests", 0)
+        worker.tracker.reset([tp])
+        run = await _admitted(parts, msg)
+        run.deliveries.append((tp, 7, worker.tracker.add(tp, 7)))
+        worker._start_run(run)
+        assert run.task is not None
+        assert await run.task is Outcome.DONE
+        assert released == [status]
+        assert worker.tracker.committable() == {tp: 8}
+        record = await parts.store.get_record(msg.id)
+        assert record is not None and record["epoch"] == str(failures + 1)  # claimed once per attempt
+        if status == "failed":
+            assert record["code"] == "worker_error"
+        log = await parts.store.read_log(msg.id)
+        assert [e.seq for e in log] == list(range(1, len(log) + 1))
+        assert [type(e) for e in log if isinstance(e, DoneEvent)] == [DoneEvent]
+    finally:
+        publishing.cancel()
+        await asyncio.gather(publishing, return_exceptions=True)
+        await worker.store.client.aclose()
+        sync_redis.close()
