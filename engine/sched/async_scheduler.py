@@ -41,6 +41,7 @@ from engine.cost_model import StepCostModel
 from engine.kv_cache.manager import KVCacheManager
 from engine.request import Request
 from engine.sched.output import SchedulerOutput
+from engine.sched.policy import SchedulingPolicy
 from engine.sched.scheduler import Scheduler
 from engine.sched.tokens import add_token, check_stop, reaches_limit
 
@@ -63,8 +64,9 @@ class AsyncScheduler(Scheduler):
         *,
         cost: StepCostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
-        super().__init__(config, kv, eos_token_ids, cost=cost, clock=clock)
+        super().__init__(config, kv, eos_token_ids, cost=cost, clock=clock, policy=policy)
         self._in_flight: deque[_InFlight] = deque()
 
     @property

@@ -25,7 +25,7 @@ from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import SchedulerStats
 from engine.request import Request, RequestStatus
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.sched.policy import WaitingQueue, make_policy
+from engine.sched.policy import SchedulingPolicy, WaitingQueue, make_policy
 from engine.sched.tokens import add_token, check_stop
 
 
@@ -42,15 +42,17 @@ class Scheduler:
         *,
         cost: StepCostModel | None = None,
         clock: Callable[[], float] = time.monotonic,
+        policy: SchedulingPolicy | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.eos_token_ids = eos_token_ids
         self.static = config.batching == "static"
-        # The clock is injectable so that a simulation can run the same scheduler on simulated time;
-        # ``cost``, the step-cost model, is for a policy that plans with one (slo).
+        # The clock is injectable so that a simulation can run the same scheduler on simulated time.
+        # The policy is the one ``scheduling_policy`` names unless one is given; ``cost``, the
+        # step-cost model, is for a policy that plans with one (slo).
         self.clock = clock
-        self.policy = make_policy(config, cost)
+        self.policy = policy or make_policy(config, cost)
         self.waiting: WaitingQueue = self.policy.waiting
         # Waiting requests the policy rejected (finished with an error before they ran); the engine
         # takes them after each schedule() and reports them.
