@@ -220,13 +220,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         scheduled_at = time.monotonic()
         outputs, self._pending = self._pending, []
-        if self.scheduler.rejected:  # slo policy: lost TTFT deadlines finished early, with an error
+        if self.scheduler.rejected:  # the policy finished these early, with an error (slo: lost TTFT)
             outputs.extend(self._report_rejected())
         if self.config.async_scheduling:
             return outputs + self._step_overlapped(_Submitted(out, None, start, scheduled_at))
         if out.is_empty:
             self.runner.update_rows(out)  # still drop the rows of requests finished since last step
-            self.load = self.scheduler.stats()  # the slo policy may have finished requests
+            self.load = self.scheduler.stats()  # the policy may have rejected requests
             return outputs
         try:
             result = self.runner.execute(out)
