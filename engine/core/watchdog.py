@@ -18,6 +18,10 @@ slower than a tenth of it), plus up to one watch interval (``tick_s``: a tenth o
 with everything else on it: a 2-core machine under load has stretched healthy steps of milliseconds to
 seconds, and a false stall costs every running request a resume. It is well under a lease (10 s by
 default) plus the requests' time to resume, which is what a missed stall would otherwise cost.
+
+The limit of a bound learned from past steps: one step far longer than any before it (the first prefill
+of a full token budget on a slow host, after the warm-up allowance) reads as a stall. Where a step can
+take longer than the floor, raise it (``INFLIGHT_ENGINE_STALL_TIMEOUT_S``) above the longest step.
 """
 
 from __future__ import annotations
