@@ -46,6 +46,9 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     out = tmp_path_factory.mktemp("live") / "dev.out"
     model = str(default_model_path())
     env = {k: v for k, v in os.environ.items() if k != "INFLIGHT_SERVED_MODEL_NAME"}
+    # Paced at 10 ms a step, 96 tokens take at least 1 s: the batch view (published every 0.25 s) shows
+    # several steps and the copies joining a running request on any host, not one finished burst.
+    env["INFLIGHT_FAULT_STEP_DELAY_S"] = "0.01"
     with open(out, "wb") as sink:
         dev = subprocess.Popen(
             [sys.executable, "-m", "inflight", "dev", "--port", str(port), "--model", model],

@@ -110,6 +110,8 @@ class OTLPReceiver:
     @property
     def endpoint(self) -> str:
         host, port = self._server.server_address[:2]
+        if isinstance(host, bytes):  # typeshed allows bytes; a TCP server's host is text
+            host = host.decode()
         return f"http://{host}:{port}"
 
     def __enter__(self) -> OTLPReceiver:

@@ -34,7 +34,7 @@ def traced(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, OT
         start_kafka(workdir=tmp / "kafka") as kafka,
         start_redis(password=REDIS_PASSWORD, workdir=tmp / "redis") as redis_server,
     ):
-        otel = {
+        otel: dict[str, Any] = {
             "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint,
             "OTEL_TRACES_SAMPLER": "parentbased_always_on",
             "OTEL_BSP_SCHEDULE_DELAY": "100",  # export within 0.1 s, not the default 5 s
@@ -86,7 +86,9 @@ def test_metrics_move_as_requests_flow(traced: tuple[Stack, OTLPReceiver]) -> No
     skipped = queued.pop().json()["id"]
     assert httpx.delete(f"{stack.url}/v1/jobs/{skipped}", timeout=30).json()["status"] == "cancelled"
 
-    worker = stack.add_worker()
+    # Paced at 10 ms a step, the 2,000-token job below runs for at least 20 s on any host: the cancel
+    # reaches it in the engine, never after it finished.
+    worker = stack.add_worker(INFLIGHT_FAULT_STEP_DELAY_S="0.01")
     done = queued[0].json()["id"]
     wait_for(lambda: httpx.get(f"{stack.url}/v1/jobs/{done}", timeout=10).json()["status"] == "completed", 60)
     # Cancelled while the engine runs it.

@@ -20,7 +20,9 @@ def test_cancel_during_a_pubsub_reconnect(
     own_servers: tuple[ServerProcess, ServerProcess], model_path: Path, tmp_path: Path
 ) -> None:
     kafka, redis_server = own_servers
-    stack = new_stack(kafka, redis_server, model_path, tmp_path)
+    # Paced at 10 ms a step, the job's 1,800 tokens take at least 18 s: it is still running when the
+    # cancel comes, about 2 s after it starts, on any host.
+    stack = new_stack(kafka, redis_server, model_path, tmp_path, INFLIGHT_FAULT_STEP_DELAY_S="0.01")
     try:
         body = {"model": MODEL_NAME, "prompt": "a long one", "max_tokens": 1800, "ignore_eos": True}
         created = httpx.post(

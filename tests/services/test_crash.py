@@ -2,13 +2,20 @@
 
 A request's stream must complete with no gap and no duplicate, and with seeded sampling its text must
 equal an uninterrupted run's, token for token.
+
+Every test here needs its request still running when the fault lands, so the engines are paced
+(``INFLIGHT_FAULT_STEP_DELAY_S``): a request of N tokens takes at least N steps of STEP_DELAY_S on any
+host, and a fast machine can no longer finish it before the kill, the drain or the duplicate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +26,19 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from harness.servers import ServerProcess
 from harness.stack import ServiceProcess
 from services.common import keys
+from services.common.kafka import heartbeat_interval_ms
 from services.common.wire import DeltaEvent, DoneEvent, decode_event
-from tests.services.stack import MODEL_NAME, Stack, new_stack, worker_stats
+from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for, worker_stats
 
 pytestmark = pytest.mark.timeout(180)
+
+# Each engine step sleeps this long first: PARAMS's request takes at least 150 x 0.02 = 3 s.
+STEP_DELAY_S = "0.02"
 
 PARAMS: dict[str, Any] = {
     "model": MODEL_NAME,
     "prompt": "Once upon a time, in a small village near the sea, there lived",
-    "max_tokens": 400,
+    "max_tokens": 150,
     "temperature": 0.9,
     "seed": 1234,
     "extra_body": {"ignore_eos": True},
@@ -36,7 +47,9 @@ PARAMS: dict[str, Any] = {
 
 @pytest.fixture
 def two_workers(kafka: ServerProcess, redis_server: ServerProcess, model_path: Path, tmp_path: Path) -> Any:
-    stack = new_stack(kafka, redis_server, model_path, tmp_path, workers=2)
+    stack = new_stack(
+        kafka, redis_server, model_path, tmp_path, workers=2, INFLIGHT_FAULT_STEP_DELAY_S=STEP_DELAY_S
+    )
     yield stack
     stack.close()
 
@@ -85,6 +98,77 @@ def test_sigkill_mid_stream_resumes_on_the_other_worker(two_workers: Stack) -> N
     assert int(record["resumed_tokens"]) >= 20
 
 
+# tansu (the test broker) holds a member that rejoins while the group still names another leader for a
+# fixed 3 s: when the SIGKILLed worker led the group, the survivor's rejoin waits that long. Apache
+# Kafka has no such pause.
+TANSU_REJOIN_PAUSE_S = 3.0
+# The rest after the rebalance: rejoin and sync, the offset and message fetch, the claim, a prefill and
+# one paced step, on a loaded two-core host.
+RESUME_MARGIN_S = 2.0
+
+
+def test_a_killed_workers_request_resumes_within_its_session(
+    kafka: ServerProcess, redis_server: ServerProcess, model_path: Path, tmp_path: Path
+) -> None:
+    """SIGKILL says no goodbye to the consumer group: the dead worker's partitions wait out its session,
+    a survivor learns of the rebalance at its next heartbeat, finds the lease lapsed (it is shorter than
+    the session) and resumes. So the wait is bounded by construction, not by the host's speed."""
+    session_ms, lease_s = 3000, 2.0
+    stack = new_stack(
+        kafka,
+        redis_server,
+        model_path,
+        tmp_path,
+        workers=2,
+        INFLIGHT_KAFKA_SESSION_TIMEOUT_MS=str(session_ms),
+        INFLIGHT_LEASE_TTL_S=str(lease_s),
+        # 1,000 tokens of at least 50 ms each: the request outlives the kill and the bound below.
+        INFLIGHT_FAULT_STEP_DELAY_S="0.05",
+    )
+    body = {**PARAMS, "max_tokens": 1000, "stream": True}
+    body.update(body.pop("extra_body"))
+    request_ids: list[str] = []
+    hang_up = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=60) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: {") and not request_ids:
+                    request_ids.append(json.loads(line[6:])["id"])
+                if hang_up.is_set():
+                    return  # the gateway cancels the rest
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        r = stack.redis_client()
+        request_id = wait_for(lambda: request_ids and request_ids[0], 60, message="the first chunk")
+        events = r.pubsub(ignore_subscribe_messages=True)
+        events.subscribe(keys.events(request_id))
+        wait_for(lambda: r.llen(keys.log(request_id)) >= 5, 30, interval_s=0.02, message="five events")
+        victim = _owner(stack, request_id)
+        victim_id = worker_stats(victim)["worker"]
+        victim.kill()
+        killed = time.monotonic()
+        bound = session_ms / 1e3 + 2 * heartbeat_interval_ms(session_ms) / 1e3
+        bound += TANSU_REJOIN_PAUSE_S + RESUME_MARGIN_S
+        resumed_by = None
+        while resumed_by is None and time.monotonic() - killed < bound + 10:
+            msg = events.get_message(timeout=0.2)
+            event = decode_event(msg["data"]) if msg else None
+            if isinstance(event, DeltaEvent) and event.worker != victim_id:
+                resumed_by = event.worker
+        waited = time.monotonic() - killed
+        events.close()
+        assert resumed_by is not None, f"not resumed {waited:.1f}s after the kill\n{stack.logs()}"
+        assert waited < bound, f"resumed after {waited:.1f}s, bound {bound:.1f}s"
+        assert waited > lease_s * 2 / 3  # not before the lease could lapse: the survivor waited for it
+    finally:
+        hang_up.set()
+        reader.join(timeout=30)
+        stack.close()
+
+
 def test_a_killed_engine_core_hands_back_to_the_other_worker(two_workers: Stack) -> None:
     """The OOM killer picks the biggest process: the engine core, not its worker. The worker must see
     its engine gone, hand the request back and step aside; the other worker resumes it exactly."""
@@ -113,7 +197,17 @@ def test_a_killed_engine_core_hands_back_to_the_other_worker(two_workers: Stack)
 def test_sigterm_drain_hands_back_unfinished_work(
     kafka: ServerProcess, redis_server: ServerProcess, model_path: Path, tmp_path: Path
 ) -> None:
-    stack = new_stack(kafka, redis_server, model_path, tmp_path, workers=2, INFLIGHT_DRAIN_TIMEOUT_S="0.5")
+    # Paced, the 130 tokens left after chunk 20 take at least 2.6 s: more than the 0.5 s drain on any
+    # host, so the request is certainly handed back (a fast host used to finish it inside the drain).
+    stack = new_stack(
+        kafka,
+        redis_server,
+        model_path,
+        tmp_path,
+        workers=2,
+        INFLIGHT_DRAIN_TIMEOUT_S="0.5",
+        INFLIGHT_FAULT_STEP_DELAY_S=STEP_DELAY_S,
+    )
     try:
         reference = stack.client(timeout=120).completions.create(**PARAMS).choices[0].text
         stopped: list[int | None] = []
@@ -130,7 +224,16 @@ def test_sigterm_drain_hands_back_unfinished_work(
 def test_sigterm_lets_in_flight_work_finish_within_the_grace_period(
     kafka: ServerProcess, redis_server: ServerProcess, model_path: Path, tmp_path: Path
 ) -> None:
-    stack = new_stack(kafka, redis_server, model_path, tmp_path, workers=1, INFLIGHT_DRAIN_TIMEOUT_S="60")
+    # Paced, so the request is still running at the SIGTERM (the drain has something to wait for).
+    stack = new_stack(
+        kafka,
+        redis_server,
+        model_path,
+        tmp_path,
+        workers=1,
+        INFLIGHT_DRAIN_TIMEOUT_S="60",
+        INFLIGHT_FAULT_STEP_DELAY_S=STEP_DELAY_S,
+    )
     try:
         worker = stack.workers[0]
         stopped: list[int | None] = []
@@ -147,7 +250,9 @@ async def test_a_duplicated_delivery_never_runs_twice(two_workers: Stack) -> Non
     stack = two_workers
     topic = stack.env["INFLIGHT_KAFKA_TOPIC"]
     bootstrap = stack.env["INFLIGHT_KAFKA_BOOTSTRAP"]
-    params = {**PARAMS, "max_tokens": 600}
+    # Paced: 190 tokens (at least 3.8 s) are left after chunk 10, while copying the message takes about
+    # a second, so both workers consume a copy while the request still runs.
+    params = {**PARAMS, "max_tokens": 200}
 
     async def duplicate(request_id: str) -> None:
         # Copy the request's message onto every partition: both workers consume a copy while it runs.

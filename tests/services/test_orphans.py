@@ -20,18 +20,14 @@ def test_requests_of_a_dead_gateway_are_aborted(
     own_servers: tuple[ServerProcess, ServerProcess], model_path: Path, tmp_path: Path
 ) -> None:
     kafka, redis_server = own_servers
-    # The orphan must outlive the detection (liveness TTL + grace, up to about 8 s): with the C++ CPU
-    # kernels the tiny model generates 2,000 tokens in about 5 s, so this test's copy of it takes a
-    # longer context and the request asks for 8,000.
-    from engine.models.tiny import write_tiny_checkpoint
-
-    long_model = write_tiny_checkpoint(tmp_path / "long-context", max_position_embeddings=8192)
-    stack = new_stack(kafka, redis_server, long_model, tmp_path)
+    # The orphan must outlive the detection (liveness TTL + grace, up to about 8 s): paced at 20 ms a
+    # step, its 1,000 tokens take at least 20 s on any host (an unpaced one finished on a fast host).
+    stack = new_stack(kafka, redis_server, model_path, tmp_path, INFLIGHT_FAULT_STEP_DELAY_S="0.02")
     try:
         body = {
             "model": MODEL_NAME,
             "prompt": "orphan",
-            "max_tokens": 8000,
+            "max_tokens": 1000,
             "ignore_eos": True,
             "stream": True,
         }

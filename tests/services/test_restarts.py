@@ -18,10 +18,15 @@ from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for
 
 pytestmark = pytest.mark.timeout(150)
 
+# The outage must come while the streamed request still runs: paced at 20 ms a step, the 185 tokens
+# left after chunk 15 take at least 3.7 s on any host, longer than stopping a server, seeing a request
+# refused and starting the server again.
+STEP_DELAY_S = "0.02"
+
 BODY: dict[str, Any] = {
     "model": MODEL_NAME,
     "prompt": "Water boils at one hundred degrees Celsius at sea level.",
-    "max_tokens": 500,
+    "max_tokens": 200,
     "temperature": 0.8,
     "seed": 99,
     "ignore_eos": True,
@@ -31,7 +36,14 @@ BODY: dict[str, Any] = {
 @pytest.fixture
 def outage_stack(own_servers: tuple[ServerProcess, ServerProcess], model_path: Path, tmp_path: Path) -> Any:
     kafka, redis_server = own_servers
-    stack = new_stack(kafka, redis_server, model_path, tmp_path, INFLIGHT_KAFKA_PRODUCE_TIMEOUT_S="2")
+    stack = new_stack(
+        kafka,
+        redis_server,
+        model_path,
+        tmp_path,
+        INFLIGHT_KAFKA_PRODUCE_TIMEOUT_S="2",
+        INFLIGHT_FAULT_STEP_DELAY_S=STEP_DELAY_S,
+    )
     yield stack
     stack.close()
 
