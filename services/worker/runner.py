@@ -97,15 +97,6 @@ class Runner:
             run.errors[0] = f"no engine could start this request by its deadline ({late_s:.1f}s ago)"
             run.error_code = "timeout"
             return await self._finish(run)
-        deadline = run.msg.deadline
-        if deadline is not None and not run.resumed_from and time.time() > deadline:
-            # Nobody waits for it any more (its client's timeout, or the gateway's queue bound): fail it
-            # before the engine spends a prefill on it. A resumed request has started: it runs on.
-            late_s = time.time() - deadline
-            log.info("skipping %s: its deadline passed %.1fs ago", run.id, late_s)
-            run.errors[0] = f"no engine could start this request by its deadline ({late_s:.1f}s ago)"
-            run.error_code = "timeout"
-            return await self._finish(run)
         try:
             params = run.msg.params.to_params()
             run.prompt_token_ids = self._prompt(run, params)
