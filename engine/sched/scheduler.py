@@ -52,7 +52,7 @@ class Scheduler:
         # The policy is the one ``scheduling_policy`` names unless one is given; ``cost``, the
         # step-cost model, is for a policy that plans with one (slo).
         self.clock = clock
-        self.policy = policy or make_policy(config, cost)
+        self.policy = policy if policy is not None else make_policy(config, cost)
         self.waiting: WaitingQueue = self.policy.waiting
         # Waiting requests the policy rejected (finished with an error before they ran); the engine
         # takes them after each schedule() and reports them.
