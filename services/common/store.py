@@ -93,8 +93,8 @@ class Store:
                 pipe.evalsha(self._sha(script), len(keys_), *keys_, *args)
             results = (await pipe.execute(raise_on_error=False))[len(before) :]
             # A restarted Redis has forgotten the scripts: load them and run the whole batch again
-            # (scripts that did run are idempotent enough: at worst an event is logged twice and
-            # readers drop the duplicate by seq).
+            # (scripts that did run are idempotent enough: at worst a delta is logged twice and
+            # readers drop the duplicate by seq; a finish run again writes nothing, scripts.PUBLISH).
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
                 for script in {c[0] for c in calls}:
                     self._shas[script] = await self.client.script_load(script)
