@@ -33,12 +33,20 @@ def row_grain() -> int:
     return 16 if "amx_bf16" in cpu_flags() else 8
 
 
+# oneDNN refuses to pack bf16 weights on a CPU without one of these instruction sets (an AVX2-only
+# host); there the model keeps plain bf16 weights and torch's own (slow) bf16 matmul.
+_PACK_FLAGS = (("avx_ne_convert",), ("avx512bw", "avx512vl", "avx512dq"))
+
+
 def can_prepack(dtype: torch.dtype) -> bool:
-    """bf16 weights pack into oneDNN's layout where torch was built with oneDNN (x86 CPU wheels)."""
+    """bf16 weights pack into oneDNN's layout where torch was built with oneDNN (x86 CPU wheels) and
+    the CPU has the instructions its bf16 packing needs."""
+    flags = cpu_flags()
     return (
         dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and any(all(f in flags for f in group) for group in _PACK_FLAGS)
     )
 
 
