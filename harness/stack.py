@@ -83,6 +83,9 @@ def launch(role: str, env: dict[str, str], log_dir: Path, port: int | None = Non
     port = port or free_port()
     port_var = "INFLIGHT_GATEWAY_PORT" if role == "gateway" else "INFLIGHT_WORKER_PORT"
     full_env = {**os.environ, **env, port_var: str(port)}
+    if role == "gateway" and not env.get("INFLIGHT_GATEWAY_METRICS_PORT"):
+        # Gateways side by side on one host each need a metrics port of their own (the default is fixed).
+        full_env["INFLIGHT_GATEWAY_METRICS_PORT"] = str(free_port())
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{role}-{port}.log"
     with open(log_path, "ab") as log:

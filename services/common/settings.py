@@ -99,6 +99,11 @@ class Settings:
     # that dies between admitting and producing cannot shrink the cluster's admission for good.
     pending_ttl_s: float = 30.0
     gateway_port: int = 8000  # The gateway's HTTP port (API, /metrics, probes, the live page).
+    # The gateway's Prometheus metrics without an API key, on a port of their own (GET /metrics only), so
+    # an in-cluster scraper needs no key while the API port keeps /metrics behind it; 0: no such port.
+    # 9464 (the usual Prometheus exporter port of an OpenTelemetry SDK) is clear of the API's 8000, the
+    # worker's 8001 and the 9400 of NVIDIA's DCGM exporter, which often runs on the same GPU hosts.
+    gateway_metrics_port: int = 9464
     # The latest a synchronous request may start, counted from admission: past it a worker skips the
     # request instead of prefilling it, and the gateway fails it (504, code "timeout"). A client may ask
     # for less with the X-Request-Timeout header, never for more. 300 s: a chat client that has seen no
@@ -198,6 +203,11 @@ class Settings:
         for name, value in positive.items():
             if value <= 0:
                 raise SettingsError(f"INFLIGHT_{name.upper()} must be positive, got {value}")
+        if not 0 <= self.gateway_metrics_port <= 65535 or self.gateway_metrics_port == self.gateway_port:
+            raise SettingsError(
+                "INFLIGHT_GATEWAY_METRICS_PORT must be a port other than INFLIGHT_GATEWAY_PORT, or 0 (none), "
+                f"got {self.gateway_metrics_port}"
+            )
         if self.drain_timeout_s < 0:
             raise SettingsError("INFLIGHT_DRAIN_TIMEOUT_S must be >= 0")
         if self.trace_step_sample_every < 0:
@@ -313,6 +323,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_REQUEST_TIMEOUT_S": ("request_timeout_s", "float"),
     "INFLIGHT_PENDING_TTL_S": ("pending_ttl_s", "float"),
     "INFLIGHT_GATEWAY_PORT": ("gateway_port", "int"),
+    "INFLIGHT_GATEWAY_METRICS_PORT": ("gateway_metrics_port", "int"),
     "INFLIGHT_MAX_QUEUE_WAIT_S": ("max_queue_wait_s", "float"),
     "INFLIGHT_STREAM_BUFFER_BYTES": ("stream_buffer_bytes", "int"),
     "INFLIGHT_MAX_LIVE_VIEWERS": ("max_live_viewers", "int"),

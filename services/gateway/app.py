@@ -103,10 +103,9 @@ def create_app(settings: Settings) -> FastAPI:
         )
 
     # With keys set, metrics and the API's description need a key too (probes stay open: the kubelet has
-    # none). Metrics tell request volumes, queue depths and model names to whoever asks; one port with
-    # one guard keeps deployments simple, and a Prometheus scrape sends a key as any client does
-    # (``authorization`` in its scrape config) where a second, firewalled port would have to be exposed
-    # and secured in every deployment.
+    # none). Metrics tell request volumes, queue depths and model names to whoever asks, and this port is
+    # the one exposed to clients. Scrapers inside the cluster read the same payload without a key on
+    # INFLIGHT_GATEWAY_METRICS_PORT (services/gateway/main.py), which only they are admitted to.
     @app.get("/metrics", include_in_schema=False, dependencies=guarded)
     async def metrics() -> Response:
         body, content_type = metrics_payload()
