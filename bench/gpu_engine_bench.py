@@ -2,11 +2,15 @@
 
     python -m bench.gpu_engine_bench --out bench-results
 
-Prints output tokens/s, TTFT and TPOT for a mixed batch, greedy and at temperature 0.8 with top-p
-0.95; the decode step at batch 64 next to its
-bandwidth bound ((weights + KV read per step) / measured copy bandwidth); and batch-1 decode with
-CUDA graphs vs eager. Needs only torch, triton, numpy and this repository (weights are drawn on the
-device, no tokenizer).
+Prints, in this order (gpu_engine_bench.json is rewritten after each):
+  * the decode step at batch 64, context 1k next to its bandwidth bound: (weights streamed per step
+    + KV read) / measured copy bandwidth, where the embedding table is not streamed (a step gathers
+    64 of its rows) but the LM head is;
+  * a kernel table of ten graphed batch-64 decode steps (torch.profiler): attention, GEMMs,
+    pointwise work and copies, per step, and the heaviest kernels;
+  * batch-1 decode from the full decode graphs, from the piecewise graphs, and truly eager (neither);
+  * output tokens/s, TTFT and TPOT for a mixed batch, greedy and at temperature 0.8 with top-p 0.95.
+Needs only torch, triton, numpy and this repository (weights are drawn on the device, no tokenizer).
 """
 
 from __future__ import annotations
@@ -102,16 +106,106 @@ def time_decode_steps(engine: LLMEngine, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def weight_bytes(engine: LLMEngine) -> int:
-    return sum(t.numel() * t.element_size() for t in engine.runner.model.w.values())
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def streamed_weight_bytes(sizes: dict[str, int], tied: bool) -> int:
+    """Weight bytes a decode step reads in full: every matrix but the embedding table, of which a
+    step gathers one row per token, unless the LM head is that same table (tied embeddings)."""
+    return sum(n for name, n in sizes.items() if tied or name != EMBEDDING)
+
+
+def decode_bound_bytes(
+    weight_bytes: int, batch: int, context: int, layers: int, kv_heads: int, head_dim: int, elem: int
+) -> int:
+    """Bytes a decode step must move at least: the streamed weights and every cached K and V."""
+    return weight_bytes + batch * context * layers * 2 * kv_heads * head_dim * elem
 
 
 def decode_bound(engine: LLMEngine, batch: int, context: int, bandwidth: float) -> tuple[float, float]:
     mc = engine.config.model
     elem = torch.empty((), dtype=engine.config.dtype).element_size()
-    kv = batch * context * mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * elem
-    w = weight_bytes(engine)
-    return (w + kv) / bandwidth, float(w + kv)
+    sizes = {name: t.numel() * t.element_size() for name, t in engine.runner.model.w.items()}
+    # No separate LM head: the head reads the whole embedding table every step.
+    w = streamed_weight_bytes(sizes, tied="lm_head.weight" not in sizes)
+    total = decode_bound_bytes(
+        w, batch, context, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, elem
+    )
+    return total / bandwidth, float(total)
+
+
+# Kernel-name fragments of each part of a step (Triton kernels keep their function names; cuBLAS and
+# CUTLASS GEMMs carry one of these; memcpy/memset activities are named by the profiler itself).
+GEMM_MARKS = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "matmul")
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    if "paged_attention" in low or "merge_splits" in low:
+        return "attention"
+    if any(mark in low for mark in GEMM_MARKS):
+        return "gemm"
+    if low.startswith(("memcpy", "memset")):
+        return "copy"
+    return "pointwise"
+
+
+def kernel_table(kernels: list[tuple[str, float, int]], steps: int, top: int = 8) -> dict[str, Any]:
+    """(name, total device us, calls) of every kernel over `steps` steps -> per-step time and share
+    of attention, GEMMs, pointwise work and copies, and the `top` heaviest kernels."""
+    per_cat: dict[str, float] = {"attention": 0.0, "gemm": 0.0, "pointwise": 0.0, "copy": 0.0}
+    for name, us, _ in kernels:
+        per_cat[kernel_category(name)] += us
+    total = sum(per_cat.values())
+    heaviest = sorted(kernels, key=lambda k: -k[1])[:top]
+    return {
+        "steps": steps,
+        "kernel_us_per_step": total / steps,
+        "us_per_step": {c: us / steps for c, us in per_cat.items()},
+        "share": {c: (us / total if total else 0.0) for c, us in per_cat.items()},
+        "top_kernels": [
+            {
+                "name": n[:80],
+                "category": kernel_category(n),
+                "us_per_step": us / steps,
+                "calls_per_step": c / steps,
+            }
+            for n, us, c in heaviest
+        ],
+    }
+
+
+def profile_decode_steps(engine: LLMEngine, steps: int) -> dict[str, Any]:
+    """torch.profiler over `steps` engine steps (decode-only: replayed from the decode graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.step()  # the first step after the timing loop may still have work in flight
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    kernels = []
+    for event in prof.key_averages():
+        us = float(getattr(event, "self_device_time_total", getattr(event, "self_cuda_time_total", 0.0)))
+        if us > 0:
+            kernels.append((event.key, float(us), int(event.count)))
+    table = kernel_table(kernels, steps)
+    table["wall_ms_per_step_profiled"] = wall / steps * 1e3
+    return table
+
+
+def print_profile(table: dict[str, Any]) -> None:
+    per, share = table["us_per_step"], table["share"]
+    parts = ", ".join(f"{c} {per[c]:.0f} us ({share[c]:.0%})" for c in per)
+    print(
+        f"decode step kernels ({table['steps']} graphed steps): {table['kernel_us_per_step']:.0f} us of "
+        f"kernels per step, wall {table['wall_ms_per_step_profiled']:.2f} ms (profiled): {parts}"
+    )
+    for k in table["top_kernels"]:
+        print(f"  {k['us_per_step']:>8.1f} us  x{k['calls_per_step']:<5.0f} {k['category']:<9} {k['name']}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,30 +281,44 @@ def main(argv: list[str] | None = None) -> int:
             f"decode step @ batch {b}, ctx {ctx}: {step_s * 1e3:.2f} ms, bound {bound_s * 1e3:.2f} ms "
             f"-> {step_s / bound_s:.2f}x (target <= 1.5x)"
         )
+        save()
+        # -- where the batch-64 step's device time goes: ten graphed steps under the profiler --------
+        try:
+            results["decode_profile"] = profile = profile_decode_steps(engine, 10)
+            save()
+            print_profile(profile)
+        except Exception as exc:  # the profiler is an aid: its failure must not cost the figures after it
+            results["decode_profile"] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"decode profile failed: {exc}")
         for rid in ids:
             engine.abort_request(rid)
         save()
         engine.step()
 
-        # -- batch-1 decode: CUDA graphs vs eager --------------------------------------------------
+        # -- batch-1 decode: full decode graphs, piecewise graphs, and truly eager (neither) ----------
         engine.add_request("one", [rng.randrange(vocab) for _ in range(128)], params)
         run_until_prefilled(engine, ["one"])
+        runner = engine.runner
+        graphs, piecewise = runner.graphs, runner.piecewise
         graphed = time_decode_steps(engine, 50)
-        graphs, engine.runner.graphs = engine.runner.graphs, None
+        runner.graphs = None  # a decode step then replays the piecewise graphs around eager attention
+        pieces = time_decode_steps(engine, 50) if piecewise is not None else float("nan")
+        runner.piecewise = None
         eager = time_decode_steps(engine, 50)
-        engine.runner.graphs = graphs
+        runner.graphs, runner.piecewise = graphs, piecewise
         engine.abort_request("one")
         engine.step()
         results["batch1_decode"] = {
             "graph_ms": graphed * 1e3,
+            "piecewise_ms": pieces * 1e3,
             "eager_ms": eager * 1e3,
             "speedup": eager / graphed,
             "target": ">= 1.5x",
         }
         save()
         print(
-            f"batch-1 decode: graphs {graphed * 1e3:.2f} ms, eager {eager * 1e3:.2f} ms "
-            f"-> {eager / graphed:.2f}x (target >= 1.5x)"
+            f"batch-1 decode: graphs {graphed * 1e3:.2f} ms, piecewise {pieces * 1e3:.2f} ms, "
+            f"eager {eager * 1e3:.2f} ms -> {eager / graphed:.2f}x over eager (target >= 1.5x)"
         )
 
         # -- mixed workloads, all arriving at once: greedy, then temperature 0.8 with top-p 0.95 ----

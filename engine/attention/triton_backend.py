@@ -7,12 +7,17 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.kernels._common import DecodeConfig
 from engine.kernels.cache import store_kvcache
 from engine.kernels.paged_attention import paged_attention
 
 
 class TritonAttentionBackend:
     name = "triton"
+
+    def __init__(self, decode_config: DecodeConfig | None = None) -> None:
+        # The decode variant's launch (BLOCK_N, warps, stages); None: the launcher's defaults.
+        self.decode_config = decode_config
 
     def store_kv(
         self,
@@ -41,4 +46,5 @@ class TritonAttentionBackend:
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
             all_rows_owned=metadata.query_start_loc_cpu[-1] == metadata.num_tokens,
+            decode_config=self.decode_config,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -34,3 +35,24 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SM_COUNT
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode attention variant; None keeps the launcher's default.
+
+    The defaults (BLOCK_N 64 at head 128 in 16 bits, 4 warps, Triton's default pipelining) were
+    chosen before any GPU measured them: ``bench.kernel_bench --sweep`` times the alternatives per
+    shape and prints the best, and the engine passes what it should use through the backend."""
+
+    block_n: int | None = None  # KV positions per iteration: a power of two >= 16 (tl.dot's minimum)
+    num_warps: int | None = None  # a power of two
+    num_stages: int | None = None  # software-pipelining depth of the K/V loads (block-table gathers)
+
+    def __post_init__(self) -> None:
+        if self.block_n is not None and (self.block_n < 16 or self.block_n & (self.block_n - 1)):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.num_warps is not None and (self.num_warps < 1 or self.num_warps & (self.num_warps - 1)):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")

@@ -1,9 +1,8 @@
-"""Paged attention over a packed mixed batch (prefill chunks and decodes in one launch), Triton.
+"""Paged attention over a packed mixed batch (prefill chunks and decodes in one step), Triton.
 
-Grid: (request, query tile, kv head [x split]). A program owns BLOCK_Q query tokens of one request
-and the GROUP query heads that share one kv head, so each K/V tile is loaded once for the whole
-group. Its rows are (token, head) pairs, head fastest. Worked example, GROUP 4 (GROUP_PAD 4),
-BLOCK_Q 4, so BLOCK_M = 16 rows:
+A program owns BLOCK_Q query tokens of one request and the GROUP query heads that share one kv head,
+so each K/V tile is loaded once for the whole group. Its rows are (token, head) pairs, head fastest.
+Worked example, GROUP 4 (GROUP_PAD 4), BLOCK_Q 4, so BLOCK_M = 16 rows:
 
     row        0  1  2  3   4  5  6  7   8 ...  15
     token      0  0  0  0   1  1  1  1   2 ...   3     (row // GROUP_PAD, within the tile)
@@ -12,6 +11,27 @@ BLOCK_Q 4, so BLOCK_M = 16 rows:
 K/V is walked BLOCK_N positions at a time; position n lives in block block_table[n // block_size] at
 offset n % block_size, so a tile may span several cache blocks. Online softmax runs in float32 in
 the log2 domain (exp2 is the native instruction; the scale absorbs log2(e)).
+
+Two variants of one kernel split a step's requests by query length:
+
+* decode (FLAT False): grid (request, kv head [x split]), one small tile (BLOCK_M 16) per request;
+  it attends the requests with exactly one query token and skips the others.
+* flat (FLAT True, steps that are not decode-only): the requests with two or more query tokens, on
+  a grid flattened over query blocks, BLOCK_M 64 or 128. Request r owns the flat block range that
+  starts at query_start_loc[r] // BLOCK_Q + r (at least cdiv(query_len, BLOCK_Q) blocks); a program
+  finds its request by binary search over those starts. The grid is num_tokens // BLOCK_Q + S
+  blocks, known on the host without a sync. Worked example, BLOCK_Q 4:
+
+    request            0     1      2           3
+    query_start_loc    0     1      1           5          41
+    query_len          1     0      4           36
+    range start        0     1      2           4          (start // 4 + r)
+    flat blocks        0     1      2, 3        4 .. 13    (grid 41 // 4 + 4 = 14 blocks)
+    flat programs      0 returns (a decode: the decode variant's), 1 returns (nothing scheduled),
+                       2 works, 3 returns, 4 .. 12 work (cdiv(36, 4) = 9 tiles), 13 returns
+
+  A 2048-token mixed step of 64 decodes and a 1984-token chunk with BLOCK_Q 32 launches (64 + 64)
+  blocks per kv head instead of the (64 requests x 64 tiles) of a grid sized by the longest query.
 
 Split-K (decode-only steps): with few requests and long contexts the grid above is too small to
 keep every SM streaming K/V. The grid then has NUM_SPLITS programs per (request, kv head), an upper
@@ -37,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._common import check_kv_cache, is_interpreted, sm_count
+from engine.kernels._common import DecodeConfig, check_kv_cache, is_interpreted, sm_count
 
 # A partition shorter than this spends more on the merge than it gains in parallelism.
 _MIN_PARTITION = 256
@@ -58,9 +78,24 @@ def _request_splits(seq_len, min_partition, NUM_SPLITS: tl.constexpr, BLOCK_N: t
     return tl.cdiv(seq_len, partition), partition
 
 
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The request whose flat block range holds q_block: the last r < num_seqs whose range start,
+    query_start_loc[r] // BLOCK_Q + r, is <= q_block (request 0's start is 0)."""
+    lo = q_block * 0  # int32 tensors from the start: loop-carried values keep one type
+    hi = num_seqs + 0  # the answer lies in [lo, hi)
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        lo = tl.where(start <= q_block, mid, lo)
+        hi = tl.where(start <= q_block, hi, mid)
+    return lo
+
+
 # stride_bt is the block table's width, which follows the step's longest context in eager steps:
-# specialising on it (divisibility by 16) would compile new variants mid-serving.
-@triton.jit(do_not_specialize=["stride_bt"])
+# specialising on it (divisibility by 16) would compile new variants mid-serving; num_seqs changes
+# every step (and a value of 1 would be specialised into a constant).
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr,  # [T, Hq, D], written when NUM_SPLITS == 1
     part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] float32, unnormalised partial outputs (split-K)
@@ -74,6 +109,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     block_tables_ptr,  # [S, max_blocks] int32
     scale_log2,  # softmax scale * log2(e)
     min_partition,  # fewest KV positions per used split (split-K)
+    num_seqs,  # S (the flat variant's binary search)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -91,19 +127,29 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     BLOCK_Q: tl.constexpr,  # query tokens per program
     BLOCK_N: tl.constexpr,  # KV positions per iteration
     NUM_SPLITS: tl.constexpr,
+    FLAT: tl.constexpr,  # True: flat grid over query blocks, requests of 2+ tokens; False: decodes
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter cannot multiply bf16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 models, which are checked against HF to 1e-5
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
-
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:  # the grid is sized for the longest query of the step
-        return
+    kv_head = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    if FLAT:
+        q_block = tl.program_id(0)
+        seq = _find_request(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        q_tile = q_block - (q_start // BLOCK_Q + seq)
+        # One-token requests are the decode variant's; a range may hold a block more than it fills.
+        if (q_len == 1) | (q_tile * BLOCK_Q >= q_len):
+            return
+    else:
+        seq = tl.program_id(0)
+        q_tile = 0
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        if q_len != 1:  # nothing scheduled, or a prefill chunk (the flat variant's)
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     num_cached = seq_len - q_len  # positions before this step's first query token
 
@@ -238,6 +284,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1  # rounded down to SPLIT_CHOICES
 
 
+def default_block_n(tile_bytes: int) -> int:
+    """KV positions per iteration for a [BLOCK_D] row of tile_bytes: K and V tiles stay in shared memory."""
+    return 64 if tile_bytes <= 256 else (32 if tile_bytes <= 512 else 16)
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
@@ -250,6 +301,7 @@ def paged_attention(
     max_seq_len: int | None = None,  # >= every seq_len; an upper bound only caps the split count
     num_splits: int | None = None,  # None: heuristic; forced values apply to decode-only steps only
     all_rows_owned: bool = False,  # query_start_loc[-1] == T (no padding tokens): skips a zero-fill
+    decode_config: DecodeConfig | None = None,  # the decode variant's launch; None: the defaults
 ) -> torch.Tensor:  # [T, Hq, D] contiguous; rows outside every request are zero
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -280,18 +332,10 @@ def paged_attention(
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_d = max(16, triton.next_power_of_2(head_size))  # tl.dot's K dimension is at least 16
-    block_size = kv_cache.shape[2]
     tile_bytes = query.element_size() * block_d
     decode_only = max_query_len == 1
-    if decode_only:
-        block_m = max(16, group_pad)  # tl.dot needs 16 rows; a small group pads with idle rows
-    else:
-        # Shared memory budget: Q tile plus pipelined K and V tiles must fit on Hopper/Ampere.
-        block_m = 128 if tile_bytes <= 256 and max_query_len * group >= 128 else 64
-        block_m = max(block_m, group_pad)
-    block_q = block_m // group_pad
-    block_n = 64 if tile_bytes <= 256 else (32 if tile_bytes <= 512 else 16)
-    num_warps = 8 if block_m >= 128 else 4
+    config = decode_config or DecodeConfig()
+    block_n = config.block_n or default_block_n(tile_bytes)
 
     splits = 1
     min_partition = _MIN_PARTITION
@@ -312,41 +356,64 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = out  # unused by the kernel when NUM_SPLITS == 1
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    grid = (num_seqs, triton.cdiv(max_query_len, block_q), num_kv_heads * splits)
-    _paged_attention_kernel[grid](
-        out,
-        part_acc,
-        part_max,
-        part_sum,
-        query,
-        k_cache,
-        v_cache,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        scale * math.log2(math.e),
-        min_partition,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        NUM_HEADS=num_heads,
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        HEAD_SIZE=head_size,
-        BLOCK_D=block_d,
-        BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q,
-        BLOCK_N=block_n,
-        NUM_SPLITS=splits,
-        DOT_FP32=is_interpreted(query),
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-    )
+
+    def launch(grid: tuple[int, int], block_m: int, n: int, num_splits: int, flat: bool, **opts: int) -> None:
+        _paged_attention_kernel[grid](
+            out,
+            part_acc,
+            part_max,
+            part_sum,
+            query,
+            k_cache,
+            v_cache,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            scale * math.log2(math.e),
+            min_partition,
+            num_seqs,
+            query.stride(0),
+            query.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            block_tables.stride(0),
+            NUM_HEADS=num_heads,
+            GROUP=group,
+            GROUP_PAD=group_pad,
+            HEAD_SIZE=head_size,
+            BLOCK_D=block_d,
+            BLOCK_SIZE=kv_cache.shape[2],
+            BLOCK_Q=block_m // group_pad,
+            BLOCK_N=n,
+            NUM_SPLITS=num_splits,
+            FLAT=flat,
+            DOT_FP32=is_interpreted(query),
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            **opts,
+        )
+
+    if not decode_only:
+        # Shared memory budget: Q tile plus pipelined K and V tiles must fit on Hopper/Ampere.
+        block_m = 128 if tile_bytes <= 256 and max_query_len * group >= 128 else 64
+        block_m = max(block_m, group_pad)
+        flat_blocks = num_tokens // (block_m // group_pad) + num_seqs
+        launch(
+            (flat_blocks, num_kv_heads),
+            block_m,
+            default_block_n(tile_bytes),
+            1,
+            True,
+            num_warps=8 if block_m >= 128 else 4,
+        )
+    # The decode variant: every one-token request (all of a decode-only step's, or a mixed step's
+    # decodes, which would fill 1 of BLOCK_Q tokens of the flat variant's tile).
+    opts = {"num_warps": config.num_warps or 4}
+    if config.num_stages is not None:
+        opts["num_stages"] = config.num_stages
+    launch((num_seqs, num_kv_heads * splits), max(16, group_pad), block_n, splits, False, **opts)
     if splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             out,

@@ -23,10 +23,12 @@ def signature(fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> dic
     return {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
 
 
-def compile_one(name: str, fn: Any, types: dict[str, str], constexprs: dict[str, Any]) -> bool:
+def compile_one(
+    name: str, fn: Any, types: dict[str, str], constexprs: dict[str, Any], **options: int
+) -> bool:
     try:
         src = ASTSource(fn=fn, signature=signature(fn, types, constexprs), constexprs=constexprs)
-        triton.compile(src, target=TARGET)
+        triton.compile(src, target=TARGET, options=options or None)
     except Exception as exc:  # report every kernel, then fail
         print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
         return False
@@ -49,8 +51,15 @@ def main() -> int:
         "scale_log2": "fp32",
     }
     ok = True
-    # Llama-3-8B's attention (32 / 8 heads, head 128) in bf16: decode, decode split 8, prefill.
-    for splits, block_m in ((1, 16), (8, 16), (1, 128)):
+    # Llama-3-8B's attention (32 / 8 heads, head 128) in bf16: decode, decode split 8, the flat
+    # mixed-step variant, and the decode-config sweep's largest tiles (BLOCK_N 128, 8 warps, 4 stages).
+    variants: list[tuple[int, int, bool, int, dict[str, int]]] = [
+        (1, 16, False, 64, {}),
+        (8, 16, False, 64, {}),
+        (1, 128, True, 64, {"num_warps": 8}),
+        (4, 16, False, 128, {"num_warps": 8, "num_stages": 4}),
+    ]
+    for splits, block_m, flat, block_n, options in variants:
         consts = {
             "NUM_HEADS": 32,
             "GROUP": 4,
@@ -59,16 +68,19 @@ def main() -> int:
             "BLOCK_D": 128,
             "BLOCK_SIZE": 16,
             "BLOCK_Q": block_m // 4,
-            "BLOCK_N": 64,
+            "BLOCK_N": block_n,
             "NUM_SPLITS": splits,
+            "FLAT": flat,
             "DOT_FP32": False,
             "DOT_PRECISION": "tf32",
         }
         ok &= compile_one(
-            f"paged attention NUM_SPLITS={splits} BLOCK_M={block_m}",
+            f"paged attention {'flat' if flat else 'decode'} NUM_SPLITS={splits} BLOCK_M={block_m} "
+            f"BLOCK_N={block_n} {options}",
             paged_attention._paged_attention_kernel,
             attn_types,
             consts,
+            **options,
         )
     consts = {
         "NUM_HEADS": 32,

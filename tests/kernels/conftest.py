@@ -9,6 +9,7 @@ too, which is the only way triton runs without CUDA anyway.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,23 @@ if not torch.cuda.is_available():
 from engine.attention.backend import AttentionMetadata
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With GPU_CHECK_TESTS_REPORT set (by bench/gpu_check.py), every test's outcome is appended to that
+    file as the test ends, so a stage cut off at its cap keeps each failure so far."""
+    path = os.environ.get("GPU_CHECK_TESTS_REPORT")
+    if not path or (report.when != "call" and report.outcome == "passed"):
+        return
+    record = {
+        "nodeid": report.nodeid,
+        "when": report.when,
+        "outcome": report.outcome,
+        "seconds": round(report.duration, 3),
+        "longrepr": str(report.longrepr)[-4000:] if report.failed else None,
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
 """The Triton kernels pass Triton's real code generator for sm_90 (see aot_compile.py), on a host
-with no GPU: what the interpreter cannot catch before a GPU is lent."""
+with no GPU: what the interpreter cannot catch before a GPU is lent. Where a GPU exists the kernel
+tests compile and run the same kernels on it, so this is skipped there."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,6 +25,7 @@ def _has_cuda_backend() -> bool:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU compiles and runs the kernels itself")
 def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
     if not _has_cuda_backend():
         pytest.skip("this triton build has no NVIDIA backend")
@@ -37,4 +40,4 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok   ") == 6, proc.stdout
+    assert proc.stdout.count("ok   ") == 7 and "FAIL" not in proc.stdout, proc.stdout

@@ -1,4 +1,5 @@
-"""The fused Triton sampler vs the torch sampler (engine/sampling/sampler.py), under the interpreter.
+"""The fused Triton sampler vs the torch sampler (engine/sampling/sampler.py), on the GPU or under the
+interpreter (every tensor on the ``device`` fixture's device: Triton refuses CPU tensors on a GPU).
 
 The noise is the sampler's bit for bit, so the two paths draw the same token for the same row,
 and the kernel's draws follow the target distribution (chi-square); a row's draw depends only on
@@ -50,7 +51,7 @@ def test_draw_for_draw_equal_to_the_torch_sampler(device):
     assert fused == torch_path
 
 
-def test_distribution_matches_the_target():
+def test_distribution_matches_the_target(device):
     # temperature 0.8 then top-p 0.9 over 8 tokens: the nucleus's renormalised probabilities.
     logits = torch.tensor([2.0, 1.5, 1.4, 0.3, 0.0, -0.5, -1.0, -3.0])
     probs = (logits / 0.8).softmax(-1)
@@ -60,18 +61,19 @@ def test_distribution_matches_the_target():
     target[kept] = probs[kept] / probs[kept].sum()
     num = 240
     rows = [_row(seed=s, temperature=0.8, top_p=0.9) for s in range(num)]
-    tokens = Sampler(fused=True)(logits.expand(num, -1).contiguous(), rows).token_ids
+    batch = logits.expand(num, -1).contiguous().to(device)
+    tokens = Sampler(fused=True)(batch, rows).token_ids
     counts = torch.bincount(torch.tensor(tokens), minlength=8).float()
     assert counts[target == 0].sum() == 0, "a token outside the nucleus was drawn"
     expected = target[kept] * num
     chi2 = float(((counts[kept] - expected) ** 2 / expected).sum())
     assert chi2 < 20.5, (chi2, counts.tolist(), expected.tolist())  # df <= 7, p ~ 0.005
     # And the same draws as the torch sampler, seed for seed.
-    assert tokens == Sampler(fused=False)(logits.expand(num, -1).contiguous(), rows).token_ids
+    assert tokens == Sampler(fused=False)(batch, rows).token_ids
 
 
-def test_top_k_keeps_ties_and_top_k_1_is_argmax():
-    logits = torch.tensor([3.0, 1.0, 2.0, 2.0, -1.0])
+def test_top_k_keeps_ties_and_top_k_1_is_argmax(device):
+    logits = torch.tensor([3.0, 1.0, 2.0, 2.0, -1.0], device=device)
     num = 30
     rows = [_row(seed=s, temperature=1.0, top_k=2) for s in range(num)]
     drawn = set(Sampler(fused=True)(logits.expand(num, -1).contiguous(), rows).token_ids)
