@@ -255,3 +255,17 @@ def test_kernel_table_splits_a_step_into_its_parts() -> None:
         "_rotary_kernel",
     ]
     assert table["top_kernels"][0]["calls_per_step"] == 128
+
+
+def test_main_clears_an_earlier_runs_results_and_stops_after_a_failed_preflight(
+    tmp_path: Path, capsys
+) -> None:
+    (tmp_path / "kernel_bench.json").write_text(json.dumps(KERNEL_BENCH))  # an earlier run's figures
+    # `false` as the interpreter: the preflight fails at once, as on a host without CUDA.
+    assert gpu_check.main(["--out", str(tmp_path), "--python", "false"]) == 1
+    assert not (tmp_path / "kernel_bench.json").exists()
+    statuses = [line.split("\t")[1] for line in (tmp_path / "stages.tsv").read_text().splitlines()[1:]]
+    assert statuses == ["failed(rc=1)", "skipped", "skipped", "skipped", "skipped"]
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "decode attention, 8B heads, b64 ctx1k" in summary and "84%" not in summary
+    assert summary.strip() in capsys.readouterr().out
