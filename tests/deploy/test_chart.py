@@ -141,6 +141,19 @@ def test_a_grace_period_shorter_than_the_drain_fails_the_render() -> None:
     assert "drainTimeoutSeconds + worker.preStopSleepSeconds (65)" in message
 
 
+def test_one_port_for_api_and_metrics_fails_the_render() -> None:
+    # The gateway would refuse to start (its settings check the same); the render says why first.
+    with pytest.raises(helm.HelmRenderError, match=r"gateway\.metricsPort must differ from gateway\.port"):
+        render_chart({"gateway": {"port": 9464}})
+    objs = manifests(render_chart({"gateway": {"metricsPort": 9100}}))
+    container = main_container(component(objs, "gateway"))
+    assert {"name": "metrics", "containerPort": 9100, "protocol": "TCP"} in container["ports"]
+    assert env_of(container, objs)["INFLIGHT_GATEWAY_METRICS_PORT"] == "9100"
+    service = named(objs, "Service", "inflight-gateway")
+    metrics = {"name": "metrics", "port": 9100, "targetPort": "metrics", "protocol": "TCP"}
+    assert metrics in service["spec"]["ports"]
+
+
 def test_a_wrong_values_file_is_rejected_with_a_readable_message() -> None:
     wrong: dict[str, Any] = load_yaml(WRONG)
     with pytest.raises(helm.HelmValuesError) as caught:

@@ -130,8 +130,14 @@ def test_prometheus_scrapes_both_components(compose: dict[str, Any]) -> None:
     mount = services["prometheus"]["volumes"][0].split(":")
     config = yaml.safe_load((REPO / mount[0]).read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    gateway_port = services["gateway"]["environment"]["INFLIGHT_GATEWAY_PORT"]
-    assert jobs["inflight-gateway"]["static_configs"][0]["targets"] == [f"gateway:{gateway_port}"]
+    gateway = services["gateway"]
+    # The gateway's metrics port: /metrics on its API port needs a key once INFLIGHT_API_KEYS is set,
+    # and Prometheus sends none.
+    metrics_port = gateway["environment"]["INFLIGHT_GATEWAY_METRICS_PORT"]
+    assert metrics_port != gateway["environment"]["INFLIGHT_GATEWAY_PORT"]
+    assert jobs["inflight-gateway"]["static_configs"][0]["targets"] == [f"gateway:{metrics_port}"]
+    assert "authorization" not in jobs["inflight-gateway"]
+    assert metrics_port in gateway["expose"], "reachable from the prometheus container"
     (sd,) = jobs["inflight-worker"]["dns_sd_configs"]
     assert set(sd["names"]) == {"worker", "worker-cpu"}
     assert str(sd["port"]) == services["worker"]["environment"]["INFLIGHT_WORKER_PORT"]

@@ -261,6 +261,43 @@ def test_references_resolve(layout: Layout) -> None:
                 assert ref.get("optional") or ref["key"] in data, f"{ref} does not resolve"
 
 
+def _ingress_by_port(objs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Port name -> the peers its component's NetworkPolicy admits there (None: everyone); {} without a
+    NetworkPolicy."""
+    policies = [p for p in of_kind(objs, "NetworkPolicy") if p["metadata"]["name"].endswith(f"-{name}")]
+    return {
+        port["port"]: rule.get("from")
+        for policy in policies
+        for rule in policy["spec"]["ingress"]
+        for port in rule["ports"]
+    }
+
+
+def test_both_components_are_scraped_on_a_metrics_port(layout: Layout) -> None:
+    """/metrics on the gateway's API port needs a key; scrapers (which send none) use its metrics port,
+    declared, exposed and admitted as the worker's is."""
+    objs = layout.objs
+    gateway = component(objs, "gateway")
+    container = main_container(gateway)
+    env = env_of(container, objs)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == int(env["INFLIGHT_GATEWAY_METRICS_PORT"]) != ports["http"]
+    labels = gateway["spec"]["template"]["metadata"]["labels"]
+    (service,) = [s for s in of_kind(objs, "Service") if selects(s["spec"]["selector"], labels)]
+    assert "metrics" in {p["targetPort"] for p in service["spec"]["ports"]}
+    gateway_rules, worker_rules = _ingress_by_port(objs, "gateway"), _ingress_by_port(objs, "worker")
+    if of_kind(objs, "NetworkPolicy"):
+        assert set(gateway_rules) == {"http", "metrics"} and set(worker_rules) == {"metrics"}
+        assert gateway_rules["metrics"] == worker_rules["metrics"], "scrapers are admitted to both alike"
+    monitors = of_kind(objs, "ServiceMonitor")
+    assert {m["metadata"]["labels"]["app.kubernetes.io/component"] for m in monitors} in (
+        set(),
+        {"gateway", "worker"},
+    )
+    for monitor in monitors:
+        assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [("metrics", "/metrics")]
+
+
 # Layouts whose workers publish their pod-deletion-cost: the feature needs a Role that can patch every pod
 # of the namespace (RBAC cannot name generated pods), so it is opt-in and everything else grants nothing.
 OPTED_IN = {"chart-all-on"}
