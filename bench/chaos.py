@@ -1,24 +1,30 @@
 """``python -m bench chaos`` (``make chaos``): a fault-injection soak of the whole service path.
 
 Two gateways, three workers, the broker (tansu) and Redis on loopback. Seeded requests of every kind
-(streams, plain and chat completions, jobs, cancels, hostile bodies) run while a seeded schedule
-SIGKILLs and restarts a worker, restarts the broker, restarts Redis (from a snapshot taken just before,
-as a Redis with persistence would) and SIGKILLs a gateway. Then the end state is checked:
+(streams, plain and chat completions, jobs, cancels, poison bodies) and a crowd of slow stream readers
+run while a seeded schedule injects each fault once (bench/chaos_faults.py): a worker SIGKILLed and
+restarted, the broker restarted, Redis restarted (from a snapshot taken just before, as a Redis with
+persistence would), an engine core SIGSTOPped (the stall watchdog must catch it), Redis over
+``maxmemory`` and Redis answering READONLY for a few seconds each, and a gateway SIGKILLed. Then the end
+state is checked:
 
 - every accepted request completed exactly once with the text of an undisturbed run, or failed with an
   error its client saw (an HTTP error, an SSE error event, a broken connection, a failed job);
 - nothing is lost (no client left without an answer) and nothing ran twice (each request's Redis log
   has unique, consecutive sequence numbers and one terminal event);
-- hostile bodies got a 4xx; every worker's KV blocks are free; the pending set is empty.
+- every poison body got a 4xx; every slow reader completed or was cut off with the ``slow_reader``
+  error, and the gateways' memory stayed bounded;
+- every worker is alive and ready (apart from those the faults killed), its KV blocks free; the
+  pending set is empty.
 
-It prints a table (faults, accepted / completed / failed / lost / duplicated, recovery time per fault)
-and returns non-zero when a check fails.
+It prints a table (each fault with its recovery time, then the counts) and returns non-zero when a check
+fails. Engine steps are paced (INFLIGHT_FAULT_STEP_DELAY_S) so that the stalled core's witness stream is
+still running when the core is stopped, whatever the host's speed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import tempfile
@@ -26,19 +32,37 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
-import redis as redis_lib
 
-from bench.chaos_report import Fault, Report, check, print_table
+from bench.chaos_faults import FAULTS, FaultRunner, make_schedule
+from bench.chaos_report import Fault, Report, SlowSummary, check, print_table
+from bench.chaos_slow import (
+    RssSampler,
+    SlowResult,
+    SlowSpec,
+    make_slow_specs,
+    read_slowly,
+    rss_mib,
+    slow_bodies,
+)
 from bench.chaos_traffic import Result, Spec, make_specs, reference_body, run_one, text_of_response
-from harness.stack import Stack, build_stack, launch
+from harness.stack import Stack, build_stack
 
 MODEL_NAME = "tiny"
 PASSWORD = "chaos"
+STEP_DELAY_S = 0.01  # paces every engine step: the witness of 160 tokens runs for 1.6 s at least
+WITNESS = {
+    "model": MODEL_NAME,
+    "prompt": "stall witness",
+    "max_tokens": 160,
+    "temperature": 0.0,
+    "ignore_eos": True,
+}
 
 
-def start_stack(log_dir: Path, model: str) -> Stack:
+def start_stack(log_dir: Path, model: str, step_delay_s: float = STEP_DELAY_S) -> Stack:
     env = {
         "INFLIGHT_SERVED_MODEL_NAME": MODEL_NAME,
         "INFLIGHT_KAFKA_PARTITIONS": "6",
@@ -52,97 +76,86 @@ def start_stack(log_dir: Path, model: str) -> Stack:
         # would flip tokens between the undisturbed run and the soak for reasons that are not faults.
         "INFLIGHT_ENGINE_ARGS": json.dumps({"dtype": "float32"}),
         "INFLIGHT_LOG_LEVEL": "INFO",
+        "INFLIGHT_FAULT_STEP_DELAY_S": str(step_delay_s),
+        # A stall is caught within seconds, well above a paced step on a loaded host; the first steps
+        # get more (the warm-up bound), but not the default five minutes a soak cannot wait.
+        "INFLIGHT_ENGINE_STALL_TIMEOUT_S": "5",
+        "INFLIGHT_ENGINE_STALL_WARMUP_S": "30",
+        # Small, so that a reader who stops is cut off within a soak's stream (the default is 1 MiB).
+        "INFLIGHT_STREAM_BUFFER_BYTES": str(16 * 1024),
     }
     return build_stack(model, log_dir, workers=3, gateways=2, redis_password=PASSWORD, tag="chaos", env=env)
 
 
-# ---- faults ---------------------------------------------------------------------------------------
-def _inject(stack: Stack, name: str, rng: random.Random) -> None:
-    if name == "kill worker":
-        victim = rng.randrange(len(stack.workers))
-        stack.workers[victim].kill()
-        stack.workers[victim] = launch("worker", stack.env, stack.log_dir)  # the Deployment restarts it
-    elif name == "restart broker":
-        stack.kafka.restart(down_s=0.5)
-    elif name == "restart redis":
-        # A Redis with persistence comes back with its data. SHUTDOWN SAVE writes it and exits in one
-        # step: a SAVE and then a stop lost whatever Redis acknowledged in between (a job finished in
-        # that window came back "in_progress" with its Kafka offset committed: stuck for good), which
-        # a deployment's Redis, saving on shutdown or logging every write, never does.
-        with contextlib.suppress(redis_lib.ConnectionError):  # the connection closes as it exits
-            stack.redis_client().shutdown(save=True)
-        stack.redis.restart(down_s=0.5)
-    elif name == "kill gateway":
-        stack.gateways[0].kill()  # not restarted: its clients see the failure, the other serves on
-    else:
-        raise ValueError(name)
-
-
-def _recovered(stack: Stack) -> bool:
-    """A canary request succeeds end to end (through a live gateway, a worker, the broker and Redis)."""
-    body = {"model": MODEL_NAME, "prompt": "canary", "max_tokens": 2}
-    for url in stack.live_gateways():
-        try:
-            if httpx.post(f"{url}/v1/completions", json=body, timeout=10).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-    return False
-
-
-def run_faults(
-    stack: Stack, schedule: list[tuple[float, str]], rng: random.Random, start: float
-) -> list[Fault]:
-    faults = []
-    for at_s, name in schedule:
-        time.sleep(max(0.0, start + at_s - time.monotonic()))
-        began = time.monotonic()
-        _inject(stack, name, rng)
-        while not _recovered(stack) and time.monotonic() - began < 90:
-            time.sleep(0.25)
-        ready = time.monotonic()
-        faults.append(Fault(name, round(began - start, 1), round(ready - began, 1)))
-    return faults
-
-
-def make_schedule(seed: int, duration_s: float) -> list[tuple[float, str]]:
-    """One of each fault, in a seeded order at seeded times, the gateway last (it is not restarted)."""
-    rng = random.Random(seed)
-    names = ["kill worker", "restart broker", "restart redis"]
-    rng.shuffle(names)
-    names.append("kill gateway")
-    slot = duration_s / len(names)
-    return [(round(i * slot + rng.uniform(0.1, 0.4) * slot, 1), n) for i, n in enumerate(names)]
-
-
 # ---- the soak -------------------------------------------------------------------------------------
-def references(stack: Stack, specs: list[Spec]) -> dict[int, str]:
-    """The undisturbed run: every request's text, through the stack before any fault."""
+def references(
+    stack: Stack, specs: list[Spec], bodies: list[dict[str, Any]]
+) -> tuple[dict[int, str], list[str]]:
+    """The undisturbed run, through the stack before any fault: every request's text, and the text of
+    each of ``bodies`` (completions)."""
 
-    def one(spec: Spec) -> tuple[int, str]:
-        path, body = reference_body(spec)
-        resp = httpx.post(f"{stack.gateways[1].url}{path}", json=body, timeout=120)
+    def one(path_body: tuple[str, dict[str, Any]]) -> str:
+        path, body = path_body
+        resp = httpx.post(f"{stack.gateways[1].url}{path}", json=body, timeout=300)
         resp.raise_for_status()
-        return spec.index, text_of_response(resp.json())
+        return text_of_response(resp.json())
 
     wanted = [s for s in specs if s.kind != "hostile"]
+    jobs = [reference_body(s) for s in wanted] + [("/v1/completions", b) for b in bodies]
     with ThreadPoolExecutor(4) as pool:
-        return dict(pool.map(one, wanted))
+        texts = list(pool.map(one, jobs))
+    return {s.index: t for s, t in zip(wanted, texts, strict=False)}, texts[len(wanted) :]
 
 
-def soak(seed: int, num_requests: int, duration_s: float, log_dir: Path, model: str) -> Report:
-    stack = start_stack(log_dir, model)
+def summarize_slow(results: list[SlowResult], expected: dict[str, str], slow: SlowSummary) -> None:
+    slow.sent = len(results)
+    for r in results:
+        if r.outcome == "completed":
+            if r.text == expected[r.spec.body["prompt"]]:
+                slow.completed += 1
+            else:
+                slow.wrong_text += 1
+        elif r.outcome == "cut_off":
+            slow.cut_off += 1
+        elif r.outcome == "failed":
+            slow.failed += 1
+        else:
+            slow.lost += 1
+
+
+def soak(
+    seed: int,
+    num_requests: int,
+    duration_s: float,
+    log_dir: Path,
+    model: str,
+    faults: list[str] | None = None,
+    slow_readers: int = 0,
+    step_delay_s: float = STEP_DELAY_S,
+) -> Report:
+    """Run the soak on a stack of its own; ``faults``: which to inject (default: all of FAULTS)."""
+    stack = start_stack(log_dir, model, step_delay_s)
+    runner: FaultRunner | None = None
     try:
         specs = make_specs(seed, num_requests, duration_s, MODEL_NAME)
-        expected = references(stack, specs)
-        schedule = make_schedule(seed, duration_s)
+        slow_specs = make_slow_specs(seed, slow_readers, duration_s, MODEL_NAME)
+        bodies = [b for b in slow_bodies(MODEL_NAME) if any(s.body is b or s.body == b for s in slow_specs)]
+        expected, texts = references(stack, specs, [*bodies, WITNESS])
+        slow_expected = {b["prompt"]: t for b, t in zip(bodies, texts, strict=False)}
+        schedule = make_schedule(seed, duration_s, faults)
         rng = random.Random(seed + 1)
+        gateway_pids = [g.proc.pid for g in stack.gateways]
+        rss_before = {pid: rss_mib(pid) for pid in gateway_pids}
+        sampler = RssSampler(gateway_pids)
+        sampler.start()
         start = time.monotonic()
-        faults: list[Fault] = []
+        runner = FaultRunner(stack, MODEL_NAME, random.Random(seed + 2), start, (WITNESS, texts[-1]))
+        done_faults: list[Fault] = []
         over = threading.Event()
 
         def fault_loop() -> None:
-            faults.extend(run_faults(stack, schedule, random.Random(seed + 2), start))
+            assert runner is not None
+            done_faults.extend(runner.run(schedule))
             # Processes this thread started get SIGTERM when it exits (PR_SET_PDEATHSIG is per thread):
             # it lives until the soak is checked.
             over.wait()
@@ -155,18 +168,34 @@ def soak(seed: int, num_requests: int, duration_s: float, log_dir: Path, model: 
             gateways = stack.live_gateways() or [g.url for g in stack.gateways]
             return run_one(spec, gateways, random.Random(rng.random() + spec.index), deadline_s=90)
 
+        def slow_client(spec: SlowSpec) -> SlowResult:
+            time.sleep(max(0.0, start + spec.at_s - time.monotonic()))
+            gateways = stack.live_gateways() or [g.url for g in stack.gateways]
+            return read_slowly(spec, random.Random(seed + spec.index).choice(gateways), deadline_s=120)
+
         try:
-            with ThreadPoolExecutor(16) as pool:
+            with ThreadPoolExecutor(16) as pool, ThreadPoolExecutor(max(1, slow_readers)) as slow_pool:
+                slow_futures = [slow_pool.submit(slow_client, s) for s in slow_specs]
                 results = list(pool.map(client, specs))
-            while len(faults) < len(schedule) and fault_thread.is_alive():
+                slow_results = [f.result() for f in slow_futures]
+            while len(done_faults) < len(schedule) and fault_thread.is_alive():
                 time.sleep(0.2)
-            report = check(stack, results, expected, faults)
+            sampler.stop()
+            slow = SlowSummary()
+            summarize_slow(slow_results, slow_expected, slow)
+            slow.rss_mib = [
+                {"before": rss_before[pid], "peak": sampler.peak.get(pid), "after": rss_mib(pid)}
+                for pid in gateway_pids
+            ]
+            report = check(stack, results, expected, done_faults, slow)
             report.wall_s = round(time.monotonic() - start, 1)
             return report
         finally:
             over.set()
             fault_thread.join()
     finally:
+        if runner is not None:
+            runner.close()
         stack.close()  # the gateways, the workers, then the broker and Redis it started
 
 
@@ -174,6 +203,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--requests", type=int, default=240, help="requests sent over the fault phase")
     p.add_argument("--duration", type=float, default=60.0, help="seconds over which faults and requests run")
+    p.add_argument(
+        "--faults", default=",".join(FAULTS), help="comma-separated faults to inject (default: all)"
+    )
+    p.add_argument("--slow-readers", type=int, default=100, help="slow stream readers running alongside")
     p.add_argument("--model", default="", help="checkpoint (default: the tiny model)")
     p.add_argument("--out", default="", help="write the report as JSON here")
 
@@ -185,7 +218,11 @@ def run(args: argparse.Namespace) -> int:
 
         model = str(default_model_path())
     log_dir = Path(tempfile.mkdtemp(prefix="inflight-chaos-"))
-    report = soak(args.seed, args.requests, args.duration, log_dir, model)
+    faults = [f.strip() for f in args.faults.split(",") if f.strip()]
+    unknown = sorted(set(faults) - set(FAULTS))
+    if unknown:
+        raise SystemExit(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    report = soak(args.seed, args.requests, args.duration, log_dir, model, faults, args.slow_readers)
     print_table(report)
     print(f"logs: {log_dir}")
     if args.out:

@@ -20,7 +20,24 @@ if TYPE_CHECKING:
 class Fault:
     name: str
     at_s: float  # from the start of the fault phase
-    recovery_s: float  # until a canary request succeeded end to end again
+    # Until the fleet served again (bench/chaos_faults.py says what that means for each fault).
+    recovery_s: float
+    lasted_s: float = 0.0  # a spell's length; for a stalled core, until its worker exited
+    ok: bool = True  # the fault did what it should (a stall detected, writes refused) and was recovered from
+    detail: str = ""
+
+
+@dataclass
+class SlowSummary:
+    """The slow readers: how each ended, and the gateways' memory (MiB) around them."""
+
+    sent: int = 0
+    completed: int = 0  # with the undisturbed run's text
+    cut_off: int = 0  # the gateway's slow_reader error event
+    failed: int = 0  # another error the client saw (its gateway killed)
+    lost: int = 0
+    wrong_text: int = 0
+    rss_mib: list[dict[str, float | None]] = field(default_factory=list)  # per gateway: before, peak, after
 
 
 @dataclass
@@ -35,17 +52,26 @@ class Report:
     lost: int = 0  # accepted, and the client never learned how it ended
     duplicated: int = 0  # ran (or published) twice
     wrong_text: int = 0
+    hostile_sent: int = 0
     hostile_rejected: int = 0
     server_errors: int = 0  # any 500 answer
     kv_free: bool = False
     pending_left: int = -1
+    workers_down: int = 0  # workers not alive and ready at the end, apart from those the faults killed
+    slow: SlowSummary = field(default_factory=SlowSummary)
     wall_s: float = 0.0
     problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.duplicated or self.wrong_text or self.server_errors) and (
-            self.kv_free and self.pending_left == 0
+        bad = self.lost or self.duplicated or self.wrong_text or self.server_errors or self.workers_down
+        slow_bad = self.slow.lost or self.slow.wrong_text
+        return (
+            not (bad or slow_bad)
+            and self.hostile_rejected == self.hostile_sent
+            and all(f.ok for f in self.faults)
+            and self.kv_free
+            and self.pending_left == 0
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -95,21 +121,43 @@ def _ran_twice(stack: Stack, request_id: str) -> str | None:
     return None
 
 
-def check(stack: Stack, results: list[Result], expected: dict[int, str], faults: list[Fault]) -> Report:
-    report = Report(faults, sent=len(results))
+def _workers_down(stack: Stack, problems: list[str], timeout_s: float = 180.0) -> int:
+    """Workers that are not alive and ready (a restarted one may still be loading its model)."""
+    deadline = time.monotonic() + timeout_s
+    down = 0
     for worker in stack.workers:
-        worker.wait_ready(timeout_s=180)  # a restarted worker may still be loading its model
+        while not worker.ready() and worker.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if not worker.ready():
+            down += 1
+            problems.append(
+                f"worker {worker.port} down (exit code {worker.proc.poll()}): {worker.tail_log(300)}"
+            )
+    return down
+
+
+def check(
+    stack: Stack, results: list[Result], expected: dict[int, str], faults: list[Fault], slow: SlowSummary
+) -> Report:
+    report = Report(faults, sent=len(results), slow=slow)
+    report.workers_down = _workers_down(stack, report.problems)
     report.kv_free, report.pending_left = _quiet(stack, report.problems)
+    report.problems.extend(f"{f.name}: {f.detail}" for f in faults if not f.ok)
     for r in results:
+        if r.spec.kind == "hostile":
+            if r.outcome == "refused":
+                continue  # its gateway was gone: no answer to judge
+            report.hostile_sent += 1
+            if r.outcome == "rejected":
+                report.hostile_rejected += 1
+            else:
+                report.problems.append(f"#{r.spec.index} poison {r.spec.label!r}: {r.detail}")
+            if r.detail.startswith("500"):
+                report.server_errors += 1
+            continue
         if r.detail.startswith("500"):
             report.server_errors += 1
             report.problems.append(f"#{r.spec.index} {r.spec.kind}: {r.detail}")
-        if r.spec.kind == "hostile":
-            if r.outcome == "rejected":
-                report.hostile_rejected += 1
-            elif r.outcome == "server_error":
-                report.server_errors += 1
-            continue
         if r.request_id is None:
             report.refused += 1
             continue
@@ -137,9 +185,13 @@ def check(stack: Stack, results: list[Result], expected: dict[int, str], faults:
 
 
 def print_table(report: Report) -> None:
-    print("fault               at (s)   recovered in (s)")
+    print("fault               at (s)   lasted (s)   recovered in (s)   ok")
     for f in report.faults:
-        print(f"{f.name:<18} {f.at_s:>7.1f}   {f.recovery_s:>8.1f}")
+        print(f"{f.name:<18} {f.at_s:>7.1f}   {f.lasted_s:>10.1f}   {f.recovery_s:>16.1f}   {f.ok}")
+    for f in report.faults:
+        if f.detail:
+            print(f"  {f.name}: {f.detail}")
+    slow = report.slow
     rows = [
         ("faults injected", len(report.faults)),
         ("requests sent", report.sent),
@@ -151,8 +203,21 @@ def print_table(report: Report) -> None:
         ("lost", report.lost),
         ("duplicated", report.duplicated),
         ("wrong text", report.wrong_text),
-        ("hostile bodies refused with 4xx", report.hostile_rejected),
+        ("poison refused with 4xx", f"{report.hostile_rejected} of {report.hostile_sent}"),
         ("500 answers", report.server_errors),
+        ("slow readers", slow.sent),
+        ("  completed (same text)", slow.completed),
+        ("  cut off (slow_reader error)", slow.cut_off),
+        ("  failed with another error", slow.failed),
+        ("  lost / wrong text", f"{slow.lost} / {slow.wrong_text}"),
+        *(
+            (
+                f"gateway {i} RSS MiB before/peak/after",
+                "/".join(str(rss.get(k)) for k in ("before", "peak", "after")),
+            )
+            for i, rss in enumerate(slow.rss_mib)
+        ),
+        ("workers down at the end", report.workers_down),
         ("KV blocks all free", report.kv_free),
         ("pending set left", report.pending_left),
         ("wall time (s)", report.wall_s),

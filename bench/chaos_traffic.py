@@ -16,12 +16,38 @@ from typing import Any
 import httpx
 
 KINDS = ("stream", "plain", "chat", "job", "cancel")
-HOSTILE = [
-    b'{"model": "MODEL", "prompt": "a\\ud800b", "max_tokens": 1}',
-    b'{"model": "MODEL", "prompt": [[-1]], "max_tokens": 1}',
-    b'{"model": "MODEL", "messages": [{"role": "user", "content": "\\udfff"}]}',
-    b'{"model": "MODEL", "prompt": "x", "stop": ["' + b"ab" * 600 + b'"]}',
-]
+# Hostile bodies: each must get a 4xx (or a typed error) and harm nothing else. The long prompts are past
+# any context the tiny checkpoints have (4096 at most); the oversize body is past the gateway's default
+# INFLIGHT_MAX_BODY_BYTES (4 MiB).
+CONTEXT_PAST = 5000
+OVERSIZE_BYTES = 4 * 1024 * 1024 + 64 * 1024
+
+
+def poison_bodies(model: str) -> list[tuple[str, bytes]]:
+    """(label, raw body) of every kind of poison the soak mixes in."""
+    words = " ".join(("one", "two", "three", "four")[i % 4] for i in range(2 * CONTEXT_PAST))
+    dumps, name = json.dumps, model.encode()
+    return [
+        ("lone surrogate", b'{"model": "%s", "prompt": "a\\ud800b", "max_tokens": 1}' % name),
+        ("negative token id", dumps({"model": model, "prompt": [[-1]], "max_tokens": 1}).encode()),
+        (
+            "lone surrogate, chat",
+            b'{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}]}' % name,
+        ),
+        ("overlong stop", dumps({"model": model, "prompt": "x", "stop": ["ab" * 600]}).encode()),
+        (
+            "token ids past the context",
+            dumps(
+                {"model": model, "prompt": [1 + i % 900 for i in range(CONTEXT_PAST)], "max_tokens": 4}
+            ).encode(),
+        ),
+        ("text past the context", dumps({"model": model, "prompt": words, "max_tokens": 4}).encode()),
+        ("negative temperature", dumps({"model": model, "prompt": "x", "temperature": -1}).encode()),
+        ("top_p over 1", dumps({"model": model, "prompt": "x", "top_p": 1.5, "stream": True}).encode()),
+        ("n of 0", dumps({"model": model, "prompt": "x", "n": 0}).encode()),
+        ("max_tokens a string", dumps({"model": model, "prompt": "x", "max_tokens": "many"}).encode()),
+        ("oversize body", dumps({"model": model, "prompt": "x" * OVERSIZE_BYTES, "max_tokens": 1}).encode()),
+    ]
 
 
 @dataclass
@@ -31,6 +57,7 @@ class Spec:
     body: dict[str, Any]
     at_s: float  # when to send, from the start of the fault phase
     raw: bytes = b""  # hostile bodies are sent as they are
+    label: str = ""  # which hostile body
 
 
 @dataclass
@@ -47,12 +74,13 @@ class Result:
 
 def make_specs(seed: int, num_requests: int, duration_s: float, model: str) -> list[Spec]:
     rng = random.Random(seed)
-    specs = []
+    poison = poison_bodies(model)
+    specs: list[Spec] = []
     for i in range(num_requests):
         at = rng.uniform(0, duration_s)
-        if rng.random() < 0.1:
-            raw = rng.choice(HOSTILE).replace(b"MODEL", model.encode())
-            specs.append(Spec(i, "hostile", {}, at, raw))
+        if rng.random() < 0.15:
+            label, raw = poison[sum(s.kind == "hostile" for s in specs) % len(poison)]  # each kind in turn
+            specs.append(Spec(i, "hostile", {}, at, raw, label))
             continue
         kind = rng.choice(KINDS)
         prompt = f"request {i}: " + " ".join(
