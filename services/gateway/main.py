@@ -7,7 +7,9 @@ else, without a key: the API, the docs and the live page are never reachable thr
 
 from __future__ import annotations
 
+import signal
 import socket
+from types import FrameType
 
 import uvicorn
 from starlette.applications import Starlette
@@ -44,6 +46,9 @@ def main(settings: Settings, port: int | None = None) -> None:
     # Bound here, before the app starts: a port in use stops the process with uvicorn's error at once.
     sockets = [_bind(config, metrics_port)] if metrics_port else []
     sockets.append(_bind(config, api_port))  # last, so the config names the API port again
+    # uvicorn drains on SIGTERM, then restores the handler it found and raises the signal again: with the
+    # default handler the process would die right there, before the spans below are exported.
+    signal.signal(signal.SIGTERM, _drained)
     uvicorn.Server(config).run(sockets=sockets)
     shutdown_tracing(tracing)  # export the last requests' spans before the process exits
 
@@ -73,6 +78,10 @@ class ByLocalPort:
             await self.on_port(scope, receive, send)
         else:
             await self.app(scope, receive, send)
+
+
+def _drained(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM after uvicorn's graceful shutdown: the server has stopped, main() returns."""
 
 
 def _bind(config: uvicorn.Config, port: int) -> socket.socket:

@@ -6,6 +6,7 @@ One keyed gateway for the module, no worker and no checkpoint: metrics need neit
 
 from __future__ import annotations
 
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -103,6 +104,18 @@ def test_the_metrics_port_listens_on_the_bind_host_only(keyed: tuple[Stack, int]
             pass
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.2", port), timeout=5).close()
+
+
+def test_sigterm_closes_both_ports_and_exits_cleanly(keyed: tuple[Stack, int]) -> None:
+    stack, _ = keyed
+    metrics_port = free_port()
+    gateway = stack.add_gateway(INFLIGHT_GATEWAY_METRICS_PORT=str(metrics_port))
+    assert httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).status_code == 200
+    assert gateway.stop(signal.SIGTERM, timeout_s=30) == 0, gateway.tail_log()
+    for port in (gateway.port, metrics_port):
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    assert "Traceback" not in gateway.tail_log(20_000)
 
 
 def test_the_metrics_port_setting() -> None:
