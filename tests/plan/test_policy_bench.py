@@ -1,6 +1,6 @@
 """The real-engine policy benchmark (``python -m bench policies``) end to end on the tiny model: one
-bursty cell, four policies, the table, JSON and plot. Structure and accounting only; how the policies rank is the full run's finding,
-not a test's (a two-second run on a shared host)."""
+bursty cell, four policies, the table, JSON and plot. Structure and accounting only; how the policies
+rank is the full run's finding, not a test's (a two-second run on a shared host)."""
 
 from __future__ import annotations
 
