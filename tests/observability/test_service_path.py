@@ -160,7 +160,9 @@ def test_one_trace_across_gateway_and_worker(traced: tuple[Stack, OTLPReceiver])
         name="engine.request text_completion",
     )
     assert server.start_ns <= produce.start_ns <= consume.start_ns <= engine.start_ns
-    assert engine.end_ns <= consume.end_ns <= server.end_ns
+    # The worker ends its span after its last publish, which may be after the gateway has already
+    # answered the client: the two ends are not ordered.
+    assert engine.end_ns <= consume.end_ns
 
     names = [e.name for e in engine.events]
     assert names[:2] == ["queued", "admitted"] and names[-1] == "finished"
