@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> list[Trial]:
             for i in range(args.trials):
                 _wait(lambda: _settled(stack), 120, "settled group", interval_s=0.2)
                 # A prompt of its own each time: its key picks the partition, so the doomed worker is
-                # sometimes the group's leader and sometimes not (tansu treats the two differently).
+                # sometimes the older worker and sometimes the replacement.
                 prompt = f"Trial {i}. {body['prompt']}"
                 trial = one_trial(stack, {**body, "prompt": prompt}, args.kill_after_tokens, args.timeout_s)
                 trials.append(trial)
