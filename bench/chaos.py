@@ -77,11 +77,12 @@ def start_stack(log_dir: Path, model: str, step_delay_s: float = STEP_DELAY_S) -
         "INFLIGHT_ENGINE_ARGS": json.dumps({"dtype": "float32"}),
         "INFLIGHT_LOG_LEVEL": "INFO",
         "INFLIGHT_FAULT_STEP_DELAY_S": str(step_delay_s),
-        # A stall is caught within seconds, well above a paced step on a loaded host; the first steps
-        # get more (the warm-up bound), but not the default five minutes a soak cannot wait.
+        # A stall is caught within seconds, well above a paced step on a loaded host. The first steps
+        # get more (the warm-up bound: a restarted worker's core may be the one stopped), but not the
+        # default five minutes: the tiny model on CPU compiles nothing that long.
         "INFLIGHT_ENGINE_STALL_TIMEOUT_S": "5",
-        "INFLIGHT_ENGINE_STALL_WARMUP_S": "30",
-        # Small, so that a reader who stops is cut off within a soak's stream (the default is 1 MiB).
+        "INFLIGHT_ENGINE_STALL_WARMUP_S": "10",
+        # Small (the default is 1 MiB), so that what a slow reader makes the gateway hold is its smallest.
         "INFLIGHT_STREAM_BUFFER_BYTES": str(16 * 1024),
     }
     return build_stack(model, log_dir, workers=3, gateways=2, redis_password=PASSWORD, tag="chaos", env=env)

@@ -8,7 +8,11 @@ gateway's ``slow_reader`` error once more than its stream buffer waited for it. 
 (its gateway killed) or another error event counts as a failure the client saw; no end at all is lost.
 
 The gateways' resident memory is sampled from /proc before, during and after: it must stay bounded
-however far behind the readers fall.
+however far behind the readers fall. On Linux the kernel absorbs a good part of a slow reader's backlog
+first: it grows a connection's send buffer up to net.ipv4.tcp_wmem's maximum (4 MiB by default), and
+the gateway holds events itself (up to INFLIGHT_STREAM_BUFFER_BYTES) only once that is full. A stream of
+the tiny model (2048 positions) fits in it whole, so on loopback these readers complete: the cut-off is
+for streams longer than that, or send buffers smaller.
 """
 
 from __future__ import annotations

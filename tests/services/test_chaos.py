@@ -25,7 +25,7 @@ def test_short_seeded_soak(model_path: Path, tmp_path: Path) -> None:
     report = soak(
         seed=11,
         num_requests=24,
-        duration_s=30.0,
+        duration_s=25.0,
         log_dir=tmp_path,
         model=str(model_path),
         faults=FAULTS,
