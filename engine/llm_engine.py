@@ -140,6 +140,11 @@ class LLMEngine:
         }
         for i in indexes:
             self._validate(ids, resumed[i], params)
+        if params.structured is not None:
+            from engine.structured.grammar import compiler_for_engine
+
+            # Compiled once here (cached by the spec's hash), so a bad schema is refused before it queues.
+            compiler_for_engine(self.config).compile(params.structured)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         if eos is None and self.config.model.eos_token_ids:

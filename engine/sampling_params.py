@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.structured.spec import StructuredOutput
+
 
 @dataclass
 class SamplingParams:
@@ -29,6 +31,8 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token; None: off
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Constrained decoding: the output must match this (a JSON schema, regex, ...); None: free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,6 +22,7 @@ from engine.inputs import ContextLengthError
 from engine.metrics import RequestRecord, SchedulerStats, StepRecord
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutputError
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -37,7 +38,7 @@ class Failure(msgspec.Struct, frozen=True):
         if isinstance(exc, ContextLengthError):
             return cls("context_length", str(exc), exc.param)
         if isinstance(exc, ValueError):
-            return cls("invalid", str(exc))
+            return cls("invalid", str(exc), getattr(exc, "param", None))
         return cls("internal", f"{type(exc).__name__}: {exc}")
 
     def exception(self) -> Exception:
@@ -45,6 +46,8 @@ class Failure(msgspec.Struct, frozen=True):
         if self.kind == "context_length":
             return ContextLengthError(self.message, self.param or "prompt")
         if self.kind == "invalid":
+            if self.param is not None:  # a refused constraint names its field, like the others
+                return StructuredOutputError(self.message, self.param)
             return ValueError(self.message)
         return RuntimeError(self.message)
 

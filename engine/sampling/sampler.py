@@ -15,12 +15,17 @@ q ~ Exp(1) over the vocabulary and picks argmax(p / q), which is an exact sample
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.sampling.sampled import SampledTensors, SamplerOutput, index_on
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured.grammar import GrammarState
 
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -41,6 +46,8 @@ class SamplingRow:
     # len(output_token_ids) unless given: async scheduling passes the count alone (and an empty list)
     # for rows without penalties, the only ones that read the tokens themselves.
     num_output_tokens: int = -1
+    # The sequence's grammar matcher (structured outputs): masks the logits, then takes the drawn token.
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         if self.num_output_tokens < 0:
@@ -261,6 +268,9 @@ class Sampler:
 
     def __init__(self, fused: bool | None = None) -> None:
         self.fused = fused
+        # Host seconds spent on grammar masks (fill, apply, advance) since start: the cost of
+        # structured outputs, reported by benchmarks. Stays 0 while no row is constrained.
+        self.grammar_seconds = 0.0
 
     def _use_fused(self, device: torch.device) -> bool:
         if self.fused is not None:
@@ -290,6 +300,12 @@ class Sampler:
                 work = logits.clone()  # the caller's logits stay untouched
             b_rows, b_tokens = torch.tensor(banned, dtype=torch.long, device=device).unbind(dim=1)
             work[b_rows, b_tokens] = float("-inf")
+        # Only rows with a grammar pay for one: a batch without any does no mask work at all.
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:
+            if work is logits:
+                work = logits.clone()
+            self._mask(work, rows, constrained)
 
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(random_rows) == n:
@@ -299,7 +315,33 @@ class Sampler:
             if random_rows:
                 idx = index_on(random_rows, device)
                 tokens[idx] = self._draw(work[idx], [rows[i] for i in random_rows])
+        if constrained:
+            self._advance(tokens, rows, constrained)
         return self._logprobs(logits, rows, tokens)
+
+    def _mask(self, work: torch.Tensor, rows: list[SamplingRow], constrained: list[int]) -> None:
+        """-inf on every token the rows' grammars refuse: bitmasks filled per row, applied in one pass."""
+        from engine.structured.grammar import allocate_bitmask, apply_bitmask
+
+        start = time.perf_counter()
+        bitmask = allocate_bitmask(work.shape[0], work.shape[1])  # [n, ceil(V / 32)] int32, all allowed
+        for i in constrained:
+            grammar = rows[i].grammar
+            assert grammar is not None
+            grammar.fill(bitmask, i)
+        apply_bitmask(work, bitmask, constrained)
+        self.grammar_seconds += time.perf_counter() - start
+
+    def _advance(self, tokens: torch.Tensor, rows: list[SamplingRow], constrained: list[int]) -> None:
+        """Each constrained row's grammar takes its drawn token (on a GPU this waits for the draw: a cost
+        paid only by steps with constrained rows)."""
+        start = time.perf_counter()
+        chosen = tokens[index_on(constrained, tokens.device)].tolist()
+        for i, token in zip(constrained, chosen, strict=True):
+            grammar = rows[i].grammar
+            assert grammar is not None
+            grammar.accept(token)
+        self.grammar_seconds += time.perf_counter() - start
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Sample one token per row of ``logits`` [m, V] (penalised, masked)."""

@@ -9,11 +9,15 @@ reads the scheduler's ``Request`` objects or the KV cache manager.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.sampling_params import SamplingParams
 from engine.sched.output import CachedRequestData, NewRequestData
+
+if TYPE_CHECKING:
+    from engine.structured.grammar import GrammarState
 
 PLACEHOLDER = -1  # an output token not known yet (async scheduling); never a vocabulary id
 
@@ -30,6 +34,8 @@ class CachedRequestState:
     seed: int
     eos_token_id: int | None
     num_computed_tokens: int  # as of the step that last scheduled it
+    # Structured outputs: the row's matcher, new with the row (a preempted request replays its tokens).
+    grammar: GrammarState | None = None
 
 
 class InputBatch:

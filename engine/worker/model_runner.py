@@ -161,7 +161,13 @@ class ModelRunner:
         for req_id in out.preempted_req_ids:
             self.input_batch.remove(req_id)
         for new in out.scheduled_new_reqs:
-            self.input_batch.add(new)
+            state = self.input_batch.add(new)
+            spec = new.sampling_params.structured
+            if spec is not None:
+                from engine.structured.grammar import compiler_for_engine
+
+                # Compiled (and cached) when the engine admitted it: here a lookup and a replay.
+                state.grammar = compiler_for_engine(self.config).state(spec, state.output_token_ids)
         for cached in out.scheduled_cached_reqs:
             self.input_batch.update(cached)
 
@@ -265,6 +271,7 @@ class ModelRunner:
                 output_token_ids=r.output_token_ids,
                 seed=r.seed,
                 eos_token_id=r.eos_token_id,
+                grammar=r.grammar,
             )
             for r in inputs.sampling_requests
         ]

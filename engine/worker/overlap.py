@@ -147,6 +147,9 @@ class StepOverlap:
                 seed=state.seed,
                 eos_token_id=state.eos_token_id,
                 num_output_tokens=len(state.output_token_ids),
+                # Advanced by the device side after each draw, in step order (one worker thread; on CUDA
+                # the engine thread), so step N+1's mask already follows step N's token.
+                grammar=state.grammar,
             )
             if row.has_penalties:
                 row.output_token_ids = list(state.output_token_ids)
