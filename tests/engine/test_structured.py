@@ -131,14 +131,12 @@ def test_spec_shapes_are_checked_and_travel_the_core_pipe() -> None:
         StructuredOutput("json_schema", "[1]")
     with pytest.raises(StructuredOutputError, match="strings"):
         StructuredOutput("choice", "[]")
-    params = SamplingParams(structured=StructuredOutput.json_schema(SCHEMA))
+    spec = StructuredOutput.json_schema(SCHEMA)
     codec = core_codec()
-    raw = codec.encode(AddRequest(1, "r", [1, 2], params))
-    decoded = codec.decode(raw)
-    assert decoded.params.structured == params.structured
-    assert (
-        StructuredOutput.json_schema(SCHEMA).key == params.structured.key
-    )  # cache key: same spec, same hash
+    decoded = codec.decode(codec.encode(AddRequest(1, "r", [1, 2], SamplingParams(structured=spec))))
+    assert decoded.params.structured == spec
+    assert StructuredOutput.json_schema(SCHEMA).key == spec.key  # the cache key: same spec, same hash
+    assert StructuredOutput("regex", "a").key != StructuredOutput("grammar", "a").key
 
 
 def test_async_scheduling_and_preemption_keep_the_same_outputs(llm: LLM, tiny_llama_path: Path) -> None:
