@@ -74,11 +74,55 @@ def heartbeat_interval_ms(session_timeout_ms: int) -> int:
     return max(100, session_timeout_ms // 5)
 
 
-def make_consumer(settings: Settings) -> AIOKafkaConsumer:
+def fit_session(wanted_ms: int, broker_min_ms: int | None, broker_max_ms: int | None) -> int:
+    """The session timeout to ask for: ``wanted_ms`` moved inside the broker's bounds, saying so.
+
+    A JoinGroup whose session lies outside the coordinator's ``group.min.session.timeout.ms`` /
+    ``group.max.session.timeout.ms`` is refused (INVALID_SESSION_TIMEOUT) and the worker could never
+    join; Apache Kafka's default minimum (6 s) is above this project's default (2 s)."""
+    fitted = wanted_ms
+    if broker_min_ms is not None and fitted < broker_min_ms:
+        fitted = broker_min_ms
+    if broker_max_ms is not None and fitted > broker_max_ms:
+        fitted = broker_max_ms
+    if fitted != wanted_ms:
+        log.warning(
+            "INFLIGHT_KAFKA_SESSION_TIMEOUT_MS=%d is outside the broker's group session bounds [%s, %s]: "
+            "using %d ms (a dead worker's requests then wait about that long to move; lower the broker's "
+            "group.min.session.timeout.ms for faster recovery)",
+            wanted_ms, broker_min_ms, broker_max_ms, fitted,
+        )  # fmt: skip
+    return fitted
+
+
+async def broker_session_timeout_ms(settings: Settings) -> int:
+    """``settings.kafka_session_timeout_ms`` fitted to the broker's group session bounds, read with
+    DescribeConfigs; a broker that does not answer (tansu, restricted ACLs) leaves it as it is."""
+    wanted = settings.kafka_session_timeout_ms
+    admin = make_admin(settings)
+    try:
+        await admin.start()
+        brokers = (await admin.describe_cluster())["brokers"]
+        node = str(brokers[0]["node_id"])
+        (response,) = await admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, node)])
+        entries = response.resources[0][4]  # (error_code, error_message, type, name, config_entries)
+        found = {e[0]: int(e[1]) for e in entries if str(e[1]).isdigit()}
+    except Exception as exc:  # the bounds are advice: never fail a start-up over reading them
+        log.debug("could not read the broker's group session bounds: %r", exc)
+        return wanted
+    finally:
+        await admin.close()
+    return fit_session(
+        wanted, found.get("group.min.session.timeout.ms"), found.get("group.max.session.timeout.ms")
+    )
+
+
+def make_consumer(settings: Settings, session_timeout_ms: int | None = None) -> AIOKafkaConsumer:
     # The session timeout is how long a SIGKILLed worker's partitions (and the requests in them) wait
     # before a rebalance hands them on: the worker's loop never runs a model step (the engine core has a
-    # process of its own), so its heartbeats keep time and a short session is safe.
-    session = settings.kafka_session_timeout_ms
+    # process of its own), so its heartbeats keep time and a short session is safe. ``session_timeout_ms``:
+    # the setting as fitted to the broker (``broker_session_timeout_ms``).
+    session = session_timeout_ms or settings.kafka_session_timeout_ms
     return AIOKafkaConsumer(
         **client_kwargs(settings),
         group_id=settings.kafka_consumer_group,

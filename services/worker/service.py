@@ -29,7 +29,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from services.common.engine_spans import EngineSpanExporter
-from services.common.kafka import ensure_topic, make_consumer, make_probe
+from services.common.kafka import broker_session_timeout_ms, ensure_topic, make_consumer, make_probe
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.wire import TERMINAL
@@ -87,7 +87,8 @@ class Worker:
     async def start(self) -> None:
         await self.engine.start()
         await ensure_topic(self.settings)
-        consumer = self.consumer = self.committer.consumer = make_consumer(self.settings)
+        session_ms = await broker_session_timeout_ms(self.settings)
+        consumer = self.consumer = self.committer.consumer = make_consumer(self.settings, session_ms)
         consumer.subscribe([self.settings.kafka_topic], listener=RebalanceListener(self.committer))
         await consumer.start()
         # The tasks that use the consumer stop with it when the engine dies.
