@@ -1,4 +1,4 @@
-"""``python -m bench engine``: the seed's controlled experiment in one CPU run (issue 2's benchmark).
+"""``python -m bench engine``: continuous vs static batching, the seed's controlled experiment in one CPU run.
 
 Same model (the ~50M-parameter bench checkpoint, float32), same threads, same workload for every
 target; greedy, EOS ignored, per-request max_tokens; prefix caching off; each target warmed up.
@@ -11,7 +11,7 @@ target; greedy, EOS ignored, per-request max_tokens; prefix caching off; each ta
      comparison) and each halves or doubles its rate until its P99 TTFT limit is bracketed;
      continuous also runs at 2 x S (overload). The targets take turns, so a slow spell of a
      shared machine hits both.
-Then every figure is printed next to its issue-2 target, and JSON, plots, per-request timelines and
+Then every figure is printed next to its target, and JSON, plots, per-request timelines and
 a Chrome trace are written into --out.
 """
 
@@ -26,11 +26,11 @@ from typing import Any
 
 from bench import plots
 from bench.compare import describe_identical, peer_comparisons
-from bench.figures import issue2_figures, print_figures
 from bench.micro import decode_probe, linear_params
 from bench.results import RunResult, write_json
-from bench.session import Session, set_threads
+from bench.run_support import Session, set_threads
 from bench.stats import backlog_throughput, max_sustained_rate
+from bench.target_report import print_figures, target_figures
 from bench.targets import TARGETS, TargetConfig
 from bench.timeline import chrome_trace, request_timelines
 from inflight.plan.slo import parse_slo
@@ -232,13 +232,13 @@ def run(args: argparse.Namespace) -> int:
         )
 
     max_rates = {name: max_rate(name, args.ttft_limit) for name in sweep}
-    # Looser bounds from the same runs, for context on a machine slower than the issue assumes.
+    # Looser bounds from the same runs, for context on a machine slower than the targets assume.
     limits = sorted({args.ttft_limit, 5.0, 10.0})
     rate_table = {f"{lim:g}s": {n: max_rate(n, lim) for n in sweep} for lim in limits}
     for lim, row in rate_table.items():
         text = ", ".join(f"{n} {'>=' if not b else ''}{r:.3f}" for n, (r, b) in row.items())
         print(f"max rate at P99 TTFT <= {lim}: {text} req/s")
-    figures = issue2_figures(
+    figures = target_figures(
         probe,
         saturation,
         near_summaries,

@@ -100,7 +100,7 @@ class DecodeProbeResult:
     model_ms: float  # model + sampling only (execute - prepare), median
     step_gflop: float  # useful FLOPs of the measured step
     step_gflops: float  # step_gflop / step time
-    matmul_rate_share: float  # step_gflops / matmul_gflops: the ">= 50%" figure
+    matmul_rate_share: float  # step_gflops / matmul_gflops: the ">= 50%" target
     model_rate_share: float  # the same over model time only
     sched_prep_share: float  # (schedule + input preparation) / whole step, median
     schedule_ms: float

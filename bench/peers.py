@@ -1,6 +1,6 @@
 """``python -m bench peers``: this engine against vLLM's CPU backend, side by side in one run.
 
-The workload is the engine-speed issue's: N requests at t = 0 (default 64), a quarter of the prompts
+The workload: N requests at t = 0 (default 64), a quarter of the prompts
 256-512 tokens and the rest 16-128, outputs log-uniform 8-256, greedy with EOS ignored, prefix
 caching off, the same dtype, threads, batch limit, token budget and KV capacity for both. Each
 configuration (model x dtype x batch limit) runs continuous, then vllm, then continuous again, and
@@ -25,7 +25,7 @@ from typing import Any
 from bench.compare import identical_outputs
 from bench.micro import decode_probe
 from bench.results import write_json
-from bench.session import Session, set_threads
+from bench.run_support import Session, set_threads
 from bench.targets import TargetConfig
 from engine.platform import cpu_auto_dtype, cpu_flags, cpu_model_name
 from inflight.plan.workload import LengthMix, bench_model_path, synthetic

@@ -1,4 +1,4 @@
-"""Does the worker's Kafka and Redis I/O slow the engine down? (issue 12, item 7)
+"""Does the worker's Kafka and Redis I/O slow the engine down?
 
 The engine steps on its own thread, but in the worker it shares one Python interpreter (one GIL) with the
 event loop that fetches from Kafka, publishes tokens to Redis and answers probes. This measures the
@@ -40,7 +40,7 @@ import httpx
 from engine.metrics import StepRecord
 from harness.stack import build_stack
 
-THRESHOLD = 0.05  # the issue's bar: run the engine core in its own process above a 5% cost
+THRESHOLD = 0.05  # the bar: run the engine core in its own process above a 5% cost
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,8 +84,8 @@ async def _through_worker(
     from engine.async_engine import AsyncLLMEngine
     from engine.core.client import EngineCoreClient
     from services.common.settings import Settings
-    from services.worker.service import Worker
-    from services.worker.telemetry import instrument_engine
+    from services.worker.worker import Worker
+    from services.worker.worker_telemetry import instrument_engine
 
     settings = Settings.from_env(env)
     eng: AsyncLLMEngine | EngineCoreClient

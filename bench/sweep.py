@@ -25,7 +25,7 @@ from typing import Any
 from bench import plots
 from bench.compare import describe_identical, peer_comparisons
 from bench.results import RunResult, write_json
-from bench.session import Session, set_threads
+from bench.run_support import Session, set_threads
 from bench.targets import TARGETS, TargetConfig
 from bench.timeline import chrome_trace, request_timelines
 from inflight.plan.slo import parse_slo

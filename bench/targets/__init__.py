@@ -31,7 +31,7 @@ class TargetConfig:
     max_model_len: int = 1024
     seed: int = 0
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra engine args (engine targets)
-    vllm_eager: bool = True  # vllm target: no torch.compile (the comparison ran eager)
+    vllm_eager: bool = True  # vllm target: no torch.compile (the reference comparison ran eager)
 
     @property
     def kv_tokens(self) -> int:

@@ -12,7 +12,7 @@ What is matched, and what cannot be:
   * threads: the benchmark's torch thread count n, as vLLM's OpenMP binding to cores 0..n-1;
   * KV capacity: the same number of tokens. vLLM's CPU attention needs a block size that is a
     multiple of 32, so a smaller block size is rounded up to 32 and the block count follows;
-  * eager by default (no torch.compile), as the issue's table was measured; ``vllm_eager=False``
+  * eager by default (no torch.compile), as the reference table was measured; ``vllm_eager=False``
     lets vLLM compile.
 """
 

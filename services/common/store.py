@@ -1,6 +1,6 @@
 """The request store in Redis: records, token logs, leases, the pending set, cancellation.
 
-One typed wrapper over the Lua scripts of ``scripts.py`` so that gateway and worker speak the same
+One typed wrapper over the Lua scripts of ``redis_scripts.py`` so that gateway and worker speak the same
 protocol, and tests can drive it directly against a real Redis.
 """
 
@@ -20,7 +20,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common import keys, scripts
+from services.common import keys, redis_scripts
 from services.common.settings import Settings
 from services.common.wire import (
     CANCELLED,
@@ -64,7 +64,7 @@ class StartResult:
     status: str | None = None  # terminal: the status; busy: the owner
     seed: int | None = None
     cancelled: bool = False
-    epoch: int = 0  # ok: this claim's fencing token, passed to every later write (scripts.py)
+    epoch: int = 0  # ok: this claim's fencing token, passed to every later write (redis_scripts.py)
     events: list[Event] = field(default_factory=list)
 
 
@@ -94,7 +94,7 @@ class Store:
             results = (await pipe.execute(raise_on_error=False))[len(before) :]
             # A restarted Redis has forgotten the scripts: load them and run the whole batch again
             # (scripts that did run are idempotent enough: at worst a delta is logged twice and
-            # readers drop the duplicate by seq; a finish run again writes nothing, scripts.PUBLISH).
+            # readers drop the duplicate by seq; a finish run again writes nothing, redis_scripts.PUBLISH).
             if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
                 for script in {c[0] for c in calls}:
                     self._shas[script] = await self.client.script_load(script)
@@ -132,7 +132,7 @@ class Store:
             lambda p: p.expire(key, ttl_s),
         ]
         (admitted,) = await self.eval_many(
-            [(scripts.ADMIT, [keys.PENDING], [request_id, max_pending, int(pending_ttl_s * 1000)])],
+            [(redis_scripts.ADMIT, [keys.PENDING], [request_id, max_pending, int(pending_ttl_s * 1000)])],
             before=before,
         )
         return bool(admitted)
@@ -141,7 +141,9 @@ class Store:
         """Extend this gateway's reservations; returns the ids still pending (not yet taken)."""
         if not request_ids:
             return set()
-        alive = await self._eval(scripts.REFRESH_PENDING, [keys.PENDING], [int(ttl_s * 1000), *request_ids])
+        alive = await self._eval(
+            redis_scripts.REFRESH_PENDING, [keys.PENDING], [int(ttl_s * 1000), *request_ids]
+        )
         return set(alive)
 
     async def release_pending(self, request_id: str) -> None:
@@ -172,7 +174,7 @@ class Store:
         """Cancel wherever the request is; returns 'unknown', 'cancelling' or the terminal status."""
         done = encode_event(DoneEvent(id=request_id, seq=1, status=CANCELLED, code="cancelled"))
         args = [cancel_ttl_s, keys.events(request_id), done, f"{time.time():.6f}"]
-        status = str(await self._eval(scripts.CANCEL, keys.request_keys(request_id), args))
+        status = str(await self._eval(redis_scripts.CANCEL, keys.request_keys(request_id), args))
         if status in ("cancelled", "cancelling"):
             await self.client.zrem(keys.PENDING, request_id)
         if status == "cancelling":
@@ -183,7 +185,7 @@ class Store:
         """Fail a request no worker has started (its message is gone); False if one started it."""
         done = encode_event(DoneEvent(id=request_id, seq=1, status=FAILED, error=message, code=code))
         args = [keys.events(request_id), done, f"{time.time():.6f}", message]
-        failed = bool(await self._eval(scripts.FAIL_QUEUED, keys.request_keys(request_id), args))
+        failed = bool(await self._eval(redis_scripts.FAIL_QUEUED, keys.request_keys(request_id), args))
         await self.client.zrem(keys.PENDING, request_id)
         return failed
 
@@ -192,7 +194,7 @@ class Store:
         """Take the request (it leaves the pending set) and claim it, in one round trip."""
         args = [worker, int(lease_s * 1000), seed, ttl_s, f"{time.time():.6f}"]
         (reply,) = await self.eval_many(
-            [(scripts.START, keys.request_keys(request_id), args)],
+            [(redis_scripts.START, keys.request_keys(request_id), args)],
             before=[lambda p: p.zrem(keys.PENDING, request_id)],
         )
         outcome = str(reply[0])
@@ -231,21 +233,23 @@ class Store:
             *flat,
             *events,
         ]
-        return scripts.PUBLISH, keys.request_keys(request_id), args
+        return redis_scripts.PUBLISH, keys.request_keys(request_id), args
 
     async def refresh_leases(self, held: Sequence[tuple[str, int]], worker: str, lease_s: float) -> set[str]:
         """Extend this worker's leases, given as (request id, epoch); returns the ids it may no longer
         write: lost to another claim, or terminal (finished by someone else)."""
         lease_ms = int(lease_s * 1000)
         calls = [
-            (scripts.REFRESH_LEASE, [keys.record(i), keys.owner(i)], [worker, lease_ms, epoch])
+            (redis_scripts.REFRESH_LEASE, [keys.record(i), keys.owner(i)], [worker, lease_ms, epoch])
             for i, epoch in held
         ]
         results = await self.eval_many(calls) if calls else []
         return {i for (i, _), ok in zip(held, results, strict=True) if int(ok) != 1}
 
     async def release(self, request_id: str, worker: str, epoch: int) -> None:
-        await self._eval(scripts.RELEASE, [keys.record(request_id), keys.owner(request_id)], [worker, epoch])
+        await self._eval(
+            redis_scripts.RELEASE, [keys.record(request_id), keys.owner(request_id)], [worker, epoch]
+        )
 
     async def owner(self, request_id: str) -> str | None:
         value = await self.client.get(keys.owner(request_id))

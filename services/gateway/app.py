@@ -16,9 +16,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from services.common.http_tracing import TracingMiddleware, fastapi_native_tracing_off
 from services.common.kafka import ensure_topic
 from services.common.metrics import service_families
+from services.common.process_telemetry import metrics_payload
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
-from services.common.telemetry import metrics_payload
 from services.gateway import errors, jobs_routes, live_routes, openai_routes
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import APIError

@@ -15,7 +15,7 @@ import logging
 
 import redis.asyncio as aioredis
 
-from services.common.live import LIVE_CHANNEL, LiveSteps
+from services.common.live_wire import LIVE_CHANNEL, LiveSteps
 from services.common.store import REDIS_ERRORS
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 GET /                   the page: a chat box that streams, and a live view of the engines
 GET /static/{name}      its script and stylesheet
-GET /v1/live/events     SSE: every worker's ``LiveSteps`` messages (see services/common/live.py) as they
+GET /v1/live/events     SSE: every worker's ``LiveSteps`` messages (see services/common/live_wire.py) as they
                         are published, relayed from the gateway's one Redis subscription (live_feed.py);
                         a comment line every few seconds keeps proxies from closing an idle stream.
                         429 past ``INFLIGHT_MAX_LIVE_VIEWERS`` viewers on this gateway.

@@ -18,8 +18,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from services.common.process_telemetry import metrics_payload, setup_telemetry
 from services.common.settings import Settings
-from services.common.telemetry import metrics_payload, setup_telemetry
 from services.common.tracing import shutdown_tracing
 
 

@@ -15,8 +15,8 @@ from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
 from services.common.wire import CancelMessage, WireError
 from services.worker.engine_client import EngineClient
-from services.worker.run import Run
-from services.worker.telemetry import count_cancelled
+from services.worker.run_state import Run
+from services.worker.worker_telemetry import count_cancelled
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.common.telemetry import metrics_payload
-from services.worker.service import Worker
+from services.common.process_telemetry import metrics_payload
+from services.worker.worker import Worker
 
 
 class Probes:

@@ -27,11 +27,11 @@ from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import Store
 from services.common.wire import RequestMessage, WireError
-from services.worker import telemetry
+from services.worker import worker_telemetry
 from services.worker.control import Spawn
 from services.worker.engine_client import EngineClient
 from services.worker.offsets import OffsetTracker
-from services.worker.run import Outcome, Run
+from services.worker.run_state import Outcome, Run
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class Intake:
         run = Run(
             msg, deliveries=[(tp, record.offset, generation)], prompt_token_ids=list(msg.prompt_token_ids)
         )
-        run.tracing.span = telemetry.consume_span(record, msg.id)
+        run.tracing.span = worker_telemetry.consume_span(record, msg.id)
         self._start_run(run)
 
     async def _fail_unreadable(self, raw: bytes | None, exc: WireError) -> None:

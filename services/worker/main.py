@@ -16,15 +16,15 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from services.common.process_telemetry import setup_telemetry
 from services.common.settings import Settings
-from services.common.telemetry import setup_telemetry
 from services.common.tracing import shutdown_tracing
 from services.worker import faults
 from services.worker.engine_client import EngineClient
 
 if TYPE_CHECKING:
     from services.worker.http import Probes
-    from services.worker.service import Worker
+    from services.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +59,10 @@ async def serve(settings: Settings) -> int:
     """Serve until stopped; the process's exit code (0, or ``EXIT_ENGINE_STALLED``)."""
     from services.common.store import connect_redis
     from services.worker.http import Probes, make_server
-    from services.worker.live import LivePublisher
-    from services.worker.live import stop as stop_live
-    from services.worker.service import Worker
-    from services.worker.telemetry import instrument_engine
+    from services.worker.live_publisher import LivePublisher
+    from services.worker.live_publisher import stop as stop_live
+    from services.worker.worker import Worker
+    from services.worker.worker_telemetry import instrument_engine
 
     model = resolve_model(settings)
     began = time.monotonic()

@@ -19,8 +19,8 @@ from typing import Any
 
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
-from services.worker.run import Final, PendingDelta, Run, record
-from services.worker.telemetry import trace_publish
+from services.worker.run_state import Final, PendingDelta, Run, record
+from services.worker.worker_telemetry import trace_publish
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Publisher:
                 self._wake.set()
             except Exception as exc:
                 # Not Redis: a bug, which sending the same batch again would repeat. Its runs stop
-                # (the worker runs them again from the log, service.py) instead of waiting for ever on
+                # (the worker runs them again from the log, worker.py) instead of waiting for ever on
                 # events that cannot go out; the supervisor restarts this loop.
                 for run in batch:
                     self._give_up(run, f"the publisher failed: {exc!r}")

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from harness.stack import ServiceProcess
-from services.common.live import LIVE_CHANNEL
+from services.common.live_wire import LIVE_CHANNEL
 from tests.services.conftest import ExtraGateway
 from tests.services.stack import MODEL_NAME, Stack, wait_for
 

@@ -16,7 +16,7 @@ from services.common.settings import Settings
 from services.common.store import Store, connect_redis
 from services.worker.intake import Intake
 from services.worker.offsets import OffsetTracker
-from services.worker.run import Run
+from services.worker.run_state import Run
 
 
 def _no_run(_: Run) -> None:

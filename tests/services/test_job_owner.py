@@ -1,4 +1,8 @@
-"""With API keys on, a job is visible and cancellable only with the key that created it."""
+"""With API keys on, a job is visible and cancellable only with the key that created it.
+
+On the paced stack, the job (1,800 tokens: at least 36 s) runs through the whole test on any host: bob's
+DELETE meets a job it could wrongly cancel, and alice's finds one to cancel, not one already finished.
+"""
 
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
-def guarded(extra_gateway: ExtraGateway) -> ServiceProcess:
-    return extra_gateway(INFLIGHT_API_KEYS="alice-key,bob-key")
+def guarded(paced_gateway: ExtraGateway) -> ServiceProcess:
+    return paced_gateway(INFLIGHT_API_KEYS="alice-key,bob-key")
 
 
 def test_jobs_belong_to_their_key(guarded: ServiceProcess) -> None:
     alice, bob = ({"Authorization": f"Bearer {k}"} for k in ("alice-key", "bob-key"))
-    body = {"endpoint": "/v1/completions", "body": {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 400}}
+    params = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1800, "ignore_eos": True}
+    body = {"endpoint": "/v1/completions", "body": params}
     with httpx.Client(base_url=guarded.url, timeout=30) as http:
         created = http.post("/v1/jobs", json=body, headers=alice)
         assert created.status_code == 202, created.text

@@ -1,4 +1,9 @@
-"""Async jobs: submit, poll, follow the events (so far, then live), cancel; and cancel by disconnect."""
+"""Async jobs: submit, poll, follow the events (so far, then live), cancel; and cancel by disconnect.
+
+The tests that act on a job while it runs use the paced stack: at PACED_STEP_DELAY_S a step, a request of
+N tokens runs at least N x 20 ms on any host, so it is still running when the test follows, cancels or
+leaves it within a second or two, and the test ends as soon as it is cancelled.
+"""
 
 from __future__ import annotations
 
@@ -52,8 +57,10 @@ def test_job_lifecycle_matches_a_synchronous_request(stack: Stack) -> None:
     assert text_of(chunks) == sync.choices[0].text
 
 
-def test_job_events_so_far_then_live(stack: Stack) -> None:
-    job = _job(stack, max_tokens=300, ignore_eos=True, temperature=0)
+def test_job_events_so_far_then_live(paced_stack: Stack) -> None:
+    # 150 paced tokens: at least 3 s, so the events begin with the log so far and go on live.
+    stack = paced_stack
+    job = _job(stack, max_tokens=150, ignore_eos=True, temperature=0)
     wait_for(lambda: _get(stack, job["id"])["status"] == "in_progress", 30, message="job running")
     with httpx.stream("GET", f"{stack.url}/v1/jobs/{job['id']}/events", timeout=60) as resp:
         chunks = list(events(resp))
@@ -65,7 +72,9 @@ def test_job_events_so_far_then_live(stack: Stack) -> None:
     assert usage == [final["usage"]]
 
 
-def test_cancel_a_running_job_frees_its_kv_blocks(stack: Stack) -> None:
+def test_cancel_a_running_job_frees_its_kv_blocks(paced_stack: Stack) -> None:
+    # 1,800 paced tokens run at least 36 s: the cancel, within a second of the claim, finds it running.
+    stack = paced_stack
     worker = stack.workers[0]
     job = _job(stack, max_tokens=1800, ignore_eos=True)
     wait_for(lambda: _get(stack, job["id"])["status"] == "in_progress", 30, message="job running")
@@ -82,7 +91,9 @@ def test_cancel_a_running_job_frees_its_kv_blocks(stack: Stack) -> None:
     assert httpx.delete(f"{stack.url}/v1/jobs/{job['id']}", timeout=30).json()["status"] == "cancelled"
 
 
-def test_client_disconnect_cancels_mid_stream(stack: Stack) -> None:
+def test_client_disconnect_cancels_mid_stream(paced_stack: Stack) -> None:
+    # 1,800 paced tokens run at least 36 s: the client leaves after 5 of them, mid-stream on any host.
+    stack = paced_stack
     worker = stack.workers[0]
     body = {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 1800, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=30) as resp:

@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 
 from engine import LLM, SamplingParams
 from harness.servers import ServerProcess
-from services.common.live import LIVE_CHANNEL, LiveSteps, short_id
-from services.worker.live import LivePublisher, stop
+from services.common.live_wire import LIVE_CHANNEL, LiveSteps, short_id
+from services.worker.live_publisher import LivePublisher, stop
 from tests.services.stack import REDIS_PASSWORD
 
 

@@ -29,9 +29,9 @@ from services.common.store import Store, connect_redis
 from services.common.wire import COMPLETED, DeltaEvent, DoneEvent, RequestMessage, encode_event
 from services.common.wire_sampling import WireSampling
 from services.worker.publisher import HOLD_S, Publisher, PublishError
-from services.worker.run import Final, Outcome, PendingDelta, Run
-from services.worker.runner import Runner
-from services.worker.service import Worker
+from services.worker.request_runner import Runner
+from services.worker.run_state import Final, Outcome, PendingDelta, Run
+from services.worker.worker import Worker
 from tests.services.stack import REDIS_PASSWORD
 
 pytestmark = pytest.mark.timeout(120)

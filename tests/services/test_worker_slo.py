@@ -21,8 +21,8 @@ from services.common.wire import COMPLETED, DoneEvent, RequestMessage
 from services.common.wire_sampling import WireSampling
 from services.gateway.openai_routes import _done_error
 from services.worker.publisher import Publisher
-from services.worker.run import Outcome, Run
-from services.worker.runner import Runner
+from services.worker.request_runner import Runner
+from services.worker.run_state import Outcome, Run
 from tests.services.stack import REDIS_PASSWORD
 
 pytestmark = pytest.mark.timeout(120)

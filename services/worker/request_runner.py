@@ -28,8 +28,8 @@ from services.common.store import Store
 from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
 from services.worker.engine_client import EngineClient
 from services.worker.publisher import Publisher
-from services.worker.run import Final, Outcome, PendingDelta, Run, record
-from services.worker.telemetry import count_cancelled, engine_attributes
+from services.worker.run_state import Final, Outcome, PendingDelta, Run, record
+from services.worker.worker_telemetry import count_cancelled, engine_attributes
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Runner:
                 count_cancelled("intake")
             run.cancelled = True
             return await self._finish(run)
-        if run.errors:  # the worker gave up on it after repeated failures (service.py): fail it for good
+        if run.errors:  # the worker gave up on it after repeated failures (worker.py): fail it for good
             return await self._finish(run)
         deadline = run.msg.deadline
         if deadline is not None and not run.resumed_from and time.time() > deadline:

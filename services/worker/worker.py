@@ -1,17 +1,18 @@
 """The worker: Kafka consumer group -> engine -> Redis, with cancellation, leases and drain.
 
-Concurrency (all on one event loop; the engine steps on its own thread, so nothing here waits on a
+Concurrency (all on one event loop; the engine steps in its own process, so nothing here waits on a
 model step). Each job has one module:
 
     fetch loop      intake.py     getmany() only while the engine's waiting queue has room
-    request tasks   runner.py     one per request: claim, resume, generate, finish
+    request tasks   request_runner.py  one per request: claim, resume, generate, finish
     publisher       publisher.py  token events to Redis, batched
     commit loop     commits.py    commits offsets past terminal requests (offsets.py does the arithmetic)
     cancel listener control.py    the cancel channel -> engine.abort
     lease keeper    control.py    extends this worker's leases; a lost lease stops that request here
     load reporting  load.py       requests held (Prometheus), pod-deletion-cost
 The loops run supervised (supervise.py): one that raises is restarted, and /readyz reports it meanwhile.
-This module owns the set of runs and the lifecycle: start, drain (SIGTERM), stop.
+A request's state as the worker holds it is a ``Run`` (run_state.py). This module owns the set of runs
+and the lifecycle: start, drain (SIGTERM), stop.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from services.common.kafka import broker_session_timeout_ms, ensure_topic, make_
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.wire import TERMINAL
-from services.worker import faults, telemetry
+from services.worker import faults, worker_telemetry
 from services.worker.commits import Committer, RebalanceListener
 from services.worker.control import Control
 from services.worker.engine_client import EngineClient
@@ -42,8 +43,8 @@ from services.worker.kafka_compat import leave_first_generation
 from services.worker.load import LoadReporter
 from services.worker.offsets import OffsetTracker
 from services.worker.publisher import Publisher
-from services.worker.run import Outcome, Run
-from services.worker.runner import Runner
+from services.worker.request_runner import Runner
+from services.worker.run_state import Outcome, Run
 from services.worker.supervise import Supervisor, TaskFactory
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class Worker:
         self._consumer_tasks = [
             self._supervise("fetch", lambda: self.intake.fetch_forever(consumer)),
             self._supervise("commit_loop", self.committer.run_forever),
-            self._supervise("consumer_lag", lambda: telemetry.report_lag_forever(consumer)),
+            self._supervise("consumer_lag", lambda: worker_telemetry.report_lag_forever(consumer)),
         ]
         self._tasks.extend(self._consumer_tasks)
         self._tasks.append(self._supervise("publisher", self.publisher.run_forever))

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from services.common.live import LIVE_CHANNEL, LiveStep, LiveSteps, short_id
+from services.common.live_wire import LIVE_CHANNEL, LiveStep, LiveSteps, short_id
 from services.common.store import REDIS_ERRORS
 
 if TYPE_CHECKING:

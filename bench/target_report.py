@@ -1,4 +1,4 @@
-"""Issue 2's benchmark targets, each next to the figure measured for it, met or not."""
+"""The engine benchmark's targets, each next to the figure measured for it, met or not."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def full_batch_share(run: RunResult | None, batch: int) -> tuple[float, int]:
     return sum(s.schedule_time + s.prepare_time for s in steps) / total, len(steps)
 
 
-def issue2_figures(
+def target_figures(
     probe: DecodeProbeResult,
     saturation: dict[str, dict[str, Any]],
     near: dict[str, dict[str, Any]],
@@ -106,7 +106,7 @@ def issue2_figures(
     c_tok = saturation.get("continuous", {}).get("output_throughput")
     c_cpu = saturation.get("continuous", {}).get("output_tokens_per_cpu_s")
     peers: tuple[tuple[str, float], ...] = (("static", 1.5), ("hf-batch", 3.0), ("hf-generate", 2.0))
-    if "vllm" in saturation:  # issue 10: at least vLLM's CPU backend at the same dtype and threads
+    if "vllm" in saturation:  # target: at least vLLM's CPU backend at the same dtype and threads
         peers += (("vllm", 1.0),)
     for peer, bound in peers:
         p_sat = saturation.get(peer, {}).get("saturated_output_throughput")
@@ -171,7 +171,7 @@ def issue2_figures(
 
 
 def print_figures(figs: list[dict[str, Any]]) -> None:
-    print("\nissue 2 targets")
+    print("\ntargets")
     for f in figs:
         met = {True: "MET", False: "NOT MET", None: "n/a"}[f["met"]]
         print(f"  [{met:>7}] {f['figure']}: {f['value']:.3f} (target {f['target']})")

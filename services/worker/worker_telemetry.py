@@ -27,7 +27,7 @@ from services.common.metrics import EngineMetricsExporter, service_families
 from services.common.settings import Settings
 from services.common.tracing import extract_kafka, get_tracer
 from services.common.wire import RequestMessage
-from services.worker.run import Run
+from services.worker.run_state import Run
 
 if TYPE_CHECKING:
     from engine.metrics import EngineStatsSource
