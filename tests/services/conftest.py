@@ -4,6 +4,11 @@ The shared ``stack`` (one gateway, one worker) serves the tests that only send t
 kill, restart or fill things build their own stack (and their own servers where a restart or a
 shared key would disturb others). ``extra_gateway`` adds a gateway with settings of its own to the
 shared stack, for a test module's lifetime.
+
+``paced_stack`` serves the tests that act on a request while it runs (cancel it, disconnect from it,
+ask who owns it): its worker's engine sleeps ``PACED_STEP_DELAY_S`` before every step, so a request of
+N tokens runs for at least N times that on any host, however fast. ``paced_gateway`` adds a gateway
+with settings of its own (API keys, say) to it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import pytest
 
 from harness.servers import ServerProcess, start_kafka, start_redis
 from harness.stack import ServiceProcess, launch
-from tests.services.stack import REDIS_PASSWORD, Stack, new_stack
+from tests.services.stack import PACED_STEP_DELAY_S, REDIS_PASSWORD, Stack, new_stack
 
 
 @pytest.fixture(scope="session")
@@ -49,14 +54,32 @@ def stack(
     shared.close()
 
 
+@pytest.fixture(scope="session")
+def paced_stack(
+    kafka: ServerProcess,
+    redis_server: ServerProcess,
+    model_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Stack]:
+    """A gateway and one paced worker on the session's broker and Redis, with a topic and consumer group
+    of their own (``new_stack``): neither stack ever takes the other's requests, so the shared stack's
+    traffic runs at full speed and this worker's requests are all the paced tests' own. Started by the
+    first test that asks for it (one worker and one gateway: about 10-20 s on a 2-core host)."""
+    paced = new_stack(
+        kafka,
+        redis_server,
+        model_path,
+        tmp_path_factory.mktemp("paced"),
+        INFLIGHT_FAULT_STEP_DELAY_S=PACED_STEP_DELAY_S,
+    )
+    yield paced
+    paced.close()
+
+
 ExtraGateway = Callable[..., ServiceProcess]
 
 
-@pytest.fixture(scope="module")
-def extra_gateway(stack: Stack) -> Iterator[ExtraGateway]:
-    """``extra_gateway(INFLIGHT_X="...")``: a ready gateway on the shared stack's broker, Redis and
-    workers with those settings on top of the stack's; stopped when the module's tests are done. Not
-    added to ``stack.gateways``: the shared stack's own gateway stays the one its tests reach."""
+def _gateways_on(stack: Stack) -> Iterator[ExtraGateway]:
     started: list[ServiceProcess] = []
 
     def start(**env: str) -> ServiceProcess:
@@ -68,6 +91,20 @@ def extra_gateway(stack: Stack) -> Iterator[ExtraGateway]:
     yield start
     for gateway in started:
         gateway.stop()
+
+
+@pytest.fixture(scope="module")
+def extra_gateway(stack: Stack) -> Iterator[ExtraGateway]:
+    """``extra_gateway(INFLIGHT_X="...")``: a ready gateway on the shared stack's broker, Redis and
+    workers with those settings on top of the stack's; stopped when the module's tests are done. Not
+    added to ``stack.gateways``: the shared stack's own gateway stays the one its tests reach."""
+    yield from _gateways_on(stack)
+
+
+@pytest.fixture(scope="module")
+def paced_gateway(paced_stack: Stack) -> Iterator[ExtraGateway]:
+    """As ``extra_gateway``, on the paced stack: its requests go to the paced worker."""
+    yield from _gateways_on(paced_stack)
 
 
 @pytest.fixture

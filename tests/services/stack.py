@@ -11,17 +11,36 @@ from typing import Any
 from harness.servers import ServerProcess
 from harness.stack import ServiceProcess, Stack, build_stack
 
-__all__ = ["FAST_RECOVERY", "MODEL_NAME", "REDIS_PASSWORD", "Stack", "new_stack", "wait_for", "worker_stats"]
+__all__ = [
+    "FAST_RECOVERY",
+    "MODEL_NAME",
+    "PACED_STEP_DELAY_S",
+    "REDIS_PASSWORD",
+    "Stack",
+    "new_stack",
+    "wait_for",
+    "worker_stats",
+]
 
 MODEL_NAME = "tiny"
 REDIS_PASSWORD = "test-secret"
 
-# Short enough that crash recovery fits a test, long enough for a loaded 2-core machine. (tansu also
-# waits about half the session timeout for members to join a rebalance.)
+# The product's defaults are a 2 s consumer session and a 2 s lease (a SIGKILLed worker's requests
+# resume within about 5 s; test_crash runs those defaults where it measures that). The other tests keep
+# a 6 s session and a 3 s lease: on a loaded 2-core host, where the whole suite's processes take turns,
+# a live worker's I/O loop can go without CPU long enough to miss a 2 s session or let a 2 s lease lapse
+# under a request it still runs, and crash recovery at 6 s still fits a test. (tansu also waits about
+# half the session timeout for members to join a rebalance.)
 FAST_RECOVERY = {
     "INFLIGHT_LEASE_TTL_S": "3",
     "INFLIGHT_KAFKA_SESSION_TIMEOUT_MS": "6000",
 }
+
+
+# The paced stack's engine step delay (conftest.py ``paced_stack``): a request of N tokens runs for at
+# least N x 20 ms on any host (1,800 tokens: 36 s), while the steps stay short enough that a cancel is
+# seen at the next one and a paced test ends soon after it acts.
+PACED_STEP_DELAY_S = "0.02"
 
 
 def new_stack(
