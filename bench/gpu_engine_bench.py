@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from engine.llm_engine import LLMEngine
+from engine.metrics import percentile
 from engine.sampling_params import SamplingParams
 
 LLAMA3_8B: dict[str, Any] = {
@@ -67,10 +67,6 @@ def copy_bandwidth(num_bytes: int = 2 << 30, iters: int = 20) -> float:
         dst.copy_(src)
     torch.cuda.synchronize()
     return 2 * num_bytes * iters / (time.perf_counter() - start)
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 # Every engine loop here stops after a step cap: a step that fails to make progress raises instead
@@ -353,10 +349,10 @@ def main(argv: list[str] | None = None) -> int:
                 "output_tokens": total_out,
                 "seconds": elapsed,
                 "output_tokens_per_s": total_out / elapsed,
-                "ttft_p50_ms": pct(ttft, 50) * 1e3,
-                "ttft_p99_ms": pct(ttft, 99) * 1e3,
-                "tpot_p50_ms": pct(tpot, 50) * 1e3,
-                "tpot_p99_ms": pct(tpot, 99) * 1e3,
+                "ttft_p50_ms": percentile(ttft, 50) * 1e3,
+                "ttft_p99_ms": percentile(ttft, 99) * 1e3,
+                "tpot_p50_ms": percentile(tpot, 50) * 1e3,
+                "tpot_p99_ms": percentile(tpot, 99) * 1e3,
                 "target": ">= 8000 output tok/s",
             }
             print(

@@ -17,25 +17,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.results import RunResult
+from engine.metrics import percentile
 from inflight.plan.slo import SLO
 
 PERCENTILES = (50, 95, 99)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile, linearly interpolated between closest ranks (numpy's default).
-
-    Example: [1, 2, 3, 4], q=50 -> rank 1.5 -> 2.5; q=99 -> rank 2.97 -> 3.97.
-    """
-    if not values:
-        return math.nan
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile must be in [0, 100], got {q}")
-    xs = sorted(values)
-    rank = (len(xs) - 1) * q / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
 
 
 def distribution(values: Sequence[float]) -> dict[str, float]:

@@ -2,15 +2,33 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # torch-free at run time: the gateway's span and metric code imports this module,
     # and the worker's side of an engine core in another process unpickles these records
     from engine.request import Request
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile, linearly interpolated between closest ranks (numpy's default); NaN for no
+    values. The one percentile of the project: the stall watchdog, the planner and the benchmarks.
+
+    Example: [1, 2, 3, 4], q=50 -> rank 1.5 -> 2.5; q=99 -> rank 2.97 -> 3.97.
+    """
+    if not values:
+        return math.nan
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {q}")
+    xs = sorted(values)
+    rank = (len(xs) - 1) * q / 100
+    lo = math.floor(rank)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
 
 
 @dataclass

@@ -31,6 +31,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from engine.metrics import percentile
+
 
 class EngineStalled(RuntimeError):
     """The engine core had work and sent nothing within its bound: it was killed."""
@@ -129,9 +131,7 @@ class StepClock:
         p = self.policy
         bound = p.floor_s
         if self._intervals:
-            ordered = sorted(self._intervals)
-            high = ordered[min(len(ordered) - 1, int(p.quantile * len(ordered)))]
-            bound = max(bound, p.factor * high)
+            bound = max(bound, p.factor * percentile(self._intervals, 100 * p.quantile))
         if self.num_steps < p.warmup_steps:
             bound = max(bound, p.warmup_s)
         return bound

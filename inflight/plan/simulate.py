@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.cost_model import StepCostModel
+from engine.metrics import percentile
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.sched.scheduler import Scheduler
@@ -59,16 +60,6 @@ class _Worker:
 def _clock_of(worker: _Worker) -> Callable[[], float]:
     """The worker's simulated time, as its scheduler reads the clock."""
     return lambda: worker.now
-
-
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    values = sorted(values)
-    k = (len(values) - 1) * q / 100
-    lo = math.floor(k)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
 def simulate(
@@ -249,10 +240,10 @@ def simulate(
         "num_rejected_gateway": rejected,
         "num_rejected_slo": slo_rejected,
         "num_good": num_good,
-        "ttft_p50_s": _percentile(ttft, 50),
-        "ttft_p99_s": _percentile(ttft, 99),
-        "tpot_p50_s": _percentile(tpot, 50),
-        "tpot_p99_s": _percentile(tpot, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
         "output_tok_s": out_tokens / span / share if span > 0 else math.nan,
         "goodput_req_s": num_good / span / share if span > 0 else math.nan,
         "duration_s": span,

@@ -119,21 +119,6 @@ class Settings:
     # the default pending bound, so one key cannot fill the whole queue. Without API keys every client
     # shares one quota.
     max_jobs_per_key: int = 128
-    # The latest a synchronous request may start, counted from admission: past it a worker skips the
-    # request instead of prefilling it, and the gateway fails it (504, code "timeout"). A client may ask
-    # for less with the X-Request-Timeout header, never for more. 300 s: a chat client that has seen no
-    # token for five minutes has almost always given up; jobs wait up to their TTL unless they ask.
-    max_queue_wait_s: float = 300.0
-    # Token events the gateway holds for one stream whose client reads too slowly (its socket is full):
-    # past this many bytes the stream ends with an error event instead of buffering without limit.
-    # 1 MiB is thousands of token events: only a client that has stopped reading reaches it.
-    stream_buffer_bytes: int = 1024 * 1024
-    # Browsers following the live page's feed per gateway (each holds a connection and a small buffer).
-    max_live_viewers: int = 32
-    # Unfinished (queued or running) jobs one API key may have; past it POST /v1/jobs answers 429. Half
-    # the default pending bound, so one key cannot fill the whole queue. Without API keys every client
-    # shares one quota.
-    max_jobs_per_key: int = 128
     # ---- worker -----------------------------------------------------------------------------
     # A worker fetches from Kafka only while fewer than this many of its requests wait to run (the
     # engine's waiting queue plus those fetched and not yet handed to it), so the backlog stays in Kafka,
@@ -188,10 +173,6 @@ class Settings:
             "max_body_bytes": self.max_body_bytes,
             "request_timeout_s": self.request_timeout_s,
             "pending_ttl_s": self.pending_ttl_s,
-            "max_queue_wait_s": self.max_queue_wait_s,
-            "stream_buffer_bytes": self.stream_buffer_bytes,
-            "max_live_viewers": self.max_live_viewers,
-            "max_jobs_per_key": self.max_jobs_per_key,
             "max_queue_wait_s": self.max_queue_wait_s,
             "stream_buffer_bytes": self.stream_buffer_bytes,
             "max_live_viewers": self.max_live_viewers,
@@ -324,10 +305,6 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_PENDING_TTL_S": ("pending_ttl_s", "float"),
     "INFLIGHT_GATEWAY_PORT": ("gateway_port", "int"),
     "INFLIGHT_GATEWAY_METRICS_PORT": ("gateway_metrics_port", "int"),
-    "INFLIGHT_MAX_QUEUE_WAIT_S": ("max_queue_wait_s", "float"),
-    "INFLIGHT_STREAM_BUFFER_BYTES": ("stream_buffer_bytes", "int"),
-    "INFLIGHT_MAX_LIVE_VIEWERS": ("max_live_viewers", "int"),
-    "INFLIGHT_MAX_JOBS_PER_KEY": ("max_jobs_per_key", "int"),
     "INFLIGHT_MAX_QUEUE_WAIT_S": ("max_queue_wait_s", "float"),
     "INFLIGHT_STREAM_BUFFER_BYTES": ("stream_buffer_bytes", "int"),
     "INFLIGHT_MAX_LIVE_VIEWERS": ("max_live_viewers", "int"),
