@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput, StructuredOutputError
 
 SAMPLING_VERSION = 1
 
@@ -38,6 +39,7 @@ class WireSampling:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None  # on the wire: {"kind", "value", "param"}
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> WireSampling:
@@ -47,7 +49,12 @@ class WireSampling:
         return SamplingParams(**{name: getattr(self, name) for name in _NAMES})
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SAMPLING_VERSION, **{name: getattr(self, name) for name in _NAMES}}
+        body = {"v": SAMPLING_VERSION, **{name: getattr(self, name) for name in _NAMES}}
+        spec = self.structured
+        body["structured"] = (
+            None if spec is None else {"kind": spec.kind, "value": spec.value, "param": spec.param}
+        )
+        return body
 
     @classmethod
     def from_json(cls, obj: object) -> WireSampling:
@@ -89,6 +96,7 @@ _SCHEMA: dict[str, tuple[tuple[type, ...], type | None, bool]] = {
     "logprobs": (_INT, None, True),
     "include_stop_str_in_output": ((bool,), None, False),
     "skip_special_tokens": ((bool,), None, False),
+    "structured": ((dict,), None, True),
 }
 _NAMES = tuple(f.name for f in fields(WireSampling))
 assert set(_NAMES) == set(_SCHEMA), "every wire sampling field needs a type check"
@@ -104,4 +112,15 @@ def _check(name: str, value: Any) -> Any:
         ok = all(isinstance(v, element) and not isinstance(v, bool) for v in value)
     if not ok:
         raise SamplingWireError(f"sampling field {name!r} has the wrong type: {value!r}")
+    if name == "structured":
+        return _structured(value)
     return float(value) if kinds is _NUM else value
+
+
+def _structured(value: dict[str, Any]) -> StructuredOutput:
+    if set(value) != {"kind", "value", "param"} or not all(isinstance(v, str) for v in value.values()):
+        raise SamplingWireError(f"sampling field 'structured' has the wrong shape: {sorted(value)}")
+    try:
+        return StructuredOutput(value["kind"], value["value"], value["param"])
+    except StructuredOutputError as exc:
+        raise SamplingWireError(str(exc)) from None

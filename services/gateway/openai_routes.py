@@ -79,7 +79,9 @@ async def _serve(
         kind, prepared, job=False, subscribe=True, stream=bool(body.stream), start_within_s=within_s
     )
     assert sub is not None
-    builder = ResponseBuilder(kind, msg.id, msg.model, int(msg.created), body.n, gw.info.tokenizer, logprobs)
+    builder = ResponseBuilder(
+        kind, msg.id, msg.model, int(msg.created), body.n, gw.info.tokenizer, logprobs, prepared.tool_calls
+    )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(

@@ -15,11 +15,13 @@ from typing import Any
 from engine.inputs import ContextLengthError, check_context_length
 from engine.models.gguf import is_gguf, local_checkpoint
 from engine.sampling_params import SamplingParams
+from engine.structured.spec import StructuredOutput
 from engine.tokenizer import Tokenizer, load_tokenizer
 from services.common.settings import Settings
 from services.common.wire_sampling import WireSampling
 from services.gateway.errors import APIError
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from services.gateway.tools import plan_tools, response_format_spec, tools_message
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class Prepared:
     add_generation_prompt: bool = True  # for messages the worker renders
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    tool_calls: bool = False  # the output is a constrained tool call: answer with tool_calls
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -72,6 +75,7 @@ def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
         raise _bad("echo is not supported", "echo")
     if req.best_of is not None and req.best_of != req.n:
         raise _bad("best_of must equal n (no server-side ranking)", "best_of")
+    structured = response_format_spec(req)
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -81,12 +85,12 @@ def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
         if info.tokenizer is None:
             if not prompt:
                 raise _bad("the prompt is empty", "prompt")
-            return _finish(req, info, [], req.max_tokens, req.logprobs, text=prompt)
+            return _finish(req, info, [], req.max_tokens, req.logprobs, text=prompt, structured=structured)
         _refuse_clearly_too_long(len(prompt), info)
         ids = info.tokenizer.encode(prompt, add_special_tokens=True)
     else:
         ids = [int(t) for t in prompt]
-    return _finish(req, info, ids, req.max_tokens, req.logprobs)
+    return _finish(req, info, ids, req.max_tokens, req.logprobs, structured=structured)
 
 
 def _refuse_clearly_too_long(num_chars: int, info: ModelInfo) -> None:
@@ -114,10 +118,11 @@ def _max_token_chars(tokenizer: Tokenizer) -> int:
 
 
 def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
-    if req.tools:
-        raise _bad("tools are not supported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise _bad("only the text response_format is supported", "response_format")
+    plan = plan_tools(req.tools, req.tool_choice)
+    structured = response_format_spec(req)
+    if plan.spec is not None and structured is not None:
+        raise _bad("a forced tool call cannot also follow a response_format", "response_format")
+    structured = plan.spec or structured
     # Text parts joined into one string, None as "": what every chat template can render.
     messages: list[dict[str, Any]] = [
         {
@@ -127,6 +132,21 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
         | ({"name": m.name} if m.name else {})
         for m in req.messages
     ]
+    for m, out in zip(req.messages, messages, strict=True):
+        if m.tool_calls and not out["content"]:
+            # An earlier call, in the shape this server asks the model to write one.
+            out["content"] = "\n".join(
+                json.dumps({"name": f.get("name"), "arguments": _arguments(f.get("arguments"))})
+                for call in m.tool_calls
+                for f in [call.get("function") or {}]
+            )
+    if plan.render:
+        # One system message lists the tools: templates differ in whether (and how) they render them.
+        listing = tools_message(plan.render)
+        if messages[0]["role"] == "system":
+            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{listing['content']}"}
+        else:
+            messages.insert(0, listing)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if info.tokenizer is None:
@@ -138,6 +158,8 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
             logprobs,
             messages=messages,
             add_generation_prompt=req.add_generation_prompt,
+            structured=structured,
+            tool_calls=plan.calls,
         )
     _refuse_clearly_too_long(sum(len(str(m.get("content") or "")) for m in messages), info)
     try:
@@ -146,7 +168,17 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
         raise _bad(f"the chat template rejected these messages: {exc}", "messages") from None
     # The rendered template already holds bos and the other special tokens.
     ids = info.tokenizer.encode(text, add_special_tokens=False)
-    return _finish(req, info, ids, max_tokens, logprobs)
+    return _finish(req, info, ids, max_tokens, logprobs, structured=structured, tool_calls=plan.calls)
+
+
+def _arguments(raw: Any) -> Any:
+    # OpenAI sends arguments as a JSON string; shown to the model as the object it stands for.
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw
 
 
 def _finish(
@@ -159,6 +191,8 @@ def _finish(
     text: str | None = None,
     messages: list[dict[str, Any]] | None = None,
     add_generation_prompt: bool = True,
+    structured: StructuredOutput | None = None,
+    tool_calls: bool = False,
 ) -> Prepared:
     if not ids and text is None and messages is None:
         raise _bad("the prompt is empty", "prompt")
@@ -192,6 +226,7 @@ def _finish(
         "logprobs": logprobs,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
+        "structured": structured,
     }
     for name in ("top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
@@ -213,4 +248,5 @@ def _finish(
         add_generation_prompt,
         req.slo_ttft_ms,
         req.slo_tpot_ms,
+        tool_calls,
     )

@@ -90,6 +90,12 @@ class _Sampling(_Checked):
     slo_tpot_ms: float | None = Field(None, gt=0.0, le=1e9)
     # Prefix affinity: requests of one session go to one engine (its prefix cache). Falls back to user.
     session_id: str | None = Field(None, max_length=256)
+    # Structured outputs (services/gateway/tools.py): OpenAI's response_format, or one of vLLM's guided_*.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = Field(None, min_length=1, max_length=65536)
+    guided_choice: list[NonEmptyStr] | None = Field(None, min_length=1, max_length=1024)
+    guided_grammar: str | None = Field(None, min_length=1, max_length=65536)
 
 
 class CompletionRequest(_Sampling):
@@ -112,6 +118,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, max_length=128)  # an assistant's earlier calls
 
 
 class ChatCompletionRequest(_Sampling):
@@ -120,8 +127,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_INT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
 

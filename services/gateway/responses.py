@@ -8,6 +8,7 @@ from typing import Any
 from engine.outputs import ChoiceAccumulator
 from engine.tokenizer import Tokenizer
 from services.common.wire import DeltaEvent, DoneEvent, Kind
+from services.gateway.tools import CallStream, new_call_id, parse_call
 
 
 class ResponseBuilder:
@@ -22,6 +23,7 @@ class ResponseBuilder:
         n: int,
         tokenizer: Tokenizer | None,
         logprobs: int | None = None,
+        tool_calls: bool = False,
     ) -> None:
         self.kind = kind
         self.id = request_id
@@ -32,6 +34,9 @@ class ResponseBuilder:
         self.logprobs = logprobs
         self.choices: ChoiceAccumulator[list[list[float]]] = ChoiceAccumulator(n)
         self._role_sent: set[int] = set()
+        # A forced tool call (tools.py): the text is the call, answered as tool_calls.
+        self.tool_calls = tool_calls
+        self._calls: dict[int, CallStream] = {}
 
     @property
     def object(self) -> str:
@@ -48,15 +53,24 @@ class ResponseBuilder:
             choice["logprobs"] = self._completion_logprobs(ev.token_ids, ev.logprobs or [])
         else:
             delta: dict[str, Any] = {"content": ev.text}
+            if self.tool_calls:
+                delta = self._call_delta(ev)
             if ev.index not in self._role_sent:
                 self._role_sent.add(ev.index)
                 delta = {"role": "assistant", **delta}
             choice["delta"] = delta
             choice["logprobs"] = self._chat_logprobs(ev.token_ids, ev.logprobs or [])
         choice["finish_reason"] = ev.finish_reason
+        if self.tool_calls and ev.finish_reason == "stop":
+            choice["finish_reason"] = "tool_calls"
         if ev.finish_reason is not None:
             choice["stop_reason"] = ev.stop_reason
         return self._envelope([choice], chunk=True)
+
+    def _call_delta(self, ev: DeltaEvent) -> dict[str, Any]:
+        call = self._calls.setdefault(ev.index, CallStream())
+        entry = call.feed(ev.text, final=ev.finish_reason is not None)
+        return {"content": None, "tool_calls": [entry]} if entry is not None else {}
 
     def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
         return {**self._envelope([], chunk=True), "usage": usage(done.prompt_tokens, done.completion_tokens)}
@@ -83,7 +97,12 @@ class ResponseBuilder:
                 "finish_reason": finish,
                 "stop_reason": stop_reason,
             }
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        call = parse_call(text) if self.tool_calls and finish == "stop" else None
+        if call is not None:
+            function = {"name": call[0], "arguments": call[1]}
+            message = {"role": "assistant", "content": None, "tool_calls": [_call(function)]}
+            finish = "tool_calls"
         lp = self._chat_logprobs(ids, lps)
         return {
             "index": index,
@@ -140,6 +159,10 @@ class ResponseBuilder:
                 }
             )
         return {"content": content}
+
+
+def _call(function: dict[str, str]) -> dict[str, Any]:
+    return {"id": new_call_id(), "type": "function", "function": function}
 
 
 def _lookup(pairs: list[list[float]], token_id: int) -> float | None:

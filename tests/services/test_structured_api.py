@@ -1,0 +1,177 @@
+"""Structured outputs and tool calls through the whole service path, with the official ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from tests.services.stack import MODEL_NAME, Stack
+
+pytestmark = pytest.mark.timeout(180)
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "unit": {"enum": ["celsius", "fahrenheit"]},
+        "days": {"type": "array", "items": {"type": "integer"}, "maxItems": 3},
+        "where": {
+            "type": "object",
+            "properties": {"lat": {"type": "number"}, "coastal": {"type": "boolean"}},
+            "required": ["lat", "coastal"],
+        },
+    },
+    "required": ["city", "unit", "where"],
+}
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": SCHEMA},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    },
+]
+PROMPTS = ["What is the weather like?", "Tell me about Paris", "Give me JSON", "Numbers please"]
+
+
+def _chat(prompt: str) -> list[Any]:
+    return [{"role": "user", "content": prompt}]
+
+
+def test_json_schema_and_json_object_always_validate(stack: Stack) -> None:
+    client = stack.client()
+    fmt: Any = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA, "strict": True}}
+    finished = 0
+    for i, prompt in enumerate(PROMPTS):
+        resp = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=_chat(prompt),
+            response_format=fmt,
+            temperature=1.0,
+            n=2,
+            max_tokens=300,
+            seed=i,
+        )
+        for c in resp.choices:
+            if c.finish_reason == "stop":
+                jsonschema.validate(json.loads(c.message.content or ""), SCHEMA)
+                finished += 1
+    assert finished >= 6
+    resp = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=_chat("hi"),
+        response_format={"type": "json_object"},
+        max_tokens=300,
+        seed=1,
+    )
+    if resp.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(resp.choices[0].message.content or ""), dict)
+    # Completions take the same field, and vLLM's guided_* ones.
+    comp = client.completions.create(
+        model=MODEL_NAME, prompt="Weather:", max_tokens=300, seed=2, extra_body={"response_format": fmt}
+    )
+    if comp.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(comp.choices[0].text), SCHEMA)
+    comp = client.completions.create(
+        model=MODEL_NAME, prompt="Pick:", max_tokens=20, extra_body={"guided_choice": ["left", "right"]}
+    )
+    assert comp.choices[0].text in ("left", "right")
+    comp = client.completions.create(
+        model=MODEL_NAME, prompt="Code:", max_tokens=20, extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"}
+    )
+    assert len(comp.choices[0].text) == 6 and comp.choices[0].text[2] == "-"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_tool_calls_parse_and_match_the_schema(stack: Stack, choice: Any) -> None:
+    client = stack.client()
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    calls = 0
+    for i, prompt in enumerate(PROMPTS[:3]):
+        resp = client.chat.completions.create(
+            model=MODEL_NAME, messages=_chat(prompt), tools=TOOLS, tool_choice=choice, max_tokens=300, seed=i
+        )
+        c = resp.choices[0]
+        if c.finish_reason == "length":
+            continue
+        assert c.finish_reason == "tool_calls"
+        (call,) = c.message.tool_calls or []
+        assert call.type == "function" and call.id.startswith("call_")
+        if isinstance(choice, dict):
+            assert call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        calls += 1
+    assert calls >= 2
+
+
+def test_streamed_tool_call_reassembles_into_the_whole_one(stack: Stack) -> None:
+    client = stack.client()
+    kwargs: Any = dict(
+        model=MODEL_NAME,
+        messages=_chat("weather?"),
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=300,
+        seed=5,
+    )
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    name, args, ids, finish = "", "", set(), None
+    for chunk in chunks:
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                assert d.index == 0
+                ids.add(d.id) if d.id else None
+                if d.function is not None:
+                    name += d.function.name or ""
+                    args += d.function.arguments or ""
+    assert finish == whole.finish_reason == "tool_calls"
+    (call,) = whole.message.tool_calls or []
+    assert (name, json.loads(args)) == (call.function.name, json.loads(call.function.arguments))
+    assert len(ids) == 1
+    assert sum(1 for ch in chunks for c in ch.choices for _ in c.delta.tool_calls or []) > 2  # fragments
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "bogus"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"guided_regex": "((("}, "guided_regex"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {}}], "tool_choice": "required"}, "tools"),
+    ],
+)
+def test_bad_constraints_are_400_with_their_param(stack: Stack, extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.client().chat.completions.create(
+            model=MODEL_NAME, messages=_chat("hi"), max_tokens=5, extra_body=extra
+        )
+    body: Any = err.value.body
+    assert body["param"] == param and body["type"] == "invalid_request_error"
+    # Nothing harmed: the next request is served.
+    ok = stack.client().chat.completions.create(model=MODEL_NAME, messages=_chat("hi"), max_tokens=3)
+    assert ok.choices[0].finish_reason in ("length", "stop")
