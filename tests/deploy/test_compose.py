@@ -153,8 +153,8 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboards(compose: d
     )
     assert datasources["datasources"][0]["url"] == "http://prometheus:9090"
     providers = yaml.safe_load((REPO / "deploy/grafana/provisioning/dashboards/inflight.yml").read_text())
-    assert providers["providers"][0]["options"]["path"] == mounts["./deploy/grafana/dashboards"]
-    dashboards = sorted((REPO / "deploy/grafana/dashboards").glob("*.json"))
+    assert providers["providers"][0]["options"]["path"] == mounts["./charts/inflight/dashboards"]
+    dashboards = sorted((REPO / "charts/inflight/dashboards").glob("*.json"))
     assert dashboards
     for path in dashboards:
         dashboard = json.loads(path.read_text())
