@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import httpx
 import jsonschema
 import openai
 import pytest
 
-from tests.services.stack import MODEL_NAME, Stack
+from tests.services.stack import MODEL_NAME, Stack, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -175,3 +176,37 @@ def test_bad_constraints_are_400_with_their_param(stack: Stack, extra: dict[str,
     # Nothing harmed: the next request is served.
     ok = stack.client().chat.completions.create(model=MODEL_NAME, messages=_chat("hi"), max_tokens=3)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def test_jobs_take_the_same_fields(stack: Stack) -> None:
+    body = {
+        "model": MODEL_NAME,
+        "messages": _chat("Numbers please"),
+        "max_tokens": 300,
+        "seed": 3,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "add"}},
+    }
+    resp = httpx.post(
+        f"{stack.url}/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": body}, timeout=30
+    )
+    assert resp.status_code == 202, resp.text
+    job_id = resp.json()["id"]
+    done = wait_for(
+        lambda: (
+            (j := httpx.get(f"{stack.url}/v1/jobs/{job_id}", timeout=30).json())["status"] == "completed"
+            and j
+        ),
+        60,
+        message="job done",
+    )
+    choice = done["result"]["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    call = json.loads(choice["message"]["content"])  # the call as JSON content (see the README)
+    assert call["name"] == "add"
+    jsonschema.validate(call["arguments"], TOOLS[1]["function"]["parameters"])
+    bad = {"model": MODEL_NAME, "messages": _chat("hi"), "response_format": {"type": "yaml"}}
+    resp = httpx.post(
+        f"{stack.url}/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": bad}, timeout=30
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "response_format"
