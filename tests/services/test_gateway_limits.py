@@ -3,7 +3,9 @@ viewer cap and its one Redis subscription, the per-key job quota, metadata sizes
 carried through the real broker.
 
 One gateway for the module: API keys on, no checkpoint (it forwards text, so a large prompt reaches the
-worker through Kafka instead of being refused at the gateway's tokenizer), small caps.
+worker through Kafka instead of being refused at the gateway's tokenizer), small caps. It sits on the
+paced stack, so a job of 1,500 tokens stays unfinished (at least 30 s) until the test cancels it, on any
+host: the quota counts it.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ BOB = {"Authorization": "Bearer bob-key"}
 
 
 @pytest.fixture(scope="module")
-def gateway(extra_gateway: ExtraGateway) -> ServiceProcess:
-    return extra_gateway(
+def gateway(paced_gateway: ExtraGateway) -> ServiceProcess:
+    return paced_gateway(
         INFLIGHT_MODEL="",
         INFLIGHT_API_KEYS="alice-key,bob-key",
         INFLIGHT_MAX_LIVE_VIEWERS="2",

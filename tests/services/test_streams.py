@@ -61,13 +61,31 @@ def _deltas(request_id: str, first: int, last: int) -> list[Event]:
     return [DeltaEvent(request_id, seq, 0, [seq], f"t{seq} ") for seq in range(first, last + 1)]
 
 
-async def _log_reads(admin: aioredis.Redis, key: str, into: list[int]) -> None:
-    """The start index of every LRANGE on ``key``, as Redis executed them (MONITOR)."""
+async def _log_reads(admin: aioredis.Redis, key: str, into: list[int], watching: asyncio.Event) -> None:
+    """The start index of every LRANGE on ``key``, as Redis executed them (MONITOR), until an ECHO of
+    ``key`` (``_stop_reads``). ``watching`` is set once Redis has said OK to MONITOR: from then on it
+    reports every command, in the order it ran them, however slow the host."""
     async with admin.monitor() as monitor:
+        watching.set()
         async for command in monitor.listen():
             words = str(command.get("command", "")).split()
+            if len(words) >= 2 and words[0].upper() == "ECHO" and words[1] == key:
+                return
             if len(words) >= 3 and words[0].upper() == "LRANGE" and words[1] == key:
                 into.append(int(words[2]))
+
+
+async def _watch_reads(admin: aioredis.Redis, key: str, into: list[int]) -> asyncio.Task[None]:
+    watching = asyncio.Event()
+    monitor = asyncio.create_task(_log_reads(admin, key, into, watching))
+    await asyncio.wait_for(watching.wait(), 10)
+    return monitor
+
+
+async def _stop_reads(admin: aioredis.Redis, key: str, monitor: asyncio.Task[None]) -> None:
+    # The ECHO runs after every read the caller has seen answered, so the monitor has seen those first.
+    await admin.echo(key)
+    await asyncio.wait_for(monitor, 10)
 
 
 async def _take(events: AsyncIterator[Event | None], count: int) -> list[Event]:
@@ -86,13 +104,12 @@ async def test_a_late_subscriber_reads_the_log_in_pages(bench: Bench) -> None:
         request_id, [*_deltas(request_id, 1, total), DoneEvent(request_id, total + 1, COMPLETED)]
     )
     starts: list[int] = []
-    monitor = asyncio.create_task(_log_reads(bench.admin, keys.log(request_id), starts))
-    await asyncio.sleep(0.2)
+    monitor = await _watch_reads(bench.admin, keys.log(request_id), starts)
     sub = await bench.hub.subscribe(request_id)
     sub.resync()
     got = await _take(sub.events(30), total + 1)
     await bench.hub.unsubscribe(sub)
-    monitor.cancel()
+    await _stop_reads(bench.admin, keys.log(request_id), monitor)
     assert [e.seq for e in got] == list(range(1, total + 2)) and isinstance(got[-1], DoneEvent)
     # Page by page, each read once: never the whole log at once.
     assert starts == [0, LOG_PAGE, 2 * LOG_PAGE]
@@ -106,8 +123,7 @@ async def test_a_reconnect_reads_only_what_the_stream_missed(bench: Bench) -> No
     assert [e.seq for e in await _take(events, 300)] == list(range(1, 301))
 
     starts: list[int] = []
-    monitor = asyncio.create_task(_log_reads(bench.admin, keys.log(request_id), starts))
-    await asyncio.sleep(0.2)
+    monitor = await _watch_reads(bench.admin, keys.log(request_id), starts)
     # Cut the hub's pub/sub connection (as a Redis restart or a network blip would), and publish while
     # it is down: those events reach the stream only through its log.
     clients = await bench.admin.client_list()
@@ -116,7 +132,7 @@ async def test_a_reconnect_reads_only_what_the_stream_missed(bench: Bench) -> No
     await bench.admin.client_kill_filter(_id=pubsub[0]["id"])
     await bench.publish(request_id, [*_deltas(request_id, 301, 305), DoneEvent(request_id, 306, COMPLETED)])
     rest = await _take(events, 6)
-    monitor.cancel()
+    await _stop_reads(bench.admin, keys.log(request_id), monitor)
     assert [e.seq for e in rest] == list(range(301, 307)) and isinstance(rest[-1], DoneEvent)
     # The resync read from seq 301's place in the log on (index 300), not the 300 events it had.
     assert starts and min(starts) == 300, starts
@@ -140,7 +156,12 @@ async def test_a_client_that_stops_reading_is_cut_off(redis_server: ServerProces
             await bench.publish(request_id, _deltas(request_id, first, first + 19))
             await asyncio.sleep(0.01)
             peak = max(peak, bench.hub.buffered_bytes)
-        await asyncio.sleep(0.2)
+        # The hub reads pub/sub at its own pace: wait until it has reached the bound (a loaded host's
+        # reader may be behind the publishes above), not a fixed while.
+        for _ in range(300):
+            if overflowed:
+                break
+            await asyncio.sleep(0.05)
         # Never more than the bound held for it; once over, the buffer is dropped and the owner told.
         assert peak <= bound and bench.hub.buffered_bytes == 0
         assert overflowed == [request_id]
