@@ -169,11 +169,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
 def _min_tokens_mask(rows: list[SamplingRow], vocab: int) -> list[tuple[int, int]]:
     """(row, token) pairs banned because the row has not reached min_tokens yet.
 
-    Banned: stop_token_ids, and eos unless ignore_eos (then eos does not stop the row anyway).
+    Banned: stop_token_ids, and eos unless ignore_eos (then eos does not stop the row anyway). Not for a
+    row with a grammar: once its grammar is complete eos may be the only token it allows.
     """
     pairs: list[tuple[int, int]] = []
     for i, r in enumerate(rows):
-        if r.num_output_tokens < r.params.min_tokens:
+        if r.num_output_tokens < r.params.min_tokens and r.grammar is None:
             banned = set(r.params.stop_token_ids)
             if r.eos_token_id is not None and not r.params.ignore_eos:
                 banned.add(r.eos_token_id)

@@ -31,6 +31,11 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256
 
 
+def _bit(i: int) -> int:
+    """Bit i of an int32 word, as the signed value torch's int32 takes (bit 31 is the sign)."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
+
+
 class GrammarState:
     """One sequence's matcher: which tokens may come next, advanced by each accepted token."""
 
@@ -41,8 +46,13 @@ class GrammarState:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this sequence's allowed tokens into ``bitmask[row]`` (int32 words, one bit per token)."""
-        if self.failed or self._matcher.is_terminated():
+        if self.failed:
             bitmask[row].fill_(-1)  # nothing left to constrain: every token allowed
+        elif self._matcher.is_terminated():
+            # Complete, and eos taken, yet the row goes on (min_tokens, ignore_eos): only eos again.
+            bitmask[row].zero_()
+            for token in self._matcher.stop_token_ids:
+                bitmask[row, token // 32] |= _bit(token % 32)
         else:
             self._matcher.fill_next_token_bitmask(bitmask, row)
             if self._keep is not None:

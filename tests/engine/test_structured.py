@@ -152,3 +152,13 @@ def test_async_scheduling_and_preemption_keep_the_same_outputs(llm: LLM, tiny_ll
     assert got == want
     assert tight.engine.scheduler.num_preemptions > 0
     _clean(tight)
+
+
+def test_grammar_wins_over_min_tokens(llm: LLM) -> None:
+    # Once "yes" is written the grammar allows eos alone: min_tokens must not ban it (every logit -inf),
+    # and until min_tokens is reached the complete grammar keeps allowing eos alone (no free tail).
+    params = SamplingParams(max_tokens=20, min_tokens=10, structured=StructuredOutput("choice", '["yes"]'))
+    out = llm.generate(["say yes"], params)[0].outputs[0]
+    assert (out.text, out.finish_reason) == ("yes", "stop")
+    assert len(out.token_ids) >= 10
+    _clean(llm)
