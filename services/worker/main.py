@@ -79,7 +79,18 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(worker.drain()))
-    await worker.start()
+    try:
+        await worker.start()
+    except BaseException:
+        # Kafka or Redis unreachable at start-up, say. The engine core ignores SIGTERM (see
+        # engine/core/proc.py), so leaving it to multiprocessing's exit handler would hang this
+        # process for good, up but serving nothing: stop everything, then fail for a restart.
+        log.exception("the worker could not start")
+        server.should_exit = True
+        await http
+        await stop_live(live_task)
+        await engine.shutdown()
+        raise
     stall_exit = asyncio.create_task(_exit_after_stall(worker, probes))
     await worker.wait_stopped()
     stall_exit.cancel()
