@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 
 from aiokafka import AIOKafkaConsumer
-from aiokafka.errors import KafkaError
+from aiokafka.errors import ConsumerStoppedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
 from services.common.metrics import service_families
@@ -78,6 +78,8 @@ class Intake:
             try:
                 # Paused partitions return nothing; the call still keeps the consumer polling.
                 batch = await consumer.getmany(timeout_ms=50 if room <= 0 else 100, max_records=max(room, 1))
+            except ConsumerStoppedError:
+                return  # stopped on purpose (a drain, a dead engine): done, not a failure to restart
             except KafkaError as exc:
                 log.warning("fetch failed: %s", exc)
                 await asyncio.sleep(0.5)

@@ -90,3 +90,17 @@ async def test_the_worker_commits_past_a_batch_but_not_past_a_lost_log(broker: S
         await committer.close()
         await consumer.stop()
         await producer.stop()
+
+
+async def test_a_stopped_consumer_ends_the_fetch_task_instead_of_failing(broker: ServerProcess) -> None:
+    """A drain (or a dead engine) stops the consumer; the fetch loop then ends (it is not a failure for
+    the supervisor to restart and log as an error)."""
+    from services.worker.intake import Intake
+
+    settings = Settings(kafka_bootstrap=broker.address, kafka_consumer_group="stopped")
+    consumer = make_consumer(settings)
+    await consumer.start()
+    await consumer.stop()
+    intake = Intake(settings, None, None, OffsetTracker(), {}, lambda run: None, lambda coro: None)  # type: ignore[arg-type]
+    intake.stopped = True  # draining: room() is not asked
+    await asyncio.wait_for(intake.fetch_forever(consumer), 10)
