@@ -16,6 +16,7 @@ q ~ Exp(1) over the vocabulary and picks argmax(p / q), which is an exact sample
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -269,9 +270,11 @@ class Sampler:
 
     def __init__(self, fused: bool | None = None) -> None:
         self.fused = fused
-        # Host seconds spent on grammar masks (fill, apply, advance) since start: the cost of
-        # structured outputs, reported by benchmarks. Stays 0 while no row is constrained.
+        # Host seconds spent on grammar masks (fill, apply, advance) since start, the fill counted even
+        # where it overlapped the forward pass: the cost of structured outputs, reported by benchmarks.
+        # Stays 0 while no row is constrained.
         self.grammar_seconds = 0.0
+        self._mask_pool: ThreadPoolExecutor | None = None  # started by the first constrained step
 
     def _use_fused(self, device: torch.device) -> bool:
         if self.fused is not None:
@@ -282,11 +285,27 @@ class Sampler:
 
         return triton_available()
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        return self.sample(logits, rows).to_host()
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: Future[torch.Tensor] | None = None
+    ) -> SamplerOutput:
+        return self.sample(logits, rows, masks).to_host()
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampledTensors:
-        """The tokens (and logprobs) on the logits' device, without waiting for them."""
+    def begin_masks(self, rows: list[SamplingRow], vocab_size: int) -> Future[torch.Tensor] | None:
+        """Start filling the step's grammar bitmasks on a helper thread, before the forward pass, so the
+        fill overlaps the model (torch releases the GIL in its kernels); ``sample`` waits for it. None
+        (no thread, no work) when no row has a grammar. The rows' grammars must not advance meanwhile:
+        they do only in ``sample``, after the wait."""
+        if all(r.grammar is None for r in rows):
+            return None
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="inflight-grammar")
+        return self._mask_pool.submit(self._fill, rows, vocab_size)
+
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], masks: Future[torch.Tensor] | None = None
+    ) -> SampledTensors:
+        """The tokens (and logprobs) on the logits' device, without waiting for them. ``masks``: the
+        bitmasks ``begin_masks`` started for these rows (else they are filled here)."""
         n, vocab = logits.shape
         if n != len(rows):
             raise ValueError(f"logits has {n} rows but {len(rows)} sampling rows were given")
@@ -306,7 +325,7 @@ class Sampler:
         if constrained:
             if work is logits:
                 work = logits.clone()
-            self._mask(work, rows, constrained)
+            self._mask(work, rows, constrained, masks)
 
         random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(random_rows) == n:
@@ -320,16 +339,32 @@ class Sampler:
             self._advance(tokens, rows, constrained)
         return self._logprobs(logits, rows, tokens)
 
-    def _mask(self, work: torch.Tensor, rows: list[SamplingRow], constrained: list[int]) -> None:
-        """-inf on every token the rows' grammars refuse: bitmasks filled per row, applied in one pass."""
-        from engine.structured.grammar import allocate_bitmask, apply_bitmask
+    def _fill(self, rows: list[SamplingRow], vocab_size: int) -> torch.Tensor:
+        """[n, ceil(V / 32)] int32 bitmasks: each constrained row's allowed tokens, other rows all ones."""
+        from engine.structured.grammar import allocate_bitmask
 
         start = time.perf_counter()
-        bitmask = allocate_bitmask(work.shape[0], work.shape[1])  # [n, ceil(V / 32)] int32, all allowed
-        for i in constrained:
-            grammar = rows[i].grammar
-            assert grammar is not None
-            grammar.fill(bitmask, i)
+        bitmask = allocate_bitmask(len(rows), vocab_size)
+        for i, r in enumerate(rows):
+            if r.grammar is not None:
+                r.grammar.fill(bitmask, i)
+        self.grammar_seconds += time.perf_counter() - start
+        return bitmask
+
+    def _mask(
+        self,
+        work: torch.Tensor,
+        rows: list[SamplingRow],
+        constrained: list[int],
+        masks: Future[torch.Tensor] | None,
+    ) -> None:
+        """-inf on every token the rows' grammars refuse, applied to all constrained rows in one pass."""
+        from engine.structured.grammar import apply_bitmask
+
+        bitmask = masks.result() if masks is not None else None
+        if bitmask is None or bitmask.shape[0] != work.shape[0] or bitmask.shape[1] * 32 < work.shape[1]:
+            bitmask = self._fill(rows, work.shape[1])
+        start = time.perf_counter()
         apply_bitmask(work, bitmask, constrained)
         self.grammar_seconds += time.perf_counter() - start
 

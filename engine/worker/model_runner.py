@@ -260,10 +260,6 @@ class ModelRunner:
         inputs = self.prepare(out)
         # Host time: on a GPU the copies above are asynchronous and the model has not started.
         prepare_time = time.perf_counter() - start
-        hidden = self.forward(inputs)
-        if not inputs.sampling_requests:
-            return RunnerOutput({}, {}, prepare_time)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         rows = [
             SamplingRow(
                 params=r.sampling_params,
@@ -275,7 +271,13 @@ class ModelRunner:
             )
             for r in inputs.sampling_requests
         ]
-        result = self.sampler(logits, rows)
+        # Grammar masks (structured outputs) fill while the model runs; nothing happens without one.
+        masks = self.sampler.begin_masks(rows, self.config.model.vocab_size)
+        hidden = self.forward(inputs)
+        if not inputs.sampling_requests:
+            return RunnerOutput({}, {}, prepare_time)
+        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+        result = self.sampler(logits, rows, masks)
         sampled = {}
         for state, token in zip(inputs.sampling_requests, result.token_ids, strict=True):
             sampled[state.req_id] = token

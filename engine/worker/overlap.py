@@ -222,10 +222,12 @@ class StepOverlap:
             values = prev_tokens.tolist() if prev_tokens is not None else None
             for row, sample in step.patches:
                 step.rows[row].output_token_ids[-1] = values[sample] if values is not None else 0
+        # In step order, after the previous step's tokens advanced the grammars: fills during the forward.
+        masks = runner.sampler.begin_masks(step.rows, runner.config.model.vocab_size)
         hidden = runner.forward(inputs)
         if not step.rows:
             return None
         logits = runner.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-        sampled = runner.sampler.sample(logits, step.rows)
+        sampled = runner.sampler.sample(logits, step.rows, masks)
         sampled.copy_to_host_async()
         return sampled

@@ -11,6 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.messages import AddRequest, Failure, core_codec
+from engine.sampling.sampler import Sampler, SamplingRow
 from engine.structured.spec import StructuredOutput, StructuredOutputError
 
 SCHEMA = {
@@ -162,3 +163,13 @@ def test_grammar_wins_over_min_tokens(llm: LLM) -> None:
     assert (out.text, out.finish_reason) == ("yes", "stop")
     assert len(out.token_ids) >= 10
     _clean(llm)
+
+
+def test_unconstrained_batches_do_no_mask_work(llm: LLM) -> None:
+    sampler = llm.engine.runner.sampler
+    before = sampler.grammar_seconds
+    llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=8))
+    assert sampler.grammar_seconds == before  # no bitmask filled, applied or advanced
+    fresh = Sampler()
+    row = SamplingRow(SamplingParams(), [1, 2], [], seed=0)
+    assert fresh.begin_masks([row], 1024) is None and fresh._mask_pool is None  # no helper thread either
