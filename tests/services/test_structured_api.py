@@ -210,3 +210,35 @@ def test_jobs_take_the_same_fields(stack: Stack) -> None:
         f"{stack.url}/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": bad}, timeout=30
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "response_format"
+
+
+def test_auto_and_none_answer_text_and_a_call_round_trip_is_accepted(stack: Stack) -> None:
+    client = stack.client()
+    prompt_tokens = {}
+    for choice in ("auto", "none"):
+        resp = client.chat.completions.create(
+            model=MODEL_NAME, messages=_chat("hi"), tools=TOOLS, tool_choice=choice, max_tokens=4, seed=1
+        )
+        c = resp.choices[0]
+        assert c.message.tool_calls is None and c.finish_reason in ("length", "stop")
+        assert resp.usage is not None
+        prompt_tokens[choice] = resp.usage.prompt_tokens
+    assert prompt_tokens["auto"] > prompt_tokens["none"] + 50  # auto lists the tools in the prompt
+    # The conversation after a call: the assistant's tool_calls and the tool's answer go back in.
+    history: Any = [
+        {"role": "user", "content": "add 2 and 3"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+    ]
+    resp = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, max_tokens=4)
+    assert resp.choices[0].finish_reason in ("length", "stop")
