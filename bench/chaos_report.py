@@ -115,7 +115,7 @@ def _ran_twice(stack: Stack, request_id: str) -> tuple[str | None, int]:
 
     A pipelined publish that Redis took only in part (the OOM bound reached midway, a connection
     dropped after the scripts ran) is sent again whole, so some events are logged twice, byte for byte;
-    readers drop them by seq (services/gateway/streams.py). Running twice shows differently: one seq
+    readers drop them by seq (services/gateway/token_streams.py). Running twice shows differently: one seq
     with two different events (other tokens, another worker), a gap, or more than one terminal event.
     """
     raw = stack.redis_client().lrange(keys.log(request_id), 0, -1)

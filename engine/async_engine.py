@@ -18,9 +18,9 @@ from typing import Any
 
 from engine.llm_engine import LLMEngine, Prompt
 from engine.metrics import EngineMetrics, SchedulerStats
+from engine.output_stream import Stream, stream_outputs
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.streams import Stream, stream_outputs
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from engine.overlap import decide_async_scheduling
+from engine.async_scheduling import decide_async_scheduling
 from engine.platform import cpu_auto_dtype
 
 _DTYPES = {
@@ -175,7 +175,7 @@ class EngineArgs:
     max_waiting: int | None = None
     enable_cuda_graph: bool = True  # GPU: replay CUDA graphs captured for decode-only steps.
     # Plan step N+1 while step N runs (vLLM's async scheduling); None = decide from the host, see
-    # engine/overlap.py. Off is the plain synchronous step.
+    # engine/async_scheduling.py. Off is the plain synchronous step.
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:

@@ -29,8 +29,8 @@ from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.worker.model_runner import ModelRunner
-from engine.worker.overlap import StepHandle
 from engine.worker.step_io import RunnerOutput
+from engine.worker.step_overlap import StepHandle
 
 if TYPE_CHECKING:
     from engine.tokenizer import Tokenizer

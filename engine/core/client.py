@@ -50,7 +50,7 @@ from engine.core.messages import (
 )
 from engine.core.watchdog import EngineStalled, StallPolicy, StepClock
 from engine.metrics import EngineMetrics, SchedulerStats
-from engine.streams import Stream, stream_outputs
+from engine.output_stream import Stream, stream_outputs
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput

@@ -23,10 +23,10 @@ from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sched.output import SchedulerOutput
 from engine.worker.cuda_graph import GraphedDecode
 from engine.worker.input_batch import InputBatch
-from engine.worker.overlap import StepHandle, StepOverlap
 from engine.worker.piecewise_graph import PiecewiseGraphs, piecewise_buckets
 from engine.worker.staging import InputStaging
 from engine.worker.step_io import PreparedInputs, RunnerOutput
+from engine.worker.step_overlap import StepHandle, StepOverlap
 
 # Without an explicit size, the CPU cache holds every sequence at full length, capped at this.
 _DEFAULT_CPU_KV_BYTES = 2 << 30
@@ -289,7 +289,7 @@ class ModelRunner:
         }
         return RunnerOutput(sampled, logprobs, prepare_time)
 
-    # ---- async scheduling (engine/worker/overlap.py) ----------------------------------------
+    # ---- async scheduling (engine/worker/step_overlap.py) ----------------------------------------
     def submit(self, out: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
         """Start step ``out`` behind ``prev`` (the step still running) without waiting for either."""
         assert self.overlap is not None, "async_scheduling is off"

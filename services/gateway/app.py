@@ -25,7 +25,7 @@ from services.gateway.errors import APIError
 from services.gateway.live_feed import LiveFeed
 from services.gateway.prompts import load_model_info
 from services.gateway.state import Gateway
-from services.gateway.streams import Hub
+from services.gateway.token_streams import Hub
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from services.common.store import REDIS_ERRORS, Store
 from services.common.tracing import get_tracer, inject_kafka
 from services.common.wire import FAILED, RequestMessage
 from services.gateway.errors import APIError, unavailable
-from services.gateway.streams import Hub, Subscription
+from services.gateway.token_streams import Hub, Subscription
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from services.gateway.prompts import Prepared, prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from services.gateway.responses import ResponseBuilder
 from services.gateway.state import Gateway, gateway
-from services.gateway.streams import StreamError, Subscription
+from services.gateway.token_streams import StreamError, Subscription
 
 log = logging.getLogger(__name__)
 router = APIRouter()

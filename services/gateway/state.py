@@ -17,7 +17,7 @@ from services.common.store import Store
 from services.common.wire import Kind, RequestMessage
 from services.gateway.dispatch import Dispatcher
 from services.gateway.prompts import ModelInfo, Prepared
-from services.gateway.streams import Hub, Subscription
+from services.gateway.token_streams import Hub, Subscription
 
 
 @dataclass

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.async_scheduling import decide_async_scheduling
 from engine.llm_engine import LLMEngine
-from engine.overlap import decide_async_scheduling
 from engine.sampling_params import SamplingParams
 from engine.sched.async_scheduler import AsyncScheduler
 

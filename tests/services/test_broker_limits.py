@@ -24,7 +24,7 @@ from services.common.wire import RequestMessage
 from services.common.wire_sampling import WireSampling
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import APIError
-from services.gateway.streams import Hub
+from services.gateway.token_streams import Hub
 from tests.services.stack import REDIS_PASSWORD
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from services.common import keys
 from services.common.store import REDIS_ERRORS, Store
 from services.common.wire import DeltaEvent, DoneEvent, Event, decode_event, encode_event
-from services.gateway.streams import Hub
+from services.gateway.token_streams import Hub
 from tests.services.stack import REDIS_PASSWORD
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from harness.servers import ServerProcess
 from services.common import keys
 from services.common.store import Store
 from services.common.wire import COMPLETED, DeltaEvent, DoneEvent, Event, encode_event
-from services.gateway.streams import LOG_PAGE, Hub, StreamError, Subscription
+from services.gateway.token_streams import LOG_PAGE, Hub, StreamError, Subscription
 from tests.services.stack import REDIS_PASSWORD
 
 pytestmark = pytest.mark.timeout(60)
