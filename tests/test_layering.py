@@ -6,12 +6,13 @@ loopback harness only through ``inflight dev``'s optional, lazy import, and the 
 from __future__ import annotations
 
 import ast
-import json
 import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+from tests.imports import modules_loaded_by_importing
 
 REPO = Path(__file__).resolve().parents[1]
 INSTALLED = ("engine", "services", "inflight")
@@ -53,20 +54,7 @@ def test_services_import_no_planner_or_command_line() -> None:
 
 
 def test_importing_every_installed_module_loads_no_repository_only_module() -> None:
-    # A fresh interpreter, so that what other tests imported cannot hide a stray import.
-    script = (
-        "import importlib, json, pkgutil, sys\n"
-        "for top in ('services', 'inflight'):\n"
-        "    package = importlib.import_module(top)\n"
-        "    for info in pkgutil.walk_packages(package.__path__, top + '.'):\n"
-        "        importlib.import_module(info.name)\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=180, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    loaded = json.loads(done.stdout.splitlines()[-1])
+    loaded = modules_loaded_by_importing("services", "inflight")
     assert "inflight.plan.simulate" in loaded and "services.gateway.app" in loaded  # the walk did import
     assert [m for m in loaded if m.split(".")[0] in REPOSITORY_ONLY] == []
 

@@ -4,10 +4,9 @@ code, nor the service stack's libraries (FastAPI, Kafka, Redis). tests/test_laye
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.imports import modules_loaded_by_importing
 
 REPO = Path(__file__).resolve().parents[2]
 # The layers above the engine, the repository-only trees, and the service stack's own libraries.
@@ -15,20 +14,7 @@ UPPER = {"services", "bench", "inflight", "harness", "tests", "fastapi", "aiokaf
 
 
 def test_engine_imports_no_service_bench_or_cli_module() -> None:
-    # A fresh interpreter, so that modules other tests imported cannot hide a stray import. Every engine
-    # module is imported, not just the package, since the package itself imports almost nothing.
-    script = (
-        "import importlib, json, pkgutil, sys\n"
-        "import engine\n"
-        "for info in pkgutil.walk_packages(engine.__path__, 'engine.'):\n"
-        "    importlib.import_module(info.name)\n"
-        "print(json.dumps(sorted(sys.modules)))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    loaded = json.loads(done.stdout.splitlines()[-1])
+    loaded = modules_loaded_by_importing("engine")
     assert "engine.llm_engine" in loaded and "engine.sched.scheduler" in loaded  # the walk did import
     above = [m for m in loaded if m.split(".")[0] in UPPER]
     assert above == []
