@@ -46,10 +46,15 @@ def _sample(core: int | None, seconds: float, window: float, out: Any) -> None:
     if core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
+    from engine.platform import cpu_has_bf16_matmul
+
+    # The dtype the engine would pick here: bf16 only where the CPU multiplies it in hardware (an
+    # AVX2-only host runs bf16 GEMMs hundreds of times slower, and a window would hold no loop at all).
+    dtype = torch.bfloat16 if cpu_has_bf16_matmul() else torch.float32
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(576, 1536, generator=gen).to(torch.bfloat16)
-    decode = torch.randn(64, 576, generator=gen).to(torch.bfloat16)
-    prefill = torch.randn(256, 576, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(576, 1536, generator=gen).to(dtype)
+    decode = torch.randn(64, 576, generator=gen).to(dtype)
+    prefill = torch.randn(256, 576, generator=gen).to(dtype)
     rates = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
