@@ -249,14 +249,16 @@ class FaultRunner:
 
     # ---- Redis refusing writes ----------------------------------------------------------------------
     def redis_spell(self, name: str) -> Fault:
-        """For ``spell_s``, Redis answers writes with OOM (``maxmemory`` just above what it uses, with
-        ``noeviction``) or READONLY (a replica of a master that is not there: it keeps its data, unlike a
-        replica that syncs, and pub/sub still works, as on a real replica after a failover)."""
+        """For ``spell_s``, Redis answers writes with OOM (``maxmemory`` of one byte with ``noeviction``:
+        every write is refused, however much the traffic frees meanwhile; a bound just above the memory in
+        use let writes through once finished requests' keys were freed during the spell) or READONLY (a
+        replica of a master that is not there: it keeps its data, unlike a replica that syncs, and pub/sub
+        still works, as on a real replica after a failover)."""
         r = self.stack.redis_client()
         began = time.monotonic()
         if name == "redis oom":
             r.config_set("maxmemory-policy", "noeviction")
-            r.config_set("maxmemory", int(r.info("memory")["used_memory"]) + 64 * 1024)
+            r.config_set("maxmemory", 1)
         else:
             r.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
         refused = ""
