@@ -177,6 +177,9 @@ class EngineArgs:
     # Plan step N+1 while step N runs (vLLM's async scheduling); None = decide from the host, see
     # engine/async_scheduling.py. Off is the plain synchronous step.
     async_scheduling: bool | None = None
+    # Ranks the model is split over (Megatron-style; NCCL on GPUs, one GPU per rank; gloo on a CPU).
+    # One scheduler, KV manager and sampler; each rank holds 1/N of the heads and the MLP.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -209,6 +212,8 @@ class EngineArgs:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> EngineArgs:
@@ -252,6 +257,11 @@ class EngineConfig:
     slo_tpot_horizon: int | None = 16
     async_scheduling: bool = False
     async_scheduling_reason: str = "default"  # why it is on or off, for the engine's start-up log
+    tensor_parallel_size: int = 1
+
+    def with_device(self, device: torch.device) -> EngineConfig:
+        """This config on another device (a tensor-parallel rank's own GPU)."""
+        return dataclasses.replace(self, device=device)
 
     @classmethod
     def resolve(cls, args: EngineArgs) -> EngineConfig:
@@ -312,6 +322,15 @@ class EngineConfig:
 
                 attn = "cpu" if cpu_kernels.load() else "torch"
         overlap, overlap_reason = decide_async_scheduling(args.async_scheduling, device)
+        if args.tensor_parallel_size > 1:
+            from engine.distributed.sharding import check_divisible
+
+            check_divisible(model, args.tensor_parallel_size)
+            if device.type == "cuda" and torch.cuda.device_count() < args.tensor_parallel_size:
+                raise ValueError(
+                    f"tensor_parallel_size {args.tensor_parallel_size} needs as many GPUs; "
+                    f"{torch.cuda.device_count()} visible"
+                )
         return cls(
             model_path=args.model,
             model=model,
@@ -342,4 +361,5 @@ class EngineConfig:
             slo_tpot_horizon=args.slo_tpot_horizon,
             async_scheduling=overlap,
             async_scheduling_reason=overlap_reason,
+            tensor_parallel_size=args.tensor_parallel_size,
         )

@@ -58,7 +58,15 @@ DISABLE_CPU_KERNELS = EnvVar(
     'true: never build or load the C++ CPU kernels; `attention_backend="auto"` then runs the torch path.',
 )
 
-ENGINE_ENVS: tuple[EnvVar, ...] = (HOME, CPU_AUTO_DTYPE, CPU_EXT_DIR, DISABLE_CPU_KERNELS)
+TP_TIMEOUT_S = EnvVar(
+    "INFLIGHT_TP_TIMEOUT_S",
+    "seconds",
+    "120",
+    "Tensor parallelism: the longest a rank waits in one collective (an all-reduce, the logits gather, "
+    "start-up) before the engine fails; a rank that hangs ends the engine after this long.",
+)
+
+ENGINE_ENVS: tuple[EnvVar, ...] = (HOME, CPU_AUTO_DTYPE, CPU_EXT_DIR, DISABLE_CPU_KERNELS, TP_TIMEOUT_S)
 
 
 def cpu_auto_dtype() -> str | None:
@@ -78,3 +86,13 @@ def cpu_kernels_disabled() -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{DISABLE_CPU_KERNELS.name} must be true or false, got {value!r}")
+
+
+def tp_timeout_s() -> float:
+    value = os.environ.get(TP_TIMEOUT_S.name, "").strip()
+    if not value:
+        return 120.0
+    seconds = float(value)
+    if not seconds > 0:
+        raise ValueError(f"{TP_TIMEOUT_S.name} must be > 0, got {value!r}")
+    return seconds

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.models import onednn
 from engine.models.rotary import apply_rotary, cos_sin_cache
 
@@ -119,7 +120,12 @@ class ModelOps:
 
 class LlamaForCausalLM:
     """Weights are plain tensors in a dict (loaded by engine.models.loader), merged for fewer
-    matmuls: q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer."""
+    matmuls: q/k/v into one ``qkv_proj`` and gate/up into one ``gate_up_proj`` per layer.
+
+    Under tensor parallelism (``tp.size > 1``) the weights are this rank's shard
+    (engine/distributed/sharding.py): the head counts below are the rank's own, the output and down
+    projections end in an all-reduce, and the embedding and LM head cover a slice of the vocabulary.
+    """
 
     def __init__(
         self,
@@ -128,13 +134,18 @@ class LlamaForCausalLM:
         backend: AttentionBackend,
         ops: ModelOps,
         max_positions: int,
+        tp: TensorParallel = SINGLE,
     ) -> None:
         self.config = config
         self.w = weights
         self.backend = backend
         self.ops = ops
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = config.num_attention_heads // tp.size
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp.size)
+        # This rank's vocabulary rows [vocab_start, vocab_start + vocab_shard) (all of it at tp=1).
+        self.vocab_shard = -(-config.vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.vocab_shard
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -200,7 +211,16 @@ class LlamaForCausalLM:
         return self.final_norm(hidden, residual)[:num_tokens]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        return F.embedding(input_ids, self.w["model.embed_tokens.weight"])
+        table = self.w["model.embed_tokens.weight"]
+        if not self.tp.enabled:
+            return F.embedding(input_ids, table)
+        # Vocabulary-parallel: each rank looks up the ids in its slice, zeros for the others; the
+        # all-reduce then leaves every row with exactly one rank's contribution.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_shard)
+        hidden = F.embedding(local.masked_fill(outside, 0), table)
+        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(hidden)
 
     def pre_attention(
         self,
@@ -261,7 +281,7 @@ class LlamaForCausalLM:
         """Layer i's output projection, residual add and post-attention norm, and MLP."""
         layer = self.layers[i]
         assert layer["o"] is not None and layer["post_norm"] is not None
-        x = self.ops.linear(attn, layer["o"])
+        x = self.tp.all_reduce(self.ops.linear(attn, layer["o"]))  # row-parallel: partial sums
         x, residual = self.ops.add_rms_norm(x, residual, layer["post_norm"], self.config.rms_norm_eps)
         return self._mlp(layer, x), residual
 
@@ -283,12 +303,18 @@ class LlamaForCausalLM:
 
     def _mlp(self, layer: dict[str, torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
         assert layer["gate_up"] is not None and layer["down"] is not None
-        return self.ops.linear(self.ops.silu_and_mul(self.ops.linear(x, layer["gate_up"])), layer["down"])
+        down = self.ops.linear(self.ops.silu_and_mul(self.ops.linear(x, layer["gate_up"])), layer["down"])
+        return self.tp.all_reduce(down)  # row-parallel: partial sums
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] float32."""
+        """[N, hidden] -> [N, vocab] float32. Tensor parallel: gathered from the vocabulary shards on
+        rank 0 (where the sampler runs); the other ranks get their own shard's logits back, unused."""
         n = hidden.shape[0]
         padded = self.ops.padded_rows(n)
         if padded > n:
             hidden = F.pad(hidden, (0, 0, 0, padded - n))
-        return self.ops.linear(hidden, self.lm_head)[:n].float()
+        logits = self.ops.linear(hidden, self.lm_head)[:n]
+        if self.tp.enabled:
+            gathered = self.tp.gather_vocab(logits, self.config.vocab_size)
+            logits = logits if gathered is None else gathered
+        return logits.float()

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.config import ModelConfig
 from engine.models.gguf import local_checkpoint
+
+if TYPE_CHECKING:
+    from engine.distributed.sharding import ShardPlan
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -25,14 +29,27 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(path: Path, plan: ShardPlan | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint; with a tensor-parallel ``plan``, only this rank's slice of
+    each (a sliced read: the rest of the file is never copied)."""
     from safetensors import safe_open  # not needed for dummy weights (GPU benchmarks)
 
     tensors: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensors[name] = f.get_tensor(name)
+                if plan is None:
+                    tensors[name] = f.get_tensor(name)
+                    continue
+                view = f.get_slice(name)
+
+                def read(region: tuple[int, int, int] | None, view: object = view) -> torch.Tensor:
+                    if region is None:
+                        return view[:]  # type: ignore[index]
+                    dim, start, stop = region
+                    return view[start:stop] if dim == 0 else view[:, start:stop]  # type: ignore[index]
+
+                tensors[name] = plan.take(name, read)
     return tensors
 
 
@@ -120,9 +137,17 @@ def load_weights(
     device: torch.device,
     load_format: str = "auto",
     seed: int = 0,
+    plan: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
+    """The merged weights; with a tensor-parallel ``plan``, this rank's shard of them."""
     if load_format == "dummy":
         raw = dummy_weights(config, seed, dtype, device)
+        if plan is not None:
+            # Every rank draws the same full weights (the same seed), so tensor parallelism computes
+            # the model one rank would; then each keeps its slice.
+            from engine.distributed.sharding import slice_region
+
+            raw = {n: plan.take(n, lambda r, t=t: slice_region(t, r)) for n, t in raw.items()}  # type: ignore[misc]
     else:
-        raw = read_safetensors(local_checkpoint(path))
+        raw = read_safetensors(local_checkpoint(path), plan)
     return merge_weights(config, raw, dtype, device)

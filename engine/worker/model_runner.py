@@ -15,6 +15,7 @@ import torch
 
 from engine.attention.backend import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig
+from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.kv_cache.manager import cdiv
 from engine.models import onednn
 from engine.models.llama import LlamaForCausalLM, ModelOps
@@ -22,10 +23,10 @@ from engine.models.loader import load_weights
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sched.output import SchedulerOutput
 from engine.worker.cuda_graph import GraphedDecode
-from engine.worker.input_batch import InputBatch
+from engine.worker.input_batch import CachedRequestState, InputBatch
 from engine.worker.piecewise_graph import PiecewiseGraphs, piecewise_buckets
 from engine.worker.staging import InputStaging
-from engine.worker.step_io import PreparedInputs, RunnerOutput
+from engine.worker.step_io import PreparedInputs, RunnerOutput, StepArrays
 from engine.worker.step_overlap import StepHandle, StepOverlap
 
 # Without an explicit size, the CPU cache holds every sequence at full length, capped at this.
@@ -36,10 +37,34 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """``tp``: a tensor-parallel rank's group (ranks 1..N-1 pass theirs; rank 0, given none, starts
+    the other ranks itself when ``config.tensor_parallel_size`` > 1)."""
+
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
         self.device = config.device
+        self.ranks = None  # rank 0 of a tensor-parallel group: the other ranks
+        if tp is None and config.tensor_parallel_size > 1:
+            from engine import envs
+            from engine.distributed.launcher import RankSet
+
+            self.ranks = RankSet(config, envs.tp_timeout_s())
+            tp = self.ranks.tp
+        self.tp = tp or SINGLE
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         mc = config.model
+        tp = self.tp
+        plan = None
+        if tp.enabled:
+            from engine.distributed.sharding import ShardPlan
+
+            plan = ShardPlan(mc, tp.rank, tp.size)
         self.backend = get_attention_backend(config.attention_backend)
         use_triton_ops = config.attention_backend == "triton" and self.device.type == "cuda"
         # The C++ pointwise ops come with the C++ attention (same build), for the dtypes they take.
@@ -50,7 +75,7 @@ class ModelRunner:
         prepack = use_cpu_kernels and onednn.can_prepack(config.dtype)
         max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
         weights = load_weights(
-            config.model_path, mc, config.dtype, self.device, config.load_format, config.seed
+            config.model_path, mc, config.dtype, self.device, config.load_format, config.seed, plan
         )
         self.model = LlamaForCausalLM(
             mc,
@@ -63,9 +88,11 @@ class ModelRunner:
                 row_padding=onednn.RowPadding(onednn.row_grain(), max_rows) if prepack else None,
             ),
             config.max_model_len,
+            tp,
         )
-        self.num_blocks = self._decide_num_blocks()
-        shape = (2, self.num_blocks, config.block_size, mc.num_key_value_heads, mc.head_dim)
+        # Each rank sizes its cache from its own memory; the one scheduler uses the smallest.
+        self.num_blocks = tp.agree_min(self._decide_num_blocks())
+        shape = (2, self.num_blocks, config.block_size, self.model.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(mc.num_hidden_layers)
         ]
@@ -79,8 +106,8 @@ class ModelRunner:
             from engine.kernels.warmup import warm_up
 
             warm_up(
-                mc.num_attention_heads,
-                mc.num_key_value_heads,
+                self.model.num_heads,
+                self.model.num_kv_heads,
                 mc.head_dim,
                 config.block_size,
                 config.dtype,
@@ -88,7 +115,7 @@ class ModelRunner:
                 self.device,
             )
         # Async scheduling: steps run behind the engine thread (a worker thread on CPU, the stream on CUDA).
-        self.overlap = StepOverlap(self) if config.async_scheduling else None
+        self.overlap = StepOverlap(self) if config.async_scheduling and tp.rank == 0 else None
         self.graphs: GraphedDecode | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if config.enable_cuda_graph and self.device.type == "cuda":
@@ -132,7 +159,8 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         mc = self.config.model
         elem = torch.empty((), dtype=self.config.dtype).element_size()
-        return 2 * mc.num_hidden_layers * self.config.block_size * mc.num_key_value_heads * mc.head_dim * elem
+        kv_heads = self.model.num_kv_heads  # this rank's
+        return 2 * mc.num_hidden_layers * self.config.block_size * kv_heads * mc.head_dim * elem
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config
@@ -204,7 +232,24 @@ class ModelRunner:
         samples = seq_lens == batch.num_tokens[rows]
         logits_indices = query_start_loc[1:][samples] - 1
         sampling_requests = [r for r, s in zip(states, samples, strict=True) if s]
+        arrays = StepArrays(
+            input_ids=input_ids,
+            positions=positions,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
+            slot_mapping=slot_mapping,
+            logits_indices=logits_indices,
+            max_query_len=int(num_sched.max()),
+            decode_only=bool((num_sched == 1).all()),
+        )
+        prepared = self.to_device(arrays, sampling_requests)
+        if self.ranks is not None:
+            prepared.arrays = arrays  # the other ranks get them when the step runs (forward)
+        return prepared
 
+    def to_device(self, arrays: StepArrays, sampling_requests: list[CachedRequestState]) -> PreparedInputs:
+        """The step's tensors on the runner's device (on CUDA through the persistent staging buffers)."""
         dev = self.device
 
         pin = dev.type == "cuda"
@@ -219,24 +264,25 @@ class ModelRunner:
             # From pinned memory the copy is truly asynchronous; the step's kernels queue behind it.
             return host.pin_memory().to(dev, non_blocking=True) if pin else host
 
+        a = arrays
         metadata = AttentionMetadata(
-            num_tokens=num_tokens,
-            num_seqs=num_seqs,
-            max_query_len=int(num_sched.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=to_dev(query_start_loc, torch.int32, "query_start_loc"),
-            seq_lens=to_dev(seq_lens, torch.int32, "seq_lens"),
-            block_tables=to_dev(block_tables, torch.int32, "block_tables"),
-            slot_mapping=to_dev(slot_mapping, torch.int64, "slot_mapping"),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            decode_only=bool((num_sched == 1).all()),
+            num_tokens=int(a.input_ids.size),
+            num_seqs=int(a.seq_lens.size),
+            max_query_len=a.max_query_len,
+            max_seq_len=int(a.seq_lens.max()),
+            query_start_loc=to_dev(a.query_start_loc, torch.int32, "query_start_loc"),
+            seq_lens=to_dev(a.seq_lens, torch.int32, "seq_lens"),
+            block_tables=to_dev(a.block_tables, torch.int32, "block_tables"),
+            slot_mapping=to_dev(a.slot_mapping, torch.int64, "slot_mapping"),
+            query_start_loc_cpu=a.query_start_loc.tolist(),
+            seq_lens_cpu=a.seq_lens.tolist(),
+            decode_only=a.decode_only,
         )
         prepared = PreparedInputs(
-            input_ids=to_dev(input_ids, torch.int64, "input_ids"),
-            positions=to_dev(positions, torch.int64, "positions"),
+            input_ids=to_dev(a.input_ids, torch.int64, "input_ids"),
+            positions=to_dev(a.positions, torch.int64, "positions"),
             metadata=metadata,
-            logits_indices=to_dev(logits_indices, torch.int64, "logits_indices"),
+            logits_indices=to_dev(a.logits_indices, torch.int64, "logits_indices"),
             sampling_requests=sampling_requests,
         )
         if staging is not None:
@@ -247,11 +293,48 @@ class ModelRunner:
         """Hidden states [T, hidden]: decode-only steps replay a whole-model graph; other steps up
         to the largest piecewise size replay graphs around eager attention; larger ones run eager."""
         meta = inputs.metadata
+        if self.ranks is not None:
+            self._hand_to_ranks(inputs)
         if self.graphs is not None and meta.decode_only and meta.num_seqs <= self.graphs.max_batch:
             return self.graphs.run(inputs.input_ids, inputs.positions, meta)
         if self.piecewise is not None and meta.num_tokens <= self.piecewise.max_tokens:
             return self.piecewise.run(inputs.input_ids, inputs.positions, meta)
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, meta)
+
+    # ---- tensor parallelism ----------------------------------------------------------------------
+    def _hand_to_ranks(self, inputs: PreparedInputs) -> None:
+        """Rank 0: give the other ranks this step's inputs, as it is about to run (async scheduling
+        has filled in the previous step's tokens by now)."""
+        assert self.ranks is not None and inputs.arrays is not None
+        arrays = inputs.arrays
+        if self.device.type == "cpu":
+            # The filled-in ids (on a CPU the tensor is the host array's memory or its copy).
+            arrays.input_ids = inputs.input_ids.numpy()
+        self.ranks.broadcast(arrays)
+        if self.device.type != "cpu":
+            # On a GPU the previous step's tokens are still on the device: the ids go by NCCL, in
+            # stream order, with no wait on the host.
+            self._broadcast_ids(inputs.input_ids)
+
+    def _broadcast_ids(self, input_ids: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        from engine.distributed.parallel_state import RankFailure
+
+        try:
+            dist.broadcast(input_ids, src=0, group=self.tp.device_group)
+        except RuntimeError as exc:
+            raise RankFailure(f"tensor-parallel broadcast failed on rank {self.tp.rank}: {exc}") from exc
+
+    @torch.inference_mode()
+    def run_rank_step(self, arrays: StepArrays) -> None:
+        """Ranks 1..N-1: one step's forward on this rank's shard, and its part of the logits."""
+        inputs = self.to_device(arrays, [])
+        if self.device.type != "cpu":
+            self._broadcast_ids(inputs.input_ids)
+        hidden = self.forward(inputs)
+        if arrays.logits_indices.size:
+            self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -301,5 +384,9 @@ class ModelRunner:
         return self.overlap.collect(handle)
 
     def close(self) -> None:
-        if self.overlap is not None:
-            self.overlap.close()
+        overlap = getattr(self, "overlap", None)
+        if overlap is not None:
+            overlap.close()
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None

@@ -4,10 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.worker.input_batch import CachedRequestState
+
+
+@dataclass
+class StepArrays:
+    """A step's packed inputs as plain host data: what the runner turns into device tensors, and what
+    rank 0 hands the other tensor-parallel ranks (which keep no request state of their own)."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    query_start_loc: np.ndarray  # [S + 1] int64
+    seq_lens: np.ndarray  # [S] int64
+    block_tables: np.ndarray  # [S, max_blocks] int32
+    slot_mapping: np.ndarray  # [T] int64
+    logits_indices: np.ndarray  # [N] int64
+    max_query_len: int
+    decode_only: bool
 
 
 @dataclass
@@ -17,6 +34,7 @@ class PreparedInputs:
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [N] int64: the flat index of each sampling request's last token
     sampling_requests: list[CachedRequestState]  # the N requests that sample a token this step
+    arrays: StepArrays | None = None  # kept by rank 0 of a tensor-parallel group only
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Tensor parallelism: N ranks under ``torch.distributed``, one scheduler (engine/distributed/launcher.py)."""
