@@ -6,9 +6,10 @@ quantized (Q4_1, Q8_0, ...). inflight computes in float or bfloat16, so the weig
 with the ``gguf`` package and written, with a ``config.json`` and a ``tokenizer.json`` built from the
 metadata, into ``<cache root>/models/gguf/<name>-<key>/`` (``engine.paths``: ``$INFLIGHT_HOME``, else
 ``$XDG_CACHE_HOME/inflight``, else ~/.cache/inflight). Every entry point (``ModelConfig.from_path``,
-``load_tokenizer``, ``load_weights``, the gateway) asks :func:`local_checkpoint` for that directory,
-so the engine reads one format only, and the cost is paid once: reading the GGUF's metadata alone
-takes seconds (its 49k tokens and merges are parsed field by field), the cached copy loads by mmap.
+``load_tokenizer``, ``load_weights``) asks :func:`local_checkpoint` for that directory, so the engine
+reads one format only, and the cost is paid once: reading the GGUF's metadata alone takes seconds (its
+49k tokens and merges are parsed field by field), the cached copy loads by mmap. The gateway, which
+never runs the model, asks :func:`local_tokenizer_files`: config and tokenizer, no weights.
 
 Torch-free (numpy, safetensors' numpy API, tokenizers): the gateway resolves a GGUF model too.
 
@@ -32,7 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,22 +120,46 @@ def local_checkpoint(path: str | Path) -> Path:
     """The HF-format directory to read ``path`` from: ``path`` itself, or a GGUF's converted copy."""
     if not is_gguf(path):
         return Path(path)
+    return _cached_copy(Path(path).resolve(), "", convert)
+
+
+def local_tokenizer_files(path: str | Path) -> Path:
+    """A directory with ``path``'s config and tokenizer files, for a reader that needs no weights.
+
+    For a GGUF: its full converted copy when the cache already holds one, else a copy of the metadata
+    alone (a few MB). The gateway reads this: SmolLM2-135M's float32 weights alone are 540 MB, more
+    than the scratch volume a gateway pod gets, and it never runs the model.
+    """
+    if not is_gguf(path):
+        return Path(path)
     source = Path(path).resolve()
+    full = _cache_target(source, "")
+    if (full / "model.safetensors").is_file():
+        return full
+    return _cached_copy(source, "-tokenizer", convert_metadata)
+
+
+def _cache_target(source: Path, suffix: str) -> Path:
     stat = source.stat()
     key = hashlib.sha256(
         f"{_CONVERTER_VERSION}:{source}:{stat.st_size}:{stat.st_mtime_ns}".encode()
     ).hexdigest()[:12]
-    target = model_cache_dir() / "gguf" / f"{short_name(source)}-{key}"
-    if (target / "model.safetensors").is_file():
+    return model_cache_dir() / "gguf" / f"{short_name(source)}-{key}{suffix}"
+
+
+def _cached_copy(source: Path, suffix: str, write: Callable[[Path, Path], None]) -> Path:
+    """``write(source, dir)`` once into the cache entry for ``source`` (+ ``suffix``); its path."""
+    target = _cache_target(source, suffix)
+    if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Gateway and worker start together: one converts while the other waits on the lock.
     with _locked(target.parent / f".{target.name}.lock"):
-        if (target / "model.safetensors").is_file():
+        if target.is_dir():
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
         try:
-            convert(source, tmp)
+            write(source, tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared
             os.rename(tmp, target)  # readers see no directory or a complete one
         finally:
@@ -155,22 +180,34 @@ def _locked(lock_path: Path) -> Iterator[None]:
 
 def convert(source: Path, out: Path) -> None:
     """Write ``source``'s config, tokenizer files and dequantized float32 weights into ``out``."""
-    from gguf import GGUFReader
-
     started = time.monotonic()
     _progress(f"converting {source.name} (one time) into {out.parent}: reading metadata")
-    reader = GGUFReader(str(source))
-    meta = {name: field.contents() for name, field in reader.fields.items()}
-    tensor_names = {t.name for t in reader.tensors}
-    config = config_from_metadata(meta, tie_word_embeddings="output.weight" not in tensor_names)
-    _write_json(out / "config.json", config)
-    _write_tokenizer_files(meta, config, out)
+    reader, config = _write_metadata_files(source, out)
     weights = _dequantized_weights(reader, config)
     from safetensors.numpy import save_file
 
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt", "source": source.name})
     (out / "model.safetensors").chmod(0o644)  # written private; the cache is shared
     _progress(f"converted {source.name} in {time.monotonic() - started:.1f}s")
+
+
+def convert_metadata(source: Path, out: Path) -> None:
+    """Write ``source``'s config and tokenizer files into ``out``, without the weights."""
+    started = time.monotonic()
+    _write_metadata_files(source, out)
+    _progress(f"read {source.name}'s config and tokenizer in {time.monotonic() - started:.1f}s")
+
+
+def _write_metadata_files(source: Path, out: Path) -> tuple[Any, dict[str, Any]]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(source))
+    meta = {name: field.contents() for name, field in reader.fields.items()}
+    tensor_names = {t.name for t in reader.tensors}
+    config = config_from_metadata(meta, tie_word_embeddings="output.weight" not in tensor_names)
+    _write_json(out / "config.json", config)
+    _write_tokenizer_files(meta, config, out)
+    return reader, config
 
 
 def config_from_metadata(meta: dict[str, Any], tie_word_embeddings: bool) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.inputs import ContextLengthError, check_context_length
-from engine.models.gguf import is_gguf, local_checkpoint
+from engine.models.gguf import is_gguf, local_tokenizer_files
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutput
 from engine.tokenizer import Tokenizer, load_tokenizer
@@ -38,7 +38,7 @@ def load_model_info(settings: Settings) -> ModelInfo:
     config: dict[str, Any] = {}
     tokenizer = None
     if settings.model and (Path(settings.model).is_dir() or is_gguf(settings.model)):
-        path = local_checkpoint(settings.model)  # a GGUF file: its converted copy
+        path = local_tokenizer_files(settings.model)  # a GGUF: its config and tokenizer, no weights
         if (path / "config.json").is_file():
             config = json.loads((path / "config.json").read_text())
         tokenizer = load_tokenizer(path)
