@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.structured.spec import StructuredOutput, StructuredOutputError
+from engine.structured.support import check_schema, check_supported
 from services.gateway.errors import APIError
 
 _HEADER = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
@@ -28,8 +29,11 @@ def _bad(message: str, param: str) -> APIError:
 
 
 def _spec(make: Any, param: str) -> StructuredOutput:
+    """The constraint ``make`` builds, refused here (a 400 naming ``param``) if it is invalid or one the
+    engine's grammar library cannot enforce: nothing is queued for it."""
     try:
         spec: StructuredOutput = make()
+        check_supported(spec)
     except StructuredOutputError as exc:
         raise _bad(str(exc), param) from None
     return spec
@@ -115,6 +119,12 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan
         names = [name]
     else:
         raise _bad("tool_choice must be none, auto, required or a named function", "tool_choice")
+    for i, tool in enumerate(tools):
+        if tool["function"]["name"] in names:
+            try:
+                check_schema(functions[tool["function"]["name"]], "tools")
+            except StructuredOutputError as exc:
+                raise _bad(f"tools[{i}].function.parameters: {exc}", "tools") from None
     shapes = [
         {
             "type": "object",

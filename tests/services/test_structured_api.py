@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -9,7 +10,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from aiokafka.structs import TopicPartition
 
+from services.common.kafka import make_probe
+from services.common.settings import Settings
 from tests.services.stack import MODEL_NAME, Stack, wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -176,6 +180,65 @@ def test_bad_constraints_are_400_with_their_param(stack: Stack, extra: dict[str,
     # Nothing harmed: the next request is served.
     ok = stack.client().chat.completions.create(model=MODEL_NAME, messages=_chat("hi"), max_tokens=3)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+def _topic_ends(stack: Stack) -> dict[int, int]:
+    """The end offset of each partition of the stack's request topic: what the gateway has produced."""
+
+    async def ends() -> dict[int, int]:
+        probe = make_probe(Settings(kafka_bootstrap=stack.kafka.address))
+        await probe.start()
+        try:
+            topic = stack.env["INFLIGHT_KAFKA_TOPIC"]
+            parts = [TopicPartition(topic, p) for p in range(int(stack.env["INFLIGHT_KAFKA_PARTITIONS"]))]
+            return {tp.partition: end for tp, end in (await probe.end_offsets(parts)).items()}
+        finally:
+            await probe.stop()
+
+    return asyncio.run(ends())
+
+
+UNSUPPORTED = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "says"),
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": UNSUPPORTED}}},
+            "response_format",
+            "uniqueItems",
+        ),
+        ({"guided_json": {"oneOf": [{"type": "integer"}, {"type": "string"}]}}, "guided_json", "oneOf"),
+        ({"guided_regex": "(?=a)b"}, "guided_regex", "lookahead"),
+        ({"guided_grammar": 'start ::= "a"'}, "guided_grammar", "root"),
+        (
+            {
+                "tools": [
+                    TOOLS[1],
+                    {"type": "function", "function": {"name": "f", "parameters": UNSUPPORTED}},
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "tools[1].function.parameters",
+        ),
+    ],
+)
+def test_unsupported_constraints_are_refused_before_anything_is_queued(
+    stack: Stack, extra: dict[str, Any], param: str, says: str
+) -> None:
+    before = _topic_ends(stack)
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.client().chat.completions.create(
+            model=MODEL_NAME, messages=_chat("hi"), max_tokens=5, extra_body=extra
+        )
+    body: Any = err.value.body
+    assert body["param"] == param and says in body["message"], body
+    assert _topic_ends(stack) == before  # nothing was produced for it: no worker ever saw it
+    # ... where an accepted request is produced (the check above can see one).
+    stack.client().chat.completions.create(model=MODEL_NAME, messages=_chat("hi"), max_tokens=1)
+    assert _topic_ends(stack) != before
 
 
 def test_jobs_take_the_same_fields(stack: Stack) -> None:
