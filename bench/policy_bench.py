@@ -113,6 +113,7 @@ def drive(
     """Replay ``specs`` in real time, open loop (a request joins at the first step boundary after it
     arrives; that wait is part of its TTFT). Questions are priority 0, documents 1; a request the slo
     policy rejects ends with its error and counts as not completed. ``meter`` sees every step."""
+    from engine.inputs import EngineRequest
     from engine.sampling_params import SamplingParams
 
     specs = sorted(specs, key=lambda s: s.arrival)
@@ -127,8 +128,9 @@ def drive(
             s = specs[i]
             params = SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True)
             priority = int(s.num_prompt_tokens > SHORT_PROMPT_MAX)
+            arrival = t0 + s.arrival
             engine.add_request(
-                s.request_id, list(s.prompt_token_ids), params, arrival_time=t0 + s.arrival, priority=priority
+                EngineRequest(s.request_id, list(s.prompt_token_ids), params, priority, arrival_time=arrival)
             )
             i += 1
         if not engine.has_unfinished_requests():

@@ -80,6 +80,7 @@ def _summary(values_s: list[float]) -> dict[str, float]:
 # ---- the in-process engine ---------------------------------------------------------------------
 async def _engine_latencies(model: str, n: int, max_tokens: int) -> tuple[list[float], list[float]]:
     from engine.async_engine import AsyncLLMEngine
+    from engine.inputs import EngineRequest
     from engine.sampling_params import SamplingParams
 
     engine = AsyncLLMEngine.from_engine_args(model=model)
@@ -90,7 +91,7 @@ async def _engine_latencies(model: str, n: int, max_tokens: int) -> tuple[list[f
             params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             began = time.perf_counter()
             first = None
-            async for _ in engine.generate(PROMPT, params, f"bench-{i}"):
+            async for _ in engine.generate(EngineRequest(f"bench-{i}", PROMPT, params)):
                 first = first or time.perf_counter()
             if i >= 10:
                 totals.append(time.perf_counter() - began)

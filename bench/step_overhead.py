@@ -122,12 +122,13 @@ async def _through_worker(
 
 
 async def _warm_up(args: argparse.Namespace, client: Any) -> None:
+    from engine.inputs import EngineRequest
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
 
     async def one(i: int) -> None:
-        async for _ in client.generate(_prompt(i), params, f"warm-{uuid.uuid4().hex}"):
+        async for _ in client.generate(EngineRequest(f"warm-{uuid.uuid4().hex}", _prompt(i), params)):
             pass
 
     await asyncio.gather(*(one(i) for i in range(args.concurrency)))

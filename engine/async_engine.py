@@ -12,15 +12,15 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.llm_engine import LLMEngine, Prompt
+from engine.inputs import EngineRequest, PromptLimits
+from engine.llm_engine import LLMEngine
 from engine.metrics import EngineMetrics, SchedulerStats
 from engine.output_stream import Stream, stream_outputs
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,10 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
+
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        return self.engine.prompt_limits
 
     @property
     def metrics(self) -> EngineMetrics:
@@ -135,39 +139,16 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(fut)
 
     # ---- requests --------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        resume_token_ids: list[int] | None = None,
-        resume_by_index: Mapping[int, Sequence[int]] | None = None,
-        indexes: Sequence[int] | None = None,
-        slo_ttft_s: float | None = None,
-        slo_tpot_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs. Leaving the iterator early (or cancelling) aborts the request."""
+        request_id = request.request_id
 
         async def add() -> None:
             if self._thread is None:
                 await self.start()
             self._num_unacknowledged += 1
             try:
-                await self._call(
-                    lambda: self.engine.add_request(
-                        request_id,
-                        prompt,
-                        params,
-                        priority=priority,
-                        resume_token_ids=resume_token_ids,
-                        resume_by_index=resume_by_index,
-                        indexes=indexes,
-                        slo_ttft_s=slo_ttft_s,
-                        slo_tpot_s=slo_tpot_s,
-                    )
-                )
+                await self._call(lambda: self.engine.add_request(request))
             finally:
                 self._num_unacknowledged -= 1
 

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 
 from engine.async_scheduling import decide_async_scheduling
+from engine.inputs import ModelContext
 from engine.platform import cpu_auto_dtype
 
 _DTYPES = {
@@ -60,19 +61,12 @@ class ModelConfig:
         hidden = int(raw["hidden_size"])
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        rope_scaling = raw.get("rope_scaling")
+        context = ModelContext.from_config(raw)  # the context's bounds: one rule, shared with the gateway
         rope_theta = raw.get("rope_theta")
         # transformers >= 5 folds rope_theta into rope_parameters.
         rope_params = raw.get("rope_parameters")
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
-            None,
-            "default",
-        ):
-            rope_scaling = None
         return cls(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
@@ -82,19 +76,16 @@ class ModelConfig:
             num_attention_heads=num_heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=int(raw.get("head_dim") or hidden // num_heads),
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            max_position_embeddings=context.max_position_embeddings,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            rope_scaling=rope_scaling,
+            rope_scaling=context.rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            # Mistral always applies its window when one is set; Qwen2 only with use_sliding_window.
-            sliding_window=raw.get("sliding_window")
-            if arch == "MistralForCausalLM" or raw.get("use_sliding_window")
-            else None,
+            sliding_window=context.sliding_window,
         )
 
     @classmethod
@@ -280,21 +271,8 @@ class EngineConfig:
                     dtype = torch.bfloat16
         else:
             dtype = _DTYPES[args.dtype]
-        max_model_len = args.max_model_len or model.max_position_embeddings
-        if model.sliding_window is not None and max_model_len > model.sliding_window:
-            # Attention here is full-context; within the window the two are identical, so serve
-            # only that far rather than silently diverge from the model past it.
-            if args.max_model_len is not None:
-                raise ValueError(
-                    f"max_model_len {max_model_len} exceeds the model's sliding window "
-                    f"{model.sliding_window}, which inflight does not implement"
-                )
-            max_model_len = model.sliding_window
-        if max_model_len > model.max_position_embeddings and model.rope_scaling is None:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"{model.max_position_embeddings}"
-            )
+        context = ModelContext(model.max_position_embeddings, model.sliding_window, model.rope_scaling)
+        max_model_len = context.max_model_len(args.max_model_len)
         if args.max_num_batched_tokens is not None:
             budget = args.max_num_batched_tokens
         else:

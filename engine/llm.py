@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from engine.inputs import EngineRequest
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import ChoiceAccumulator, CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -38,7 +39,8 @@ class LLM:
         ids = [f"llm-{next(self._ids)}" for _ in batch]
         for i, (request_id, prompt, p) in enumerate(zip(ids, batch, params, strict=True)):
             try:
-                self.engine.add_request(request_id, prompt, p, priority=priority[i] if priority else 0)
+                request = EngineRequest(request_id, prompt, p, priority=priority[i] if priority else 0)
+                self.engine.add_request(request)
             except Exception:
                 for added in ids[:i]:
                     self.engine.abort_request(added)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,7 @@ import torch
 
 from engine.config import EngineArgs, EngineConfig
 from engine.cost_model import StepCostModel
-from engine.inputs import check_context_length
+from engine.inputs import EngineRequest, PromptLimits, check_context_length, prepare_prompt
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineMetrics, SchedulerStats, StepRecord
 from engine.outputs import RequestOutput
@@ -92,54 +91,41 @@ class LLMEngine:
         return cls(EngineConfig.resolve(EngineArgs.from_kwargs(model, **kwargs)))
 
     # ---- intake ----------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty")
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: send the prompt as token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, [int(t) for t in prompt]
+    @property
+    def prompt_limits(self) -> PromptLimits:
+        return PromptLimits(self.config.max_model_len, self.config.model.vocab_size)
 
     def add_request(
-        self,
-        request_id: str,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        resume_token_ids: list[int] | None = None,
-        resume_by_index: Mapping[int, Sequence[int]] | None = None,
-        indexes: Sequence[int] | None = None,
-        slo_ttft_s: float | None = None,
-        slo_tpot_s: float | None = None,
-    ) -> None:
-        """Add a request; with ``params.n`` > 1 it fans out here, into n sequences seeded seed + i.
+        self, request: EngineRequest | str, prompt: Prompt | None = None, params: SamplingParams | None = None
+    ) -> list[int]:
+        """Add a request (see ``EngineRequest``); with ``params.n`` > 1 it fans out here. Returns the
+        prompt's token ids (text is tokenized here).
 
-        ``resume_token_ids``: tokens already streamed (every index); ``resume_by_index``: per index,
-        for a stream whose completions stopped at different points; ``indexes``: run only these
-        completions (the others finished before a resume). ``slo_ttft_s`` / ``slo_tpot_s`` override the
-        engine's default deadlines (slo policy).
+        ``add_request(request_id, prompt, params)`` is short for ``add_request(EngineRequest(request_id,
+        prompt, params))``; every other field is set on an ``EngineRequest``.
         """
-        params = params or SamplingParams()
-        for name, value in (("slo_ttft_s", slo_ttft_s), ("slo_tpot_s", slo_tpot_s)):
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
+        if isinstance(request, str):
+            if prompt is None:
+                raise TypeError("add_request(request_id, prompt, params): the prompt is missing")
+            request = EngineRequest(request, prompt, params or SamplingParams())
+        elif prompt is not None or params is not None:
+            raise TypeError("add_request(EngineRequest) takes no other argument: set its fields")
+        params = request.params
+        request_id = request.request_id
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in flight")
-        text, ids = self.tokenize(prompt)
-        indexes = list(range(params.n)) if indexes is None else sorted(set(indexes))
+        ids = prepare_prompt(request.prompt, self.prompt_limits, self.tokenizer)
+        text = request.prompt if isinstance(request.prompt, str) else None
+        indexes = list(range(params.n)) if request.indexes is None else sorted(set(request.indexes))
         if not indexes or not all(0 <= i < params.n for i in indexes):
             raise ValueError(f"indexes must be a non-empty subset of range({params.n}), got {indexes}")
-        if resume_token_ids is not None and resume_by_index is not None:
-            raise ValueError("give resume_token_ids (every index) or resume_by_index, not both")
-        resumed = {
-            i: list(resume_by_index.get(i, ()) if resume_by_index is not None else resume_token_ids or ())
-            for i in indexes
-        }
+        by_index, every = request.resume_by_index, request.resume_token_ids
+        resumed = {i: list(by_index.get(i, ()) if by_index is not None else every or ()) for i in indexes}
         for i in indexes:
-            self._validate(ids, resumed[i], params)
+            if resumed[i]:  # the tokens already streamed are prefilled again with the prompt
+                check_context_length(len(ids) + len(resumed[i]), self.config.max_model_len)
+            if params.max_tokens is not None and len(resumed[i]) >= params.max_tokens:
+                raise ValueError("resumed stream already reached max_tokens")
         if params.structured is not None:
             from engine.structured.grammar import compiler_for_engine
 
@@ -149,20 +135,22 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         if eos is None and self.config.model.eos_token_ids:
             eos = self.config.model.eos_token_ids[0]
+        slo_ttft_s = self.config.slo_ttft_s if request.slo_ttft_s is None else request.slo_ttft_s
+        slo_tpot_s = self.config.slo_tpot_s if request.slo_tpot_s is None else request.slo_tpot_s
         children = [
             Request(
                 request_id if params.n == 1 else f"{request_id}#{i}",
                 ids,
                 params,
                 eos,
-                arrival_time=arrival_time,
-                priority=priority,
+                arrival_time=request.arrival_time,
+                priority=request.priority,
                 parent_id=request_id,
                 index=i,
                 resumed_output_token_ids=resumed[i],
                 seed=seed + i,
-                slo_ttft_s=self.config.slo_ttft_s if slo_ttft_s is None else slo_ttft_s,
-                slo_tpot_s=self.config.slo_tpot_s if slo_tpot_s is None else slo_tpot_s,
+                slo_ttft_s=slo_ttft_s,
+                slo_tpot_s=slo_tpot_s,
             )
             for i in indexes
         ]
@@ -192,16 +180,7 @@ class LLMEngine:
                 detok.replay(resumed[i])
         self._groups[request_id] = RequestGroup(request_id, text, ids, children, detoks)
         self.load = self.scheduler.stats()
-
-    def _validate(self, ids: list[int], resumed: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        check_context_length(len(ids) + len(resumed), self.config.max_model_len)
-        vocab = self.config.model.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if params.max_tokens is not None and len(resumed) >= params.max_tokens:
-            raise ValueError("resumed stream already reached max_tokens")
+        return ids
 
     def abort_request(self, request_id: str) -> None:
         """Abort a caller's request (all n sequences). Unknown or finished ids are a no-op."""

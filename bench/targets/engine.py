@@ -13,6 +13,7 @@ from typing import Any
 
 from bench.results import RequestResult, RunResult, StepSample
 from bench.targets import TargetConfig
+from engine.inputs import EngineRequest
 from engine.llm_engine import LLMEngine
 from engine.metrics import RequestRecord, StepRecord
 from engine.sampling_params import SamplingParams
@@ -138,8 +139,9 @@ def drive(
             now = time.monotonic() - t0
             while i < len(specs) and specs[i].arrival <= now:
                 s = specs[i]
+                arrival = t0 + s.arrival
                 engine.add_request(
-                    s.request_id, list(s.prompt_token_ids), _params(s), arrival_time=t0 + s.arrival
+                    EngineRequest(s.request_id, list(s.prompt_token_ids), _params(s), arrival_time=arrival)
                 )
                 i += 1
             if not engine.has_unfinished_requests():

@@ -29,7 +29,7 @@ import multiprocessing
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -49,12 +49,13 @@ from engine.core.messages import (
     request_output,
 )
 from engine.core.watchdog import EngineStalled, StallPolicy, StepClock
+from engine.inputs import PromptLimits
 from engine.metrics import EngineMetrics, SchedulerStats
 from engine.output_stream import Stream, stream_outputs
 
 if TYPE_CHECKING:
+    from engine.inputs import EngineRequest
     from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
     from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class EngineCoreClient:
         self.metrics = EngineMetrics()  # fed from the core's records; exporters attach here
         self.load: SchedulerStats = _NO_LOAD  # the core's load as of its last message
         self.tokenizer: Tokenizer | None = None
-        self.max_model_len = 0
+        self.prompt_limits = PromptLimits(None, None)  # the core's, once it is ready
         self.description = ""
         self.dead_error: BaseException | None = None
         self.clock = StepClock(stall or StallPolicy())
@@ -119,6 +120,10 @@ class EngineCoreClient:
     @property
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
+
+    @property
+    def max_model_len(self) -> int:
+        return self.prompt_limits.max_model_len or 0  # 0 until the core is ready
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -159,7 +164,7 @@ class EngineCoreClient:
         from engine.tokenizer import load_tokenizer  # the same checkpoint's tokenizer, loaded here
 
         self.tokenizer = await asyncio.to_thread(load_tokenizer, first.model_path)
-        self.max_model_len = first.max_model_len
+        self.prompt_limits = first.limits
         self.load = first.load
         self.description = first.description
         logger.info("engine core running in process %d: %s", self._proc.pid, first.description)
@@ -187,28 +192,12 @@ class EngineCoreClient:
                 conn.close()
 
     # ---- requests ------------------------------------------------------------------------------
-    def generate(
-        self,
-        prompt: list[int] | str,
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        resume_token_ids: list[int] | None = None,
-        resume_by_index: Mapping[int, Sequence[int]] | None = None,
-        indexes: Sequence[int] | None = None,
-        slo_ttft_s: float | None = None,
-        slo_tpot_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs. Leaving the iterator early (or cancelling) aborts the request."""
-        by_index = None if resume_by_index is None else {i: list(t) for i, t in resume_by_index.items()}
-        index_list = None if indexes is None else list(indexes)
+        request_id = request.request_id
 
         def add(seq: int) -> AddRequest:
-            return AddRequest(
-                seq, request_id, prompt, params, priority, resume_token_ids, by_index, index_list,
-                slo_ttft_s, slo_tpot_s,
-            )  # fmt: skip
+            return AddRequest(seq, request)
 
         async def send() -> None:
             if self._proc is None:

@@ -1,7 +1,7 @@
 """What crosses the pipe between an engine core and its client: typed msgspec messages, torch-free.
 
-Client -> core (``Command``): ``AddRequest`` (answered by ``Added`` or a ``Reply`` with the refusal),
-``AbortRequest``, ``Inspect`` (answered by a ``Reply``), ``Shutdown``.
+Client -> core (``Command``): ``AddRequest`` (an ``EngineRequest``, answered by ``Added`` or a ``Reply``
+with the refusal), ``AbortRequest``, ``Inspect`` (answered by a ``Reply``), ``Shutdown``.
 Core -> client (``Event``): ``Ready`` once, then a ``Step`` per step (or per change of load while idle),
 ``Added`` / ``Reply`` to the commands that ask, and ``CoreDied`` if its loop fails.
 
@@ -18,16 +18,16 @@ from typing import Any
 
 import msgspec
 
-from engine.inputs import ContextLengthError
+from engine.inputs import ContextLengthError, EngineRequest, PromptError, PromptLimits
 from engine.metrics import RequestRecord, SchedulerStats, StepRecord
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutputError
 
 
 class Failure(msgspec.Struct, frozen=True):
-    """An exception as data. ``kind``: "context_length" (ContextLengthError, with ``param``),
-    "invalid" (ValueError: the input's fault), "internal" (anything else: RuntimeError)."""
+    """An exception as data. ``kind``: "context_length" (ContextLengthError, with ``param``), "prompt"
+    (another PromptError, with ``param``), "invalid" (ValueError: the input's fault), "internal"
+    (anything else: RuntimeError)."""
 
     kind: str
     message: str
@@ -37,6 +37,8 @@ class Failure(msgspec.Struct, frozen=True):
     def of(cls, exc: BaseException) -> Failure:
         if isinstance(exc, ContextLengthError):
             return cls("context_length", str(exc), exc.param)
+        if isinstance(exc, PromptError):
+            return cls("prompt", str(exc), exc.param)
         if isinstance(exc, ValueError):
             return cls("invalid", str(exc), getattr(exc, "param", None))
         return cls("internal", f"{type(exc).__name__}: {exc}")
@@ -45,6 +47,8 @@ class Failure(msgspec.Struct, frozen=True):
         """The exception the caller raises: the types the worker already maps to OpenAI errors."""
         if self.kind == "context_length":
             return ContextLengthError(self.message, self.param or "prompt")
+        if self.kind == "prompt":
+            return PromptError(self.message, self.param or "prompt")
         if self.kind == "invalid":
             if self.param is not None:  # a refused constraint names its field, like the others
                 return StructuredOutputError(self.message, self.param)
@@ -55,15 +59,7 @@ class Failure(msgspec.Struct, frozen=True):
 # ---- client -> core ---------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag="add", array_like=True, frozen=True):
     seq: int  # the answer (Added or Reply) carries it back
-    request_id: str
-    prompt: list[int] | str
-    params: SamplingParams
-    priority: int = 0
-    resume_token_ids: list[int] | None = None
-    resume_by_index: dict[int, list[int]] | None = None
-    indexes: list[int] | None = None
-    slo_ttft_s: float | None = None
-    slo_tpot_s: float | None = None
+    request: EngineRequest
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, frozen=True):
@@ -87,7 +83,7 @@ Command = AddRequest | AbortRequest | Inspect | Shutdown
 # ---- core -> client ---------------------------------------------------------------------------
 class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     model_path: str  # the local checkpoint: the client loads the same tokenizer from it
-    max_model_len: int
+    limits: PromptLimits  # what the core checks prompts against: the client prepares them the same way
     load: SchedulerStats
     description: str  # for the client's start-up log line
 

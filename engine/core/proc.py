@@ -83,7 +83,7 @@ def run_engine_core(
         f"{config.model.architecture}, dtype {str(config.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} torch threads"
     )
-    ready = Ready(config.model_path, config.max_model_len, engine.load, description)
+    ready = Ready(config.model_path, engine.prompt_limits, engine.load, description)
     if not _send(results, codec, ready):
         return
     _Loop(engine, codec, commands, results).run()
@@ -165,20 +165,11 @@ class _Loop:
     def _apply(self, command: object) -> None:
         engine = self.engine
         if isinstance(command, AddRequest):
+            request = command.request
             try:
-                text, ids = engine.tokenize(command.prompt)
-                engine.add_request(
-                    command.request_id,
-                    ids,
-                    command.params,
-                    priority=command.priority,
-                    resume_token_ids=command.resume_token_ids,
-                    resume_by_index=command.resume_by_index,
-                    indexes=command.indexes,
-                    slo_ttft_s=command.slo_ttft_s,
-                    slo_tpot_s=command.slo_tpot_s,
-                )
-                answer: Added | Reply = Added(command.seq, command.request_id, text, ids, engine.load)
+                ids = engine.add_request(request)
+                text = request.prompt if isinstance(request.prompt, str) else None
+                answer: Added | Reply = Added(command.seq, request.request_id, text, ids, engine.load)
             except Exception as exc:  # refused (bad input, queue full): the caller raises it
                 answer = Reply(command.seq, error=Failure.of(exc))
             self._answer(answer)

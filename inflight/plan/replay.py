@@ -82,6 +82,7 @@ class _GCTimer:
 
 def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, int]) -> WorkerRun:
     """Replay ``specs`` (sorted by arrival, seconds after ``t0`` on the monotonic clock) on ``engine``."""
+    from engine.inputs import EngineRequest
     from engine.sampling_params import SamplingParams
 
     for tokens in sorted(_warm_shapes(engine)):
@@ -99,9 +100,10 @@ def replay(engine: Any, specs: Sequence[Any], t0: float, prompt_lens: dict[str, 
             while i < len(specs) and specs[i].arrival <= now:
                 s = specs[i]
                 params = SamplingParams(max_tokens=s.max_tokens, temperature=0.0, ignore_eos=True)
-                engine.add_request(
+                request = EngineRequest(
                     s.request_id, list(s.prompt_token_ids), params, arrival_time=t0 + s.arrival
                 )
+                engine.add_request(request)
                 i += 1
             if not engine.has_unfinished_requests():
                 time.sleep(max(0.0, specs[i].arrival - now))

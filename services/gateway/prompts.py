@@ -1,18 +1,25 @@
 """From an API body to what the engine runs: prompt token ids and sampling parameters.
 
-The gateway tokenizes (torch-free ``engine.tokenizer``) so it can refuse a prompt longer than the
-model's context before anything is enqueued, and so the Kafka key can be the prompt's first block.
+With the checkpoint the gateway prepares the prompt (``engine.inputs.prepare_prompt``, the rule every
+edge shares: torch-free) so it can refuse a bad one before anything is enqueued, and so the Kafka key
+can be the prompt's first block. Without it the text goes on and the worker prepares it.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.inputs import ContextLengthError, check_context_length
+from engine.inputs import (
+    ModelContext,
+    PromptError,
+    PromptLimits,
+    check_context_length,
+    check_prompt_text,
+    prepare_prompt,
+)
 from engine.models.gguf import is_gguf, local_tokenizer_files
 from engine.sampling_params import SamplingParams
 from engine.structured.spec import StructuredOutput
@@ -31,6 +38,10 @@ class ModelInfo:
     vocab_size: int | None
     tokenizer: Tokenizer | None
 
+    @property
+    def limits(self) -> PromptLimits:
+        return PromptLimits(self.max_model_len, self.vocab_size)
+
 
 def load_model_info(settings: Settings) -> ModelInfo:
     """The model's facts from its directory. Without one (the chart's default keeps the checkpoint off the
@@ -42,12 +53,12 @@ def load_model_info(settings: Settings) -> ModelInfo:
         if (path / "config.json").is_file():
             config = json.loads((path / "config.json").read_text())
         tokenizer = load_tokenizer(path)
-    max_len = settings.max_model_len or settings.engine_args.get("max_model_len")
-    max_len = max_len or config.get("max_position_embeddings")
+    requested = settings.max_model_len or settings.engine_args.get("max_model_len")
+    requested = int(requested) if requested else None
+    # With the model's config, the engine's own rule (a value the engine would refuse fails here too).
+    max_len = ModelContext.from_config(config).max_model_len(requested) if config else requested
     vocab = config.get("vocab_size")
-    return ModelInfo(
-        settings.model_name, int(max_len) if max_len else None, int(vocab) if vocab else None, tokenizer
-    )
+    return ModelInfo(settings.model_name, max_len, int(vocab) if vocab else None, tokenizer)
 
 
 @dataclass(frozen=True)
@@ -81,40 +92,38 @@ def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
         if len(prompt) != 1:
             raise _bad("send one prompt per request (batched prompts are not supported)", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, str):
-        if info.tokenizer is None:
-            if not prompt:
-                raise _bad("the prompt is empty", "prompt")
-            return _finish(req, info, [], req.max_tokens, req.logprobs, text=prompt, structured=structured)
-        _refuse_clearly_too_long(len(prompt), info)
-        ids = info.tokenizer.encode(prompt, add_special_tokens=True)
-    else:
-        ids = [int(t) for t in prompt]
-    return _finish(req, info, ids, req.max_tokens, req.logprobs, structured=structured)
+    ids = _prompt_ids(info, req.max_tokens, prompt=prompt)
+    text = prompt if isinstance(prompt, str) and not ids else None  # the worker prepares it
+    return _finish(req, info, ids, req.max_tokens, req.logprobs, text=text, structured=structured)
 
 
-def _refuse_clearly_too_long(num_chars: int, info: ModelInfo) -> None:
-    """Refuse text that cannot fit the context before paying to tokenize it (megabytes take seconds).
-
-    No token is longer than the vocabulary's longest token string, so the text has at least
-    num_chars / that many tokens; when even that exceeds the context, the answer is known already.
-    """
-    if info.tokenizer is None or info.max_model_len is None:
-        return
-    per_token = _max_token_chars(info.tokenizer)
-    if num_chars > info.max_model_len * per_token:
-        raise _bad(
-            f"This model's maximum context length is {info.max_model_len} tokens; this prompt's "
-            f"{num_chars} characters are at least {num_chars // per_token} tokens. Shorten the prompt.",
-            "prompt",
+def _prompt_ids(
+    info: ModelInfo,
+    max_tokens: int | None,
+    *,
+    prompt: str | list[int] | None = None,
+    messages: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The prompt prepared here (token ids, or text and a tokenizer); [] for text this gateway cannot
+    tokenize, after the checks it can make. A refused prompt is OpenAI's 400, naming the field."""
+    try:
+        if info.tokenizer is None and (messages is not None or isinstance(prompt, str)):
+            if isinstance(prompt, str):
+                check_prompt_text(prompt)
+            if info.max_model_len is not None:  # the prompt's length is the worker's to check
+                check_context_length(0, info.max_model_len, max_tokens)
+            return []
+        return prepare_prompt(
+            prompt,
+            info.limits,
+            info.tokenizer,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            max_tokens=max_tokens,
         )
-
-
-@functools.cache
-def _max_token_chars(tokenizer: Tokenizer) -> int:
-    # Byte-level token strings spell each byte as one character: an over-estimate, which is safe here.
-    tokens = tokenizer.convert_ids_to_tokens(list(range(tokenizer.vocab_size)))
-    return max(1, max((len(t) for t in tokens if t), default=1))
+    except PromptError as exc:
+        raise _bad(str(exc), exc.param) from None
 
 
 def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
@@ -149,26 +158,18 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
             messages.insert(0, listing)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    if info.tokenizer is None:
-        return _finish(
-            req,
-            info,
-            [],
-            max_tokens,
-            logprobs,
-            messages=messages,
-            add_generation_prompt=req.add_generation_prompt,
-            structured=structured,
-            tool_calls=plan.calls,
-        )
-    _refuse_clearly_too_long(sum(len(str(m.get("content") or "")) for m in messages), info)
-    try:
-        text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt)
-    except Exception as exc:  # template code is the checkpoint's: any failure is the input's fault
-        raise _bad(f"the chat template rejected these messages: {exc}", "messages") from None
-    # The rendered template already holds bos and the other special tokens.
-    ids = info.tokenizer.encode(text, add_special_tokens=False)
-    return _finish(req, info, ids, max_tokens, logprobs, structured=structured, tool_calls=plan.calls)
+    ids = _prompt_ids(info, max_tokens, messages=messages, add_generation_prompt=req.add_generation_prompt)
+    return _finish(
+        req,
+        info,
+        ids,
+        max_tokens,
+        logprobs,
+        messages=None if ids else messages,  # no tokenizer here: the worker renders them
+        add_generation_prompt=req.add_generation_prompt,
+        structured=structured,
+        tool_calls=plan.calls,
+    )
 
 
 def _arguments(raw: Any) -> Any:
@@ -194,23 +195,13 @@ def _finish(
     structured: StructuredOutput | None = None,
     tool_calls: bool = False,
 ) -> Prepared:
-    if not ids and text is None and messages is None:
-        raise _bad("the prompt is empty", "prompt")
+    # The prompt is prepared already (_prompt_ids): ids, or the text or messages the worker prepares.
     if req.logit_bias:
         raise _bad("logit_bias is not supported", "logit_bias")
     vocab = info.vocab_size
-    if vocab is not None and ids and max(ids) >= vocab:
-        raise _bad(f"prompt token ids must be below the vocabulary size {vocab}", "prompt")
     if vocab is not None and req.stop_token_ids and max(req.stop_token_ids) >= vocab:
         raise _bad(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
-    # Without a tokenizer the prompt's length is unknown here: only max_tokens is checked, the worker
-    # checks the rest.
     room = None if info.max_model_len is None else info.max_model_len - len(ids)
-    if info.max_model_len is not None:
-        try:
-            check_context_length(len(ids), info.max_model_len, max_tokens)
-        except ContextLengthError as exc:
-            raise _bad(str(exc), exc.param) from None
     fields: dict[str, Any] = {
         "n": req.n,
         "temperature": 1.0 if req.temperature is None else req.temperature,

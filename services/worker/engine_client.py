@@ -7,13 +7,13 @@ and ``INFLIGHT_ENGINE_PROCESS=false``). The worker's modules name exactly the ca
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the gateway image has no torch; these are types only
+    from engine.inputs import EngineRequest, PromptLimits
     from engine.metrics import EngineMetrics, SchedulerStats
     from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
     from engine.tokenizer import Tokenizer
 
 
@@ -22,7 +22,8 @@ class EngineClient(Protocol):
     def tokenizer(self) -> Tokenizer | None: ...
 
     @property
-    def max_model_len(self) -> int: ...
+    def prompt_limits(self) -> PromptLimits:
+        """What the engine checks prompts against (its config's max_model_len, its vocabulary)."""
 
     @property
     def pid(self) -> int | None:
@@ -46,18 +47,6 @@ class EngineClient(Protocol):
 
     async def shutdown(self) -> None: ...
 
-    def generate(
-        self,
-        prompt: list[int],
-        params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        resume_token_ids: list[int] | None = None,
-        resume_by_index: Mapping[int, Sequence[int]] | None = None,
-        indexes: Sequence[int] | None = None,
-        slo_ttft_s: float | None = None,
-        slo_tpot_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

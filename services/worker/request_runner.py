@@ -19,7 +19,7 @@ from typing import Any
 
 from opentelemetry import trace
 
-from engine.inputs import check_context_length
+from engine.inputs import EngineRequest, prepare_prompt
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from services.common.engine_spans import EngineSpanExporter
@@ -114,24 +114,21 @@ class Runner:
         return await self._finish(run)
 
     def _prompt(self, run: Run, params: SamplingParams) -> list[int]:
-        """The prompt's token ids: as sent, or tokenized here for a gateway without the tokenizer."""
+        """The prompt's token ids, prepared by the rule every edge shares (``engine.inputs``): the ids a
+        tokenizing gateway sent, checked against this engine's limits, or the text or chat messages of a
+        gateway without the tokenizer, tokenized here."""
         msg = run.msg
+        limits, tokenizer = self.engine.prompt_limits, self.engine.tokenizer
         if msg.prompt_token_ids:
-            return list(msg.prompt_token_ids)
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            raise ValueError("this model has no tokenizer: send the prompt as token ids")
-        if msg.messages is not None:
-            text = tokenizer.apply_chat_template(
-                msg.messages, add_generation_prompt=msg.add_generation_prompt
-            )
-            ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(msg.prompt or "", add_special_tokens=True)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        check_context_length(len(ids), self.engine.max_model_len, params.max_tokens)
-        return ids
+            return prepare_prompt(msg.prompt_token_ids, limits, tokenizer, max_tokens=params.max_tokens)
+        return prepare_prompt(
+            msg.prompt or "",
+            limits,
+            tokenizer,
+            messages=msg.messages,
+            add_generation_prompt=msg.add_generation_prompt,
+            max_tokens=params.max_tokens,
+        )
 
     def _resume(self, run: Run, events: list[Any]) -> None:
         """Fold what earlier workers published into this run: tokens, text, finished indexes, seq."""
@@ -179,16 +176,17 @@ class Runner:
                 if run.tracing.publish_parent is None:
                     run.tracing.publish_parent = trace.set_span_in_context(span)
         try:
-            stream = self.engine.generate(
+            request = EngineRequest(
+                engine_id,
                 run.prompt_token_ids,
                 dataclasses.replace(params, seed=seed),
-                engine_id,
                 priority=run.msg.priority,
                 resume_by_index=resumed if any(resumed.values()) else None,
                 indexes=todo if len(todo) < params.n else None,
                 slo_ttft_s=None if run.msg.slo_ttft_ms is None else run.msg.slo_ttft_ms / 1e3,
                 slo_tpot_s=None if run.msg.slo_tpot_ms is None else run.msg.slo_tpot_ms / 1e3,
             )
+            stream = self.engine.generate(request)
             async for out in stream:
                 for c in out.outputs:
                     self._on_completion(run, params, c, out.error)
@@ -209,8 +207,8 @@ class Runner:
                 raise
             log.warning("request %s failed: %s", run.id, exc)
             if isinstance(exc, ValueError):
-                # The engine refused the input (a token id beyond the vocabulary, a prompt too long for
-                # its context: ContextLengthError names the field): the client's fault.
+                # The engine refused the input (a PromptError names the field to blame): the client's
+                # fault.
                 run.error_code, run.error_param = "invalid_request", getattr(exc, "param", None)
             for i in todo:
                 if not run.output.finished(i):

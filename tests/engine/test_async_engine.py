@@ -10,6 +10,7 @@ import pytest
 
 from engine import SamplingParams
 from engine.async_engine import AsyncLLMEngine
+from engine.inputs import EngineRequest
 from engine.llm import LLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -35,7 +36,7 @@ async def test_stream_deltas_add_up_to_the_offline_result(
     engine: AsyncLLMEngine, tiny_llama_path: Path
 ) -> None:
     prompt = "streaming is the point"
-    deltas = [out async for out in engine.generate(prompt, GREEDY, "s1")]
+    deltas = [out async for out in engine.generate(EngineRequest("s1", prompt, GREEDY))]
     tokens = [t for d in deltas for c in d.outputs for t in c.token_ids]
     text = "".join(c.text for d in deltas for c in d.outputs)
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
@@ -48,7 +49,7 @@ async def test_stream_deltas_add_up_to_the_offline_result(
 async def test_concurrent_streams(engine: AsyncLLMEngine) -> None:
     async def run(i: int) -> int:
         n = 0
-        async for out in engine.generate([10 + i, 11, 12], GREEDY, f"c{i}"):
+        async for out in engine.generate(EngineRequest(f"c{i}", [10 + i, 11, 12], GREEDY)):
             n += sum(len(c.token_ids) for c in out.outputs)
         return n
 
@@ -61,7 +62,7 @@ async def test_abort_mid_stream_frees_blocks(engine: AsyncLLMEngine) -> None:
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     seen = 0
     last = None
-    async for out in engine.generate([5] * 40, params, "victim"):
+    async for out in engine.generate(EngineRequest("victim", [5] * 40, params)):
         seen += 1
         last = out
         if seen == 3:
@@ -73,7 +74,7 @@ async def test_abort_mid_stream_frees_blocks(engine: AsyncLLMEngine) -> None:
 
 async def test_leaving_the_iterator_early_aborts(engine: AsyncLLMEngine) -> None:
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    gen = engine.generate([6] * 30, params, "quitter")
+    gen = engine.generate(EngineRequest("quitter", [6] * 30, params))
     await gen.__anext__()
     await gen.aclose()  # a disconnected client
     for _ in range(100):
@@ -85,12 +86,12 @@ async def test_leaving_the_iterator_early_aborts(engine: AsyncLLMEngine) -> None
 
 async def test_bad_input_raises_to_the_caller(engine: AsyncLLMEngine) -> None:
     with pytest.raises(ValueError, match="empty"):
-        async for _ in engine.generate([], GREEDY, "bad"):
+        async for _ in engine.generate(EngineRequest("bad", [], GREEDY)):
             pass
-    gen = engine.generate([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), "same")
+    gen = engine.generate(EngineRequest("same", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True)))
     await gen.__anext__()
     with pytest.raises(ValueError, match="already in flight"):
-        async for _ in engine.generate([1, 2], GREEDY, "same"):
+        async for _ in engine.generate(EngineRequest("same", [1, 2], GREEDY)):
             pass
     await gen.aclose()
 
@@ -119,7 +120,9 @@ async def test_event_loop_keeps_ticking_during_slow_steps(engine: AsyncLLMEngine
 
     task = asyncio.create_task(ticker())
     try:
-        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True), "slow"):
+        async for _ in engine.generate(
+            EngineRequest("slow", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+        ):
             pass
     finally:
         done.set()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine.async_scheduling import decide_async_scheduling
+from engine.inputs import EngineRequest
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.sched.async_scheduler import AsyncScheduler
@@ -79,7 +80,7 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], aborts: dict[int, list[str
     while step < 400 and (engine.has_unfinished_requests() or any(a.at_step >= step for a in arrivals)):
         for a in arrivals:
             if a.at_step == step:
-                engine.add_request(a.request_id, a.prompt, a.params, resume_token_ids=a.resume)
+                engine.add_request(EngineRequest(a.request_id, a.prompt, a.params, resume_token_ids=a.resume))
         for rid in aborts.get(step, []):
             if rid not in finished:
                 run.aborted.add(rid)

@@ -28,7 +28,7 @@ from engine.core.messages import (
     seq_of,
     wire_output,
 )
-from engine.inputs import ContextLengthError
+from engine.inputs import ContextLengthError, EngineRequest
 from engine.metrics import RequestRecord, SchedulerStats, StepRecord
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -73,17 +73,17 @@ def test_a_step_crosses_with_every_field() -> None:
 def test_commands_cross_and_sampling_params_are_validated_on_arrival() -> None:
     params = SamplingParams(n=2, temperature=0.5, stop=["x"], seed=3, logprobs=2)
     commands = [
-        AddRequest(1, "a", [1, 2], params, 3, None, {0: [5], 1: []}, [0, 1], 0.5, None),
-        AddRequest(2, "b", "text", SamplingParams()),
+        AddRequest(1, EngineRequest("a", [1, 2], params, 3, 12.5, None, {0: [5], 1: []}, [0, 1], 0.5, None)),
+        AddRequest(2, EngineRequest("b", "text")),
         AbortRequest("a"),
         Inspect(3, "kv_integrity"),
         Shutdown(),
     ]
     encoder, decoder = client_codec(), core_codec()
     assert [decoder.decode(encoder.encode(c)) for c in commands] == commands
-    bad = AddRequest(4, "c", [1], SamplingParams())
+    bad = AddRequest(4, EngineRequest("c", [1], SamplingParams()))
     fields = msgspec.msgpack.decode(encoder.encode(bad))
-    fields[4]["n"] = 0  # what __post_init__ refuses
+    fields[2][2]["n"] = 0  # the request's params: what their __post_init__ refuses
     raw = msgspec.msgpack.encode(fields)
     with pytest.raises(msgspec.ValidationError, match="n must be at least 1"):
         decoder.decode(raw)

@@ -17,7 +17,7 @@ import pytest
 from engine import SamplingParams
 from engine.core.client import EngineCoreClient
 from engine.core.watchdog import EngineStalled, StallPolicy
-from engine.inputs import ContextLengthError
+from engine.inputs import ContextLengthError, EngineRequest
 from engine.llm import LLM
 from engine.metrics import RequestRecord, StepRecord
 
@@ -47,7 +47,7 @@ async def test_streams_what_the_in_process_engine_generates(
     core.metrics.step_listeners.append(steps.append)
     core.metrics.request_listeners.append(finished.append)
     prompt = "streaming is the point"
-    deltas = [out async for out in core.generate(prompt, GREEDY, "s1")]
+    deltas = [out async for out in core.generate(EngineRequest("s1", prompt, GREEDY))]
     tokens = [t for d in deltas for c in d.outputs for t in c.token_ids]
     text = "".join(c.text for d in deltas for c in d.outputs)
     assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
@@ -65,7 +65,7 @@ async def test_concurrent_streams_and_n_greater_than_one(core: EngineCoreClient)
     async def run(i: int, n: int) -> dict[int, int]:
         counts: dict[int, int] = {}
         params = SamplingParams(temperature=0.8, seed=i, n=n, max_tokens=10, ignore_eos=True)
-        async for out in core.generate([10 + i, 11, 12], params, f"c{i}"):
+        async for out in core.generate(EngineRequest(f"c{i}", [10 + i, 11, 12], params)):
             for c in out.outputs:
                 counts[c.index] = counts.get(c.index, 0) + len(c.token_ids)
         return counts
@@ -78,12 +78,12 @@ async def test_concurrent_streams_and_n_greater_than_one(core: EngineCoreClient)
 async def test_abort_and_early_exit_free_everything(core: EngineCoreClient) -> None:
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     seen = []
-    async for out in core.generate([1, 2, 3], long, "a1"):
+    async for out in core.generate(EngineRequest("a1", [1, 2, 3], long)):
         seen.append(out)
         if len(seen) == 3:
             await core.abort("a1")
     assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
-    async for _ in core.generate([4, 5, 6], long, "a2"):
+    async for _ in core.generate(EngineRequest("a2", [4, 5, 6], long)):
         break  # leaving the stream aborts the request in the core
     for _ in range(100):  # the abort travels through the sender and the core's next step
         if core.load.num_running == 0 and core.load.num_waiting == 0:
@@ -94,16 +94,16 @@ async def test_abort_and_early_exit_free_everything(core: EngineCoreClient) -> N
 
 async def test_refused_input_raises_and_the_core_keeps_serving(core: EngineCoreClient) -> None:
     with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
-        async for _ in core.generate([10**6], GREEDY, "bad"):
+        async for _ in core.generate(EngineRequest("bad", [10**6], GREEDY)):
             pass
     with pytest.raises(ValueError, match="already in flight"):
-        stream = core.generate([1, 2], GREEDY, "dup")
+        stream = core.generate(EngineRequest("dup", [1, 2], GREEDY))
         first = await stream.__anext__()
-        async for _ in core.generate([1, 2], GREEDY, "dup"):
+        async for _ in core.generate(EngineRequest("dup", [1, 2], GREEDY)):
             pass
     assert first.request_id == "dup"
     await stream.aclose()
-    outs = [o async for o in core.generate([7, 8], GREEDY, "ok")]
+    outs = [o async for o in core.generate(EngineRequest("ok", [7, 8], GREEDY))]
     assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 10
     assert await kv_clean(core)
 
@@ -111,12 +111,12 @@ async def test_refused_input_raises_and_the_core_keeps_serving(core: EngineCoreC
 async def test_a_killed_core_fails_its_streams(core: EngineCoreClient) -> None:
     long = SamplingParams(temperature=0, max_tokens=10_000 // 50, ignore_eos=True)
     with pytest.raises(RuntimeError, match="engine loop has died"):
-        async for out in core.generate([1, 2, 3], long, "k1"):
+        async for out in core.generate(EngineRequest("k1", [1, 2, 3], long)):
             if out.outputs[0].token_ids and core.pid is not None:
                 os.kill(core.pid, signal.SIGKILL)
     assert core.dead_error is not None and "exit code -9" in str(core.dead_error)
     with pytest.raises(RuntimeError, match="engine loop has died"):
-        async for _ in core.generate([1, 2], GREEDY, "after"):
+        async for _ in core.generate(EngineRequest("after", [1, 2], GREEDY)):
             pass
 
 
@@ -138,7 +138,7 @@ async def test_a_failing_step_reports_the_error(tiny_llama_path: Path) -> None:
     await client.start()
     try:
         with pytest.raises(RuntimeError, match="engine loop has died"):
-            async for _ in client.generate([1, 2, 3], GREEDY, "f1"):
+            async for _ in client.generate(EngineRequest("f1", [1, 2, 3], GREEDY)):
                 pass
         assert "injected: the step fails" in str(client.dead_error)
     finally:
@@ -169,11 +169,11 @@ async def test_an_over_long_prompt_is_refused_with_its_param_and_the_next_reques
 ) -> None:
     """A refusal crosses the pipe as data: the reader lives on, and the caller gets the typed error."""
     with pytest.raises(ContextLengthError) as refused:
-        async for _ in core.generate(list(range(1, 401)), GREEDY, "too-long"):
+        async for _ in core.generate(EngineRequest("too-long", list(range(1, 401)), GREEDY)):
             pass
     assert refused.value.param == "prompt" and "maximum context length" in str(refused.value)
     assert core.dead_error is None and core.num_unacknowledged == 0
-    outs = [o async for o in core.generate([7, 8], GREEDY, "after-refusal")]
+    outs = [o async for o in core.generate(EngineRequest("after-refusal", [7, 8], GREEDY))]
     assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 10
     assert outs[0].prompt_token_ids == [7, 8]  # the prompt came back once, with the acknowledgement
     assert await kv_clean(core)
@@ -186,12 +186,12 @@ async def test_an_exception_in_the_reader_marks_the_engine_dead(core: EngineCore
     core.metrics.step_listeners.append(broken_listener)
     long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     with pytest.raises(RuntimeError, match="engine loop has died"):
-        async for _ in core.generate([1, 2, 3], long, "r1"):
+        async for _ in core.generate(EngineRequest("r1", [1, 2, 3], long)):
             pass
     assert core.dead_error is not None and "reader failed" in str(core.dead_error)
     assert "injected into the reader" in str(core.dead_error)
     with pytest.raises(RuntimeError, match="engine loop has died"):
-        async for _ in core.generate([1, 2], GREEDY, "r2"):
+        async for _ in core.generate(EngineRequest("r2", [1, 2], GREEDY)):
             pass
 
 
@@ -203,7 +203,7 @@ async def test_a_request_counts_as_unacknowledged_until_the_core_takes_it(
     assert core.pid is not None and core.num_unacknowledged == 0
     os.kill(core.pid, signal.SIGSTOP)
     try:
-        stream = core.generate([1, 2, 3], GREEDY, "u1")
+        stream = core.generate(EngineRequest("u1", [1, 2, 3], GREEDY))
         first = asyncio.ensure_future(stream.__anext__())
         await asyncio.sleep(0.2)  # the request reaches the sender and the pipe; the core is stopped
         assert not first.done()
@@ -227,7 +227,7 @@ async def test_a_stalled_core_is_killed_and_its_streams_fail(tiny_llama_path: Pa
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         began = 0.0
         with pytest.raises(RuntimeError, match="engine loop has died") as failed:
-            async for out in client.generate([1, 2, 3], long, "st1"):
+            async for out in client.generate(EngineRequest("st1", [1, 2, 3], long)):
                 if out.outputs[0].num_output_tokens == 3:
                     os.kill(pid, signal.SIGSTOP)  # what a wedged driver looks like from outside
                     began = time.monotonic()
@@ -248,14 +248,14 @@ async def test_an_idle_core_is_never_a_stall(tiny_llama_path: Path) -> None:
     client = EngineCoreClient(str(tiny_llama_path), ARGS, torch_threads=1, stall=stall)
     await client.start()
     try:
-        outs = [o async for o in client.generate([5, 6], GREEDY, "i1")]
+        outs = [o async for o in client.generate(EngineRequest("i1", [5, 6], GREEDY))]
         assert outs[-1].finished
         assert client.pid is not None
         os.kill(client.pid, signal.SIGSTOP)
         await asyncio.sleep(1.5)  # three bounds with nothing to do
         assert client.dead_error is None
         os.kill(client.pid, signal.SIGCONT)
-        outs = [o async for o in client.generate([5, 6], GREEDY, "i2")]
+        outs = [o async for o in client.generate(EngineRequest("i2", [5, 6], GREEDY))]
         assert outs[-1].finished and client.dead_error is None
     finally:
         await client.shutdown()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.inputs import EngineRequest
 from engine.llm_engine import LLMEngine
 from engine.models.tiny import write_tiny_checkpoint
 
@@ -146,7 +147,9 @@ def test_resumed_stream_continues_exactly(llm: LLM) -> None:
         # What the first engine streamed before the cut (the detokenizer's view, held-back text included).
         first = llm.generate([[21, 22, 23, 24]], SamplingParams(**{**params.__dict__, "max_tokens": cut}))
         assert first[0].outputs[0].token_ids == full[:cut]
-        engine.add_request(f"resumed-{cut}", [21, 22, 23, 24], params, resume_token_ids=full[:cut])
+        engine.add_request(
+            EngineRequest(f"resumed-{cut}", [21, 22, 23, 24], params, resume_token_ids=full[:cut])
+        )
         tail: list[int] = []
         text = ""
         while engine.has_unfinished_requests():

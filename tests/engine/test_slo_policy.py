@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.cost_model import StepCostModel
+from engine.inputs import EngineRequest
 from engine.kv_cache.manager import KVCacheManager
 from engine.llm_engine import LLMEngine
 from engine.request import Request, RequestStatus
@@ -350,9 +351,9 @@ def test_engine_serves_per_request_deadlines_and_rejects_lost_ones(tiny_llama_pa
     )
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     eng.add_request("lost", [5, 6, 7, 8], params)
-    eng.add_request("kept", [5, 6, 7, 9], params, slo_ttft_s=60.0, slo_tpot_s=60.0)
+    eng.add_request(EngineRequest("kept", [5, 6, 7, 9], params, slo_ttft_s=60.0, slo_tpot_s=60.0))
     with pytest.raises(ValueError, match="slo_tpot_s"):
-        eng.add_request("bad", [5], params, slo_tpot_s=0.0)
+        eng.add_request(EngineRequest("bad", [5], params, slo_tpot_s=0.0))
     finished = {}
     while eng.has_unfinished_requests():
         for out in eng.step():

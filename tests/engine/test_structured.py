@@ -11,6 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.core.messages import AddRequest, Failure, core_codec
+from engine.inputs import EngineRequest
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.structured.spec import StructuredOutput, StructuredOutputError
 
@@ -99,7 +100,7 @@ def test_resumed_request_replays_its_grammar_state(llm: LLM) -> None:
     assert len(whole.token_ids) > 6
     engine = llm.engine
     head = whole.token_ids[:5]
-    engine.add_request("resumed", "resume me", params, resume_token_ids=head)
+    engine.add_request(EngineRequest("resumed", "resume me", params, resume_token_ids=head))
     tail: list[int] = []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -134,8 +135,9 @@ def test_spec_shapes_are_checked_and_travel_the_core_pipe() -> None:
         StructuredOutput("choice", "[]")
     spec = StructuredOutput.json_schema(SCHEMA)
     codec = core_codec()
-    decoded = codec.decode(codec.encode(AddRequest(1, "r", [1, 2], SamplingParams(structured=spec))))
-    assert decoded.params.structured == spec
+    request = EngineRequest("r", [1, 2], SamplingParams(structured=spec))
+    decoded = codec.decode(codec.encode(AddRequest(1, request)))
+    assert decoded.request.params.structured == spec
     assert StructuredOutput.json_schema(SCHEMA).key == spec.key  # the cache key: same spec, same hash
     assert StructuredOutput("regex", "a").key != StructuredOutput("grammar", "a").key
 

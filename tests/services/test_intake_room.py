@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.client import EngineCoreClient
+from engine.inputs import EngineRequest
 from engine.sampling_params import SamplingParams
 from services.common.settings import Settings
 from services.common.store import Store, connect_redis
@@ -40,7 +41,7 @@ async def test_room_counts_a_request_the_core_has_not_acknowledged(model_path: P
         os.kill(client.pid, signal.SIGSTOP)
         try:
             params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-            stream = client.generate([1, 2, 3], params, "held")
+            stream = client.generate(EngineRequest("held", [1, 2, 3], params))
             first = asyncio.ensure_future(stream.__anext__())
             await asyncio.sleep(0.2)
             assert not first.done() and client.load.num_waiting == 0

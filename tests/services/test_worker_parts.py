@@ -20,7 +20,9 @@ import redis as redis_lib
 from aiokafka.structs import TopicPartition
 
 from engine.async_engine import AsyncLLMEngine
+from engine.inputs import EngineRequest
 from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from harness.servers import ServerProcess
 from services.common import keys
@@ -186,8 +188,8 @@ async def test_runner_generates_every_index_as_the_engine_would(parts: Parts, en
     # The same completions straight from the engine: index i is one request with seed + i.
     for index in range(2):
         one = dataclasses.replace(params, n=1, seed=7 + index)
-        direct = [t async for o in engine.generate([5, 6, 7, 8, 9], one, f"direct-{run.id}-{index}")
-                  for t in o.outputs[0].token_ids]  # fmt: skip
+        request = EngineRequest(f"direct-{run.id}-{index}", [5, 6, 7, 8, 9], one)
+        direct = [t async for o in engine.generate(request) for t in o.outputs[0].token_ids]
         assert run.output.choice(index).token_ids == direct
     log = await p.store.read_log(run.id)
     assert [e.seq for e in log] == list(range(1, len(log) + 1))
@@ -208,8 +210,8 @@ async def test_runner_generates_every_index_as_the_engine_would(parts: Parts, en
 async def test_runner_resumes_a_dead_workers_stream(parts: Parts, engine: AsyncLLMEngine) -> None:
     p = parts
     params = SamplingParams(seed=3, temperature=1.0, max_tokens=8, ignore_eos=True)
-    whole = [t async for o in engine.generate([5, 6, 7, 8, 9], params, f"whole-{uuid.uuid4().hex}")
-             for t in o.outputs[0].token_ids]  # fmt: skip
+    request = EngineRequest(f"whole-{uuid.uuid4().hex}", [5, 6, 7, 8, 9], params)
+    whole = [t async for o in engine.generate(request) for t in o.outputs[0].token_ids]
     run = await _admitted(p, _message(params))
     # A worker that died after publishing three tokens: its events are in the log, its lease is gone.
     dead = await p.store.start(run.id, "dead-worker", lease_s=5, seed=99, ttl_s=60)
@@ -283,9 +285,9 @@ async def test_runner_resumes_n_completions_each_from_its_own_point(
     seen: list[tuple[str, list[int] | None]] = []
     real_generate = engine.generate
 
-    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append((args[2], kwargs.get("indexes")))
-        return real_generate(*args, **kwargs)
+    def spy(request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        seen.append((request.request_id, request.indexes))
+        return real_generate(request)
 
     engine.generate = spy  # type: ignore[method-assign]
     try:
