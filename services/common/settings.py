@@ -81,6 +81,9 @@ class Settings:
     # Engine arguments as a JSON object, e.g. {"max_num_seqs": 64, "dtype": "bfloat16"}: see the engine
     # arguments table. Unknown names fail the worker at start-up.
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # GPUs (or CPU ranks) one worker splits the model over: the engine argument tensor_parallel_size,
+    # set here so a deployment sizes it with the GPUs it asks for (the chart's worker.tensorParallelSize).
+    tensor_parallel_size: int = 1
     # The context length the gateway checks prompts against; unset: the engine argument, else the model's.
     max_model_len: int | None = None
     # ---- gateway ----------------------------------------------------------------------------
@@ -191,6 +194,20 @@ class Settings:
             )
         if self.drain_timeout_s < 0:
             raise SettingsError("INFLIGHT_DRAIN_TIMEOUT_S must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise SettingsError(
+                f"INFLIGHT_TENSOR_PARALLEL_SIZE must be >= 1, got {self.tensor_parallel_size}"
+            )
+        if self.tensor_parallel_size > 1:
+            given = self.engine_args.get("tensor_parallel_size", self.tensor_parallel_size)
+            if given != self.tensor_parallel_size:
+                raise SettingsError(
+                    f"INFLIGHT_TENSOR_PARALLEL_SIZE={self.tensor_parallel_size} disagrees with "
+                    f"tensor_parallel_size={given} in INFLIGHT_ENGINE_ARGS"
+                )
+            # One place the engine reads it from: its arguments.
+            args = {**self.engine_args, "tensor_parallel_size": self.tensor_parallel_size}
+            object.__setattr__(self, "engine_args", args)
         if self.trace_step_sample_every < 0:
             raise SettingsError("INFLIGHT_TRACE_STEP_SAMPLE_EVERY must be >= 0 (0: no step spans)")
         if self.kafka_sasl_mechanism and not (self.kafka_sasl_username and self.kafka_sasl_password):
@@ -295,6 +312,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_MODEL": ("model", "str"),
     "INFLIGHT_SERVED_MODEL_NAME": ("served_model_name", "str"),
     "INFLIGHT_ENGINE_ARGS": ("engine_args", "json"),
+    "INFLIGHT_TENSOR_PARALLEL_SIZE": ("tensor_parallel_size", "int"),
     "INFLIGHT_MAX_MODEL_LEN": ("max_model_len", "int"),
     "INFLIGHT_API_KEYS": ("api_keys", "csv"),
     "INFLIGHT_MAX_PENDING": ("max_pending", "int"),
