@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.async_engine import AsyncLLMEngine
     from engine.config import EngineArgs
+    from engine.inputs import EngineRequest
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling_params import SamplingParams
@@ -19,6 +20,7 @@ _EXPORTS = {
     "LLM": "engine.llm",
     "AsyncLLMEngine": "engine.async_engine",
     "EngineArgs": "engine.config",
+    "EngineRequest": "engine.inputs",
     "SamplingParams": "engine.sampling_params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
@@ -29,6 +31,7 @@ __all__ = [
     "AsyncLLMEngine",
     "CompletionOutput",
     "EngineArgs",
+    "EngineRequest",
     "RequestOutput",
     "SamplingParams",
 ]
