@@ -12,6 +12,7 @@ the grace period; it stops on ``Shutdown``, or when the pipe says the parent is 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import traceback
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from engine.core.messages import (
 from engine.metrics import RequestRecord, StepRecord
 
 logger = logging.getLogger(__name__)
+
+EXIT_RANK_DIED = 70  # the core's exit code when a tensor-parallel rank died
 
 # Read-only questions a client may ask between steps (tests and tools; never on the request path).
 INSPECTIONS: dict[str, Callable[[Any], Any]] = {
@@ -83,6 +86,12 @@ def run_engine_core(
         f"{config.model.architecture}, dtype {str(config.dtype).removeprefix('torch.')}, "
         f"{torch.get_num_threads()} torch threads"
     )
+    ranks = engine.runner.ranks  # tensor parallelism: ranks 1..N-1
+    if ranks is not None:
+        description += f", tensor parallel over {config.tensor_parallel_size} ranks"
+        # A rank that dies while this core idles would only be noticed at the next step: end the core
+        # now, so its client fails it (the worker hands its requests back, readyz answers 503).
+        ranks.watch(lambda message: os._exit(EXIT_RANK_DIED))
     ready = Ready(config.model_path, engine.prompt_limits, engine.load, description)
     if not _send(results, codec, ready):
         return

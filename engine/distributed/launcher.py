@@ -19,6 +19,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,6 +33,8 @@ from engine.distributed.parallel_state import RankFailure, TensorParallel
 from engine.distributed.pipe import write_message
 
 log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0  # for every rank to start (a process, torch imported) and reach the group
 
 
 @dataclass(frozen=True)
@@ -49,21 +54,46 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def join_group(device: torch.device, rank: int, size: int, port: int, timeout_s: float) -> TensorParallel:
+def join_group(
+    device: torch.device,
+    rank: int,
+    size: int,
+    port: int,
+    timeout_s: float,
+    alive: Callable[[], None] | None = None,
+) -> TensorParallel:
     """Join the tensor-parallel group (all ranks on this host): NCCL for the all-reduces on CUDA with a
-    gloo group beside it for host-side agreement, gloo for both on a CPU."""
+    gloo group beside it for host-side agreement, gloo for both on a CPU.
+
+    Rank 0 first waits, up to ``START_TIMEOUT_S`` and calling ``alive()`` (which raises for a rank
+    that exited) meanwhile, for every rank to reach this point: starting a rank (importing torch)
+    may take longer than a collective is allowed to.
+    """
     import torch.distributed as dist
 
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
+    store = dist.TCPStore(
+        "127.0.0.1", port, size, is_master=rank == 0, timeout=timedelta(seconds=START_TIMEOUT_S)
+    )
+    if rank == 0:
+        keys = [f"rank{r}" for r in range(1, size)]
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not store.check(keys):
+            if alive is not None:
+                alive()
+            if time.monotonic() > deadline:
+                raise RankFailure(f"tensor-parallel ranks did not start within {START_TIMEOUT_S:.0f} s")
+            time.sleep(0.05)
+    else:
+        store.set(f"rank{rank}", "up")
     timeout = timedelta(seconds=timeout_s)
-    init = f"tcp://127.0.0.1:{port}"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=size, timeout=timeout)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=size, timeout=timeout)
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         return TensorParallel(rank, size, dist.group.WORLD, cpu_group)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
     return TensorParallel(rank, size, dist.group.WORLD, dist.group.WORLD)
 
 
@@ -74,7 +104,13 @@ class RankSet:
         size = config.tensor_parallel_size
         port = _free_port()
         threads = torch.get_num_threads()
+        if config.device.type == "cpu":
+            # The ranks share this host's cores: each takes its part of the threads this process had
+            # (rank 0 included), rather than N ranks each spinning on all of them.
+            threads = max(1, threads // size)
+            torch.set_num_threads(threads)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._closing = False
         for rank in range(1, size):
             proc = subprocess.Popen(
                 [sys.executable, "-m", "engine.distributed.rank_main"], stdin=subprocess.PIPE
@@ -83,11 +119,17 @@ class RankSet:
             assert proc.stdin is not None
             write_message(proc.stdin, RankInit(config, rank, port, threads, timeout_s))
         try:
-            self.tp = join_group(config.device, 0, size, port, timeout_s)
+            self.tp = join_group(config.device, 0, size, port, timeout_s, alive=self.check)
         except BaseException:
             self.close()
             raise
-        log.info("tensor parallel: %d ranks (%s), rank pids %s", size, config.device.type, self.pids)
+        log.info(
+            "tensor parallel: %d ranks (%s, %d torch threads each), rank pids %s",
+            size,
+            config.device.type,
+            threads,
+            self.pids,
+        )
 
     @property
     def pids(self) -> list[int]:
@@ -99,6 +141,23 @@ class RankSet:
             code = proc.poll()
             if code is not None:
                 raise RankFailure(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}")
+
+    def watch(self, on_death: Callable[[str], None], grace_s: float = 1.0) -> None:
+        """Call ``on_death(reason)`` from a daemon thread when a rank exits while not closing. It waits
+        ``grace_s`` first: a rank that dies inside a step is reported by that step's ``RankFailure``."""
+
+        def wait_for(rank: int, proc: subprocess.Popen[bytes]) -> None:
+            code = proc.wait()
+            if self._closing:
+                return
+            reason = f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+            log.error("%s: the engine cannot continue", reason)
+            time.sleep(grace_s)
+            on_death(reason)
+
+        for rank, proc in enumerate(self.procs, start=1):
+            name = f"inflight-tp-watch-{rank}"
+            threading.Thread(target=wait_for, args=(rank, proc), name=name, daemon=True).start()
 
     def broadcast(self, message: Any) -> None:
         """Hand every rank this step's input."""
@@ -113,6 +172,7 @@ class RankSet:
     def close(self, wait_s: float = 10.0) -> None:
         """End the ranks: EOF on their pipes ends their loops; what is still running after
         ``wait_s`` (one stuck in a collective) is killed."""
+        self._closing = True
         for proc in self.procs:
             if proc.stdin is not None:
                 with contextlib.suppress(OSError):

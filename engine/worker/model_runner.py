@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,6 +30,9 @@ from engine.worker.staging import InputStaging
 from engine.worker.step_io import PreparedInputs, RunnerOutput, StepArrays
 from engine.worker.step_overlap import StepHandle, StepOverlap
 
+if TYPE_CHECKING:
+    from engine.distributed.launcher import RankSet
+
 # Without an explicit size, the CPU cache holds every sequence at full length, capped at this.
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 _GPU_MEMORY_UTILIZATION = 0.9
@@ -43,7 +47,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
         self.config = config
         self.device = config.device
-        self.ranks = None  # rank 0 of a tensor-parallel group: the other ranks
+        self.ranks: RankSet | None = None  # rank 0 of a tensor-parallel group: the other ranks
         if tp is None and config.tensor_parallel_size > 1:
             from engine import envs
             from engine.distributed.launcher import RankSet
