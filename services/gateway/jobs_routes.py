@@ -28,8 +28,9 @@ from services.gateway.openai_routes import SSE_HEADERS, _data, _sse, check_model
 from services.gateway.prompts import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
 from services.gateway.quotas import JobQuota
-from services.gateway.responses import ResponseBuilder, response_from_record
+from services.gateway.responses import ResponseBuilder, record_tools, response_from_record
 from services.gateway.state import Gateway, gateway, new_request_id
+from services.gateway.tools import ToolMode, tool_mode
 
 router = APIRouter()
 
@@ -43,11 +44,13 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
             check_model(gw, completion.model)
             kind: Kind = "completion"
             prepared = await asyncio.to_thread(prepare_completion, completion, gw.info)
+            tools: ToolMode = None
         else:
             chat = ChatCompletionRequest.model_validate(body.body)
             check_model(gw, chat.model)
             kind = "chat"
             prepared = await asyncio.to_thread(prepare_chat, chat, gw.info)
+            tools = tool_mode(chat.tools, chat.tool_choice, prepared.tool_calls)
     except ValidationError as exc:
         first = exc.errors()[0]
         message = f"body.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
@@ -58,6 +61,7 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
         "endpoint": body.endpoint,
         "metadata": json.dumps(body.metadata or {}),
         "owner": owner,
+        "tools": tools or "",  # how its result answers tool calls (tools.py): as the chat response does
     }
     job_id = new_request_id(kind, job=True)
     quota = JobQuota(gw.store.client, gw.settings.max_jobs_per_key, gw.settings.job_ttl_s)
@@ -110,7 +114,7 @@ async def job_events(job_id: str, request: Request) -> StreamingResponse:
     logprobs = int(record["logprobs"]) if record.get("logprobs") else None
     builder = ResponseBuilder(
         kind, job_id, record.get("model", ""), int(float(record.get("created", 0))), int(record.get("n", 1)),
-        gw.info.tokenizer, logprobs,
+        gw.info.tokenizer, logprobs, record_tools(record),
     )  # fmt: skip
     sub = await gw.hub.subscribe(job_id)
     if record.get("status") in TERMINAL and not await _log_ends_done(gw, job_id):
@@ -145,7 +149,10 @@ async def _from_record(job_id: str, record: dict[str, str]) -> AsyncIterator[str
     chat = result["object"] == "chat.completion"
     for choice in result["choices"]:
         if chat:
-            delta = {"role": "assistant", "content": choice["message"]["content"]}
+            message = choice["message"]
+            delta = {"role": "assistant", "content": message["content"]}
+            if message.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
             body = {"index": choice["index"], "delta": delta, "finish_reason": choice["finish_reason"]}
         else:
             body = {

@@ -19,6 +19,7 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, 
 from services.gateway.responses import ResponseBuilder
 from services.gateway.state import Gateway, gateway
 from services.gateway.token_streams import StreamError, Subscription
+from services.gateway.tools import tool_mode
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -79,8 +80,9 @@ async def _serve(
         kind, prepared, job=False, subscribe=True, stream=bool(body.stream), start_within_s=within_s
     )
     assert sub is not None
+    tools = tool_mode(getattr(body, "tools", None), getattr(body, "tool_choice", None), prepared.tool_calls)
     builder = ResponseBuilder(
-        kind, msg.id, msg.model, int(msg.created), body.n, gw.info.tokenizer, logprobs, prepared.tool_calls
+        kind, msg.id, msg.model, int(msg.created), body.n, gw.info.tokenizer, logprobs, tools
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

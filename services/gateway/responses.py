@@ -8,7 +8,8 @@ from typing import Any
 from engine.outputs import ChoiceAccumulator
 from engine.tokenizer import Tokenizer
 from services.common.wire import DeltaEvent, DoneEvent, Kind
-from services.gateway.tools import CallStream, new_call_id, parse_call
+from services.gateway.tool_parser import ParsedCall, ToolCallStream, parse_tool_calls
+from services.gateway.tools import CallStream, ToolMode, new_call_id, parse_call
 
 
 class ResponseBuilder:
@@ -23,7 +24,7 @@ class ResponseBuilder:
         n: int,
         tokenizer: Tokenizer | None,
         logprobs: int | None = None,
-        tool_calls: bool = False,
+        tools: ToolMode = None,
     ) -> None:
         self.kind = kind
         self.id = request_id
@@ -34,9 +35,11 @@ class ResponseBuilder:
         self.logprobs = logprobs
         self.choices: ChoiceAccumulator[list[list[float]]] = ChoiceAccumulator(n)
         self._role_sent: set[int] = set()
-        # A forced tool call (tools.py): the text is the call, answered as tool_calls.
-        self.tool_calls = tool_calls
+        # Tool calls (tools.py): a forced call's text is the call; under auto, calls the model wrote are
+        # parsed out of its text (tool_parser.py). Either way they are answered as tool_calls.
+        self.tools = tools
         self._calls: dict[int, CallStream] = {}
+        self._auto: dict[int, ToolCallStream] = {}
 
     @property
     def object(self) -> str:
@@ -53,15 +56,18 @@ class ResponseBuilder:
             choice["logprobs"] = self._completion_logprobs(ev.token_ids, ev.logprobs or [])
         else:
             delta: dict[str, Any] = {"content": ev.text}
-            if self.tool_calls:
+            if self.tools == "forced":
                 delta = self._call_delta(ev)
+            elif self.tools == "auto":
+                delta = self._auto_delta(ev)
             if ev.index not in self._role_sent:
                 self._role_sent.add(ev.index)
                 delta = {"role": "assistant", **delta}
             choice["delta"] = delta
             choice["logprobs"] = self._chat_logprobs(ev.token_ids, ev.logprobs or [])
         choice["finish_reason"] = ev.finish_reason
-        if self.tool_calls and ev.finish_reason == "stop":
+        called = self.tools == "forced" or (ev.index in self._auto and self._auto[ev.index].calls > 0)
+        if called and ev.finish_reason == "stop":
             choice["finish_reason"] = "tool_calls"
         if ev.finish_reason is not None:
             choice["stop_reason"] = ev.stop_reason
@@ -71,6 +77,18 @@ class ResponseBuilder:
         call = self._calls.setdefault(ev.index, CallStream())
         entry = call.feed(ev.text, final=ev.finish_reason is not None)
         return {"content": None, "tool_calls": [entry]} if entry is not None else {}
+
+    def _auto_delta(self, ev: DeltaEvent) -> dict[str, Any]:
+        """Content as it streams, but a possible call marker held back; each call whole once its block
+        closes (its name and arguments in one delta, as OpenAI's clients accept)."""
+        stream = self._auto.setdefault(ev.index, ToolCallStream())
+        pieces = stream.feed(ev.text, final=ev.finish_reason is not None)
+        calls = [p for p in pieces if isinstance(p, ParsedCall)]
+        delta: dict[str, Any] = {"content": "".join(p for p in pieces if isinstance(p, str))}
+        first = stream.calls - len(calls)
+        if calls:
+            delta["tool_calls"] = [{"index": first + i, **_call(c)} for i, c in enumerate(calls)]
+        return delta
 
     def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
         return {**self._envelope([], chunk=True), "usage": usage(done.prompt_tokens, done.completion_tokens)}
@@ -97,12 +115,7 @@ class ResponseBuilder:
                 "finish_reason": finish,
                 "stop_reason": stop_reason,
             }
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        call = parse_call(text) if self.tool_calls and finish == "stop" else None
-        if call is not None:
-            function = {"name": call[0], "arguments": call[1]}
-            message = {"role": "assistant", "content": None, "tool_calls": [_call(function)]}
-            finish = "tool_calls"
+        message, finish = chat_message(text, finish, self.tools)
         lp = self._chat_logprobs(ids, lps)
         return {
             "index": index,
@@ -161,7 +174,26 @@ class ResponseBuilder:
         return {"content": content}
 
 
-def _call(function: dict[str, str]) -> dict[str, Any]:
+def chat_message(text: str, finish: str | None, tools: ToolMode) -> tuple[dict[str, Any], str | None]:
+    """A whole chat answer's message and finish reason: its tool calls as ``tool_calls`` (finish
+    "tool_calls" where the model stopped on its own), else its text as content. Synchronous responses and
+    job results are both built here."""
+    calls: list[ParsedCall] = []
+    content: str | None = text
+    if tools == "forced" and finish == "stop":
+        call = parse_call(text)
+        if call is not None:
+            content, calls = None, [ParsedCall(*call)]
+    elif tools == "auto" and finish in ("stop", "length"):
+        content, calls = parse_tool_calls(text)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    message = {"role": "assistant", "content": content, "tool_calls": [_call(c) for c in calls]}
+    return message, "tool_calls" if finish == "stop" else finish
+
+
+def _call(call: ParsedCall) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments}
     return {"id": new_call_id(), "type": "function", "function": function}
 
 
@@ -177,6 +209,12 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def record_tools(record: dict[str, str]) -> ToolMode:
+    """How a job's result answers tool calls, as its record says (jobs_routes.py stores it)."""
+    mode = record.get("tools")
+    return "forced" if mode == "forced" else "auto" if mode == "auto" else None
+
+
 def response_from_record(record: dict[str, str], request_id: str) -> dict[str, Any] | None:
     """The OpenAI response of a finished job, from the result the worker stored."""
     if "result" not in record:
@@ -184,8 +222,9 @@ def response_from_record(record: dict[str, str], request_id: str) -> dict[str, A
     result = json.loads(record["result"])
     used = json.loads(record.get("usage", "{}"))
     kind: Kind = "chat" if record.get("kind") == "chat" else "completion"
+    created = int(float(record.get("created", 0)))
     builder = ResponseBuilder(
-        kind, request_id, record.get("model", ""), int(float(record.get("created", 0))), 0, None
+        kind, request_id, record.get("model", ""), created, 0, None, tools=record_tools(record)
     )
     choices = [
         builder._choice(c["index"], c["text"], c.get("finish_reason"), c.get("stop_reason"), [], [])

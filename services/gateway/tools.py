@@ -6,7 +6,8 @@ With ``tool_choice`` "required" or a named function the output is constrained to
 ``{"name": <a tool's name>, "arguments": <its parameters>}`` (keys in that order, fixed separators), so
 the name is known once ``"arguments": `` has been generated and the rest, but the final brace, is the
 arguments' JSON: that is what streams as argument fragments. "auto" renders the tools and leaves the
-answer free text (no parser: it is returned as content).
+answer unconstrained: calls the model writes in the Hermes format (``tool_parser.py``) come back as
+``tool_calls``, anything else as content.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from engine.structured.spec import StructuredOutput, StructuredOutputError
 from engine.structured.support import check_schema, check_supported
@@ -140,13 +141,26 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> ToolPlan
 
 
 def tools_message(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """A system message listing the tools, for chat templates that do not render ``tools`` themselves."""
+    """A system message listing the tools, for chat templates that do not render ``tools`` themselves.
+    It asks for calls in the Hermes format, which ``tool_parser.py`` reads back under "auto" (a forced
+    call's constraint writes the bare object instead)."""
     listing = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
     return {
         "role": "system",
-        "content": "You may call these functions. To call one, answer with only a JSON object "
-        '{"name": <function name>, "arguments": <arguments object>}.\n' + listing,
+        "content": "You may call these functions:\n<tools>\n" + listing + "\n</tools>\nTo call one, "
+        'answer with <tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>.',
     }
+
+
+# How a chat answer's tools come back: "forced" (required or a named function: the constrained text is
+# one call), "auto" (calls the model wrote in the Hermes format are parsed out), None (text only).
+ToolMode = Literal["forced", "auto"] | None
+
+
+def tool_mode(tools: list[dict[str, Any]] | None, tool_choice: Any, forced: bool) -> ToolMode:
+    if forced:
+        return "forced"
+    return "auto" if tools and tool_choice in (None, "auto") else None
 
 
 def new_call_id() -> str:

@@ -264,10 +264,25 @@ def test_jobs_take_the_same_fields(stack: Stack) -> None:
         message="job done",
     )
     choice = done["result"]["choices"][0]
-    assert choice["finish_reason"] == "stop"
-    call = json.loads(choice["message"]["content"])  # the call as JSON content (see the README)
-    assert call["name"] == "add"
-    jsonschema.validate(call["arguments"], TOOLS[1]["function"]["parameters"])
+    # As the synchronous response answers it: tool_calls, no content, finish_reason tool_calls.
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "add"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[1]["function"]["parameters"])
+    # Its event stream, replayed, carries the same call.
+    with httpx.stream("GET", f"{stack.url}/v1/jobs/{job_id}/events", timeout=30) as events:
+        lines = [ln[6:] for ln in events.iter_lines() if ln.startswith("data: ") and ln != "data: [DONE]"]
+    chunks = [json.loads(ln) for ln in lines]
+    finish = [c["finish_reason"] for ch in chunks for c in ch["choices"] if c.get("finish_reason")]
+    assert finish == ["tool_calls"]
+    args = "".join(
+        t["function"].get("arguments") or ""
+        for ch in chunks
+        for c in ch["choices"]
+        for t in c["delta"].get("tool_calls") or []
+    )
+    assert json.loads(args) == json.loads(call["function"]["arguments"])
     bad = {"model": MODEL_NAME, "messages": _chat("hi"), "response_format": {"type": "yaml"}}
     resp = httpx.post(
         f"{stack.url}/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": bad}, timeout=30
@@ -305,3 +320,37 @@ def test_auto_and_none_answer_text_and_a_call_round_trip_is_accepted(stack: Stac
     ]
     resp = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS, max_tokens=4)
     assert resp.choices[0].finish_reason in ("length", "stop")
+
+
+# Under auto the model's text is free; a regex makes it write a Hermes call, so the parser's path is
+# exercised whatever the tiny model would say.
+HERMES_CALL = r'<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+
+
+def test_auto_answers_a_hermes_call_as_tool_calls(stack: Stack) -> None:
+    client = stack.client()
+    kwargs: Any = {
+        "model": MODEL_NAME,
+        "messages": _chat("add two numbers"),
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_tokens": 60,
+        "seed": 5,
+        "extra_body": {"guided_regex": r"Sure\. " + HERMES_CALL},
+    }
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Sure."
+    (call,) = whole.message.tool_calls or []
+    assert call.function.name == "add"
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
+    content, args, finish = "", "", None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                assert d.function is not None and d.function.name == "add"
+                args += d.function.arguments or ""
+            assert "<tool" not in (c.delta.content or "")  # the marker never leaks as content
+    assert finish == "tool_calls" and content.strip() == "Sure."
+    assert json.loads(args) == json.loads(call.function.arguments)  # same seed: the same call

@@ -1,0 +1,124 @@
+"""The Hermes tool-call parser (services/gateway/tool_parser.py) whole and streamed, and the response builder
+over it: a streamed answer reassembles into the whole one, whatever the chunking."""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from services.common.wire import COMPLETED, DeltaEvent, DoneEvent
+from services.gateway.responses import ResponseBuilder, chat_message
+from services.gateway.tool_parser import ParsedCall, ToolCallStream, parse_tool_calls
+
+ADD = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+
+
+def test_a_whole_call_and_the_text_around_it() -> None:
+    assert parse_tool_calls(ADD) == (None, [ParsedCall("add", '{"a": 1, "b": 2}')])
+    content, calls = parse_tool_calls(f"Let me add.\n{ADD}\n{ADD.replace('add', 'sum')} done")
+    assert content == "Let me add.\n\n done" and [c.name for c in calls] == ["add", "sum"]
+    # SmolLM2's list form, string arguments, "parameters", an unclosed block whose JSON is whole.
+    listed = (
+        '<tool_call>[{"name": "a", "arguments": {}}, {"name": "b", "arguments": "{\\"x\\": 1}"}]</tool_call>'
+    )
+    assert [(c.name, c.arguments) for c in parse_tool_calls(listed)[1]] == [("a", "{}"), ("b", '{"x": 1}')]
+    assert parse_tool_calls('<tool_call>{"name": "p", "parameters": {"y": 2}}')[1] == [
+        ParsedCall("p", '{"y": 2}')
+    ]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no call here",
+        '<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>',  # malformed JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>["x"]</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {"a"',  # cut off mid-call
+        "a < b and <tool_cal",
+    ],
+)
+def test_what_is_not_a_call_stays_text(text: str) -> None:
+    assert parse_tool_calls(text) == (text, [])
+
+
+def _chunked(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
+    return [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"Sure. {ADD} anything else?",
+        f"{ADD}{ADD}",
+        "plain text with a < sign and <tool and <tool_cal",
+        '<tool_call>{"name": "add", "arguments": {bad}}</tool_call> after',
+    ],
+)
+def test_streamed_pieces_add_up_to_the_whole_parse(text: str) -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        stream = ToolCallStream()
+        pieces: list[str | ParsedCall] = []
+        chunks = _chunked(text, rng)
+        for i, chunk in enumerate(chunks):
+            pieces += stream.feed(chunk, final=i == len(chunks) - 1)
+        streamed_calls = [p for p in pieces if isinstance(p, ParsedCall)]
+        content, calls = parse_tool_calls(text)
+        assert streamed_calls == calls
+        text_pieces = "".join(p for p in pieces if isinstance(p, str))
+        assert text_pieces == text if not calls else text_pieces.strip() == (content or "")
+
+
+def test_a_marker_is_held_back_until_decided() -> None:
+    stream = ToolCallStream()
+    assert stream.feed("Hi <tool", final=False) == ["Hi "]
+    assert stream.feed('_call>{"name": "f", ', final=False) == []
+    assert stream.feed('"arguments": {}}</tool_call>', final=False) == [ParsedCall("f", "{}")]
+    assert stream.feed(" <b>", final=False) == [" <b>"]
+
+
+def _events(text: str, rng: random.Random) -> list[DeltaEvent]:
+    chunks = _chunked(text, rng)
+    return [
+        DeltaEvent("r", i, 0, [i], c, "stop" if i == len(chunks) - 1 else None) for i, c in enumerate(chunks)
+    ]
+
+
+def test_auto_stream_reassembles_into_the_whole_response() -> None:
+    text = f"Checking. {ADD}"
+    rng = random.Random(1)
+    for _ in range(20):
+        whole_builder = ResponseBuilder("chat", "r", "m", 0, 1, None, tools="auto")
+        streamed = ResponseBuilder("chat", "r", "m", 0, 1, None, tools="auto")
+        content, finish = "", None
+        calls: list[dict[str, Any]] = []
+        for ev in _events(text, rng):
+            whole_builder.add(ev)
+            choice: Any = streamed.chunk(ev)["choices"][0]
+            content += choice["delta"].get("content") or ""
+            calls += choice["delta"].get("tool_calls") or []
+            finish = choice["finish_reason"] or finish
+        whole = whole_builder.response(DoneEvent("r", 99, COMPLETED))["choices"][0]
+        assert finish == whole["finish_reason"] == "tool_calls"
+        assert content.strip() == whole["message"]["content"] == "Checking."
+        (call,) = calls
+        (whole_call,) = whole["message"]["tool_calls"]
+        assert call["index"] == 0 and call["function"] == whole_call["function"]
+        assert json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
+
+
+def test_the_one_message_builder() -> None:
+    # Free text under auto stays content; a forced call's JSON becomes tool_calls; no tools: text.
+    assert chat_message("hello", "stop", "auto") == ({"role": "assistant", "content": "hello"}, "stop")
+    message, finish = chat_message('{"name": "add", "arguments": {"a": 1}}', "stop", "forced")
+    assert finish == "tool_calls" and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert chat_message(ADD, "stop", None) == ({"role": "assistant", "content": ADD}, "stop")
+    # A call the model finished before running out of tokens is still a call; the finish stays length.
+    message, finish = chat_message(ADD + " and", "length", "auto")
+    assert finish == "length" and message["tool_calls"][0]["function"]["name"] == "add"
