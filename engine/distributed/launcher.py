@@ -70,10 +70,11 @@ def join_group(
     may take longer than a collective is allowed to.
     """
     import torch.distributed as dist
+    from torch._C._distributed_c10d import TCPStore
 
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
-    store = dist.TCPStore(
+    store = TCPStore(
         "127.0.0.1", port, size, is_master=rank == 0, timeout=timedelta(seconds=START_TIMEOUT_S)
     )
     if rank == 0:

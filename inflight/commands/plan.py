@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--step-overhead-ms", type=float, default=None, help="CPU time a step (default 1.5: no CUDA graphs)"
     )
     pre.add_argument("--seq-overhead-us", type=float, default=None, help="CPU time a row (default 10)")
+    pre.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallelism over this many GPUs: weights and KV per rank, two all-reduces a layer "
+        "at the GPU link's bandwidth (an estimate, like the rest)",
+    )
 
     pol = sub.add_parser(
         "policies",

@@ -36,7 +36,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         settings = presets.Settings(
             args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size
         )
-        cost = presets.build(args.gpu, args.model, settings, assumptions)
+        cost = presets.build(args.gpu, args.model, settings, assumptions, tp=args.tp)
     except presets.PresetError as err:
         raise SystemExit(f"plan preset: {err}") from None
     cost.save(args.out)
@@ -45,7 +45,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     print(
         f"{presets.model_shape(args.model).describe()}; KV cache {cost.engine['num_blocks']} blocks of "
         f"{args.block_size} ({memory['kv_bytes'] / 1e9:.1f} GB after {memory['weight_bytes'] / 1e9:.1f} GB "
-        f"of weights and {memory['reserve_bytes'] / 1e9:.1f} GB reserved)"
+        f"of weights and {memory['reserve_bytes'] / 1e9:.1f} GB reserved"
+        + (f", each of {args.tp} ranks)" if args.tp > 1 else ")")
     )
     fit = cost.fit
     print(

@@ -65,6 +65,9 @@ class Gpu:
     hbm_bytes: float
     hbm_bytes_per_s: float
     bf16_flops: float  # dense (no 2:4 sparsity), tensor cores
+    # One direction of the GPU-to-GPU link (tensor parallelism's all-reduces): half the datasheet's
+    # bidirectional NVLink figure; PCIe Gen4 x16 for a card without NVLink.
+    link_bytes_per_s: float = 0.0
 
 
 # Vendor datasheet peaks (NVIDIA H200, H100 SXM, A100 80GB SXM and L4 datasheets): marketing peaks,
@@ -72,10 +75,10 @@ class Gpu:
 GPUS: dict[str, Gpu] = {
     g.name: g
     for g in (
-        Gpu("h200", "NVIDIA H200 SXM, 141 GB HBM3e", 141 * GB, 4.8e12, 989e12),
-        Gpu("h100", "NVIDIA H100 SXM, 80 GB HBM3", 80 * GB, 3.35e12, 989e12),
-        Gpu("a100-80gb", "NVIDIA A100 SXM 80GB, HBM2e", 80 * GB, 2.0e12, 312e12),
-        Gpu("l4", "NVIDIA L4, 24 GB GDDR6", 24 * GB, 300e9, 121e12),
+        Gpu("h200", "NVIDIA H200 SXM, 141 GB HBM3e", 141 * GB, 4.8e12, 989e12, 450e9),
+        Gpu("h100", "NVIDIA H100 SXM, 80 GB HBM3", 80 * GB, 3.35e12, 989e12, 450e9),
+        Gpu("a100-80gb", "NVIDIA A100 SXM 80GB, HBM2e", 80 * GB, 2.0e12, 312e12, 300e9),
+        Gpu("l4", "NVIDIA L4, 24 GB GDDR6", 24 * GB, 300e9, 121e12, 32e9),
     )
 }
 
@@ -207,9 +210,12 @@ class Assumptions:
     seq_overhead_s: float = 10e-6  # per row: sampling, detokenizing, bookkeeping
     gpu_memory_utilization: float = 0.9  # share of HBM the engine may use (weights, activations, KV)
     reserve_bytes: float | None = None  # activations and runtime; None: activation_reserve()
+    # Tensor parallelism: share of the link's bandwidth an all-reduce gets, and its fixed cost.
+    link_utilization: float = 0.7
+    allreduce_latency_s: float = 10e-6
 
     def __post_init__(self) -> None:
-        for name in ("mbu", "mfu", "gpu_memory_utilization"):
+        for name in ("mbu", "mfu", "gpu_memory_utilization", "link_utilization"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise PresetError(f"{name} must be in (0, 1], got {value}")
@@ -221,34 +227,62 @@ class Assumptions:
 Row = tuple[int, int]  # (new tokens, tokens already in the cache)
 
 
+def check_tp(shape: ModelShape, tp: int) -> None:
+    """PresetError unless the shape splits over ``tp`` ranks as the engine splits it."""
+    if tp < 1:
+        raise PresetError(f"--tp must be >= 1, got {tp}")
+    kv = shape.num_kv_heads
+    if shape.num_heads % tp or shape.intermediate_size % tp or (kv % tp and tp % kv):
+        raise PresetError(
+            f"{shape.name} does not split over {tp} ranks: heads {shape.num_heads}, KV heads {kv} and "
+            f"intermediate size {shape.intermediate_size} must divide by it (KV heads may be fewer)"
+        )
+
+
+def kv_bytes_per_token_per_rank(shape: ModelShape, tp: int) -> int:
+    """A rank's KV bytes a token: its share of the KV heads, or one whole head when there are fewer
+    KV heads than ranks (each is then replicated)."""
+    return shape.kv_bytes_per_token * max(1, shape.num_kv_heads // tp) // shape.num_kv_heads
+
+
 @dataclass(frozen=True)
 class Roofline:
     gpu: Gpu
     shape: ModelShape
     assumptions: Assumptions = Assumptions()
+    tp: int = 1  # tensor-parallel ranks (GPUs): each does 1/tp of the work, then all-reduces
 
     def breakdown(self, rows: Sequence[Row]) -> dict[str, float]:
         """Seconds of the step's two phases, each the max of its memory and compute time (at their
-        efficiencies), the overhead and the total."""
-        s, a = self.shape, self.assumptions
+        efficiencies), the all-reduces (tensor parallelism), the overhead and the total."""
+        s, a, tp = self.shape, self.assumptions, self.tp
         bandwidth, flops = self.gpu.hbm_bytes_per_s * a.mbu, self.gpu.bf16_flops * a.mfu
         tokens = sum(n for n, _ in rows)
         sum_context = sum(n + c for n, c in rows)
         pairs = sum(n * c + n * (n + 1) // 2 for n, c in rows)
-        linear_flops = 2 * s.num_layers * s.layer_params * tokens + 2 * s.lm_head_params * len(rows)
-        linear_memory = s.streamed_weight_bytes / bandwidth
-        attention_memory = (sum_context + tokens) * s.kv_bytes_per_token / bandwidth
-        attention_compute = s.attention_flops_per_pair * pairs / flops
+        linear_flops = (2 * s.num_layers * s.layer_params * tokens + 2 * s.lm_head_params * len(rows)) / tp
+        linear_memory = s.streamed_weight_bytes / tp / bandwidth
+        attention_memory = (sum_context + tokens) * kv_bytes_per_token_per_rank(s, tp) / bandwidth
+        attention_compute = s.attention_flops_per_pair * pairs / tp / flops
         linear = max(linear_memory, linear_flops / flops)
         attention = max(attention_memory, attention_compute)
         overhead = a.step_overhead_s + a.seq_overhead_s * len(rows)
+        allreduce = 0.0
+        if tp > 1:
+            # Two all-reduces a layer (attention output, MLP down projection) and one for the
+            # embedding, each of the step's hidden states; a ring moves 2 (tp - 1) / tp of them.
+            count = 2 * s.num_layers + 1
+            moved = 2 * (tp - 1) / tp * tokens * s.hidden_size * s.bytes_per_param
+            link = self.gpu.link_bytes_per_s * a.link_utilization
+            allreduce = count * (a.allreduce_latency_s + (moved / link if link else math.inf))
         return {
             "linear_s": linear,
             "attention_s": attention,
+            "allreduce_s": allreduce,
             "memory_bound_s": linear_memory + attention_memory,
             "compute_bound_s": linear_flops / flops + attention_compute,
             "overhead_s": overhead,
-            "seconds": linear + attention + overhead,
+            "seconds": linear + attention + allreduce + overhead,
         }
 
     def step_time(self, rows: Sequence[Row]) -> float:
@@ -294,18 +328,23 @@ class Settings:
             )
 
 
-def kv_memory(gpu: Gpu, shape: ModelShape, settings: Settings, assumptions: Assumptions) -> dict[str, float]:
-    """The HBM budget and the KV blocks left in it; PresetError when the weights do not fit or the
-    cache cannot hold one request of max_model_len tokens."""
+def kv_memory(
+    gpu: Gpu, shape: ModelShape, settings: Settings, assumptions: Assumptions, tp: int = 1
+) -> dict[str, float]:
+    """One GPU's HBM budget and the KV blocks left in it (with ``tp`` ranks: each rank's share of the
+    weights and of the KV heads); PresetError when the weights do not fit or the cache cannot hold one
+    request of max_model_len tokens."""
     budget = gpu.hbm_bytes * assumptions.gpu_memory_utilization
     reserve = assumptions.reserve_bytes
     if reserve is None:
         reserve = activation_reserve(shape, settings.max_num_batched_tokens, settings.max_num_seqs)
-    kv = budget - shape.weight_bytes - reserve
-    block_bytes = shape.kv_bytes_per_token * settings.block_size
+    weights = shape.weight_bytes / tp  # the norms, replicated, are a rounding error
+    kv = budget - weights - reserve
+    block_bytes = kv_bytes_per_token_per_rank(shape, tp) * settings.block_size
+    where = f"one {gpu.name}" if tp == 1 else f"{tp} x {gpu.name} (per rank)"
     if kv < block_bytes:
         raise PresetError(
-            f"{shape.name} does not fit on one {gpu.name}: {shape.weight_bytes / GB:.1f} GB of bf16 weights "
+            f"{shape.name} does not fit on {where}: {weights / GB:.1f} GB of bf16 weights "
             f"+ {reserve / GB:.1f} GB reserved for activations leave {kv / GB:.1f} GB of the "
             f"{budget / GB:.1f} GB usable ({assumptions.gpu_memory_utilization:g} of "
             f"{gpu.hbm_bytes / GB:.0f} GB) for the KV cache"
@@ -313,12 +352,12 @@ def kv_memory(gpu: Gpu, shape: ModelShape, settings: Settings, assumptions: Assu
     num_blocks = math.floor(kv / block_bytes)
     if num_blocks * settings.block_size < settings.max_model_len:
         raise PresetError(
-            f"{shape.name} on one {gpu.name}: the KV cache holds {num_blocks * settings.block_size} tokens, "
+            f"{shape.name} on {where}: the KV cache holds {num_blocks * settings.block_size} tokens, "
             f"fewer than one request of max_model_len {settings.max_model_len}; lower --max-model-len"
         )
     return {
         "usable_bytes": budget,
-        "weight_bytes": float(shape.weight_bytes),
+        "weight_bytes": float(weights),
         "reserve_bytes": float(reserve),
         "kv_bytes": float(num_blocks * block_bytes),
         "num_blocks": float(num_blocks),
@@ -360,13 +399,16 @@ def build(
     model: str | ModelShape,
     settings: Settings = Settings(),
     assumptions: Assumptions = Assumptions(),
+    tp: int = 1,
 ) -> StepCostModel:
-    """The cost model a roofline estimate gives; its ``host`` says it is an estimate and on what it rests."""
+    """The cost model a roofline estimate gives; its ``host`` says it is an estimate and on what it rests.
+    ``tp``: tensor parallelism over that many GPUs (memory figures are then per rank)."""
     g = gpu if isinstance(gpu, Gpu) else gpu_spec(gpu)
     shape = model if isinstance(model, ModelShape) else model_shape(model)
-    memory = kv_memory(g, shape, settings, assumptions)
+    check_tp(shape, tp)
+    memory = kv_memory(g, shape, settings, assumptions, tp)
     num_blocks = int(memory["num_blocks"])
-    roofline = Roofline(g, shape, assumptions)
+    roofline = Roofline(g, shape, assumptions, tp)
     samples = grid_samples(roofline, settings, num_blocks * settings.block_size)
     engine = {
         "model": shape.name,
@@ -380,9 +422,11 @@ def build(
         "enable_prefix_caching": False,
         "enable_chunked_prefill": True,
         "device": "cuda",
+        "tensor_parallel_size": tp,
     }
     host = {
-        "preset": g.name,
+        "preset": g.name if tp == 1 else f"{tp}x {g.name}",
+        "tensor_parallel_size": tp,
         "estimate": True,
         "source": "roofline estimate from vendor datasheet peaks (inflight/plan/presets.py), not measured",
         "gpu": asdict(g),
@@ -434,7 +478,8 @@ def reference_times(cost: StepCostModel) -> dict[str, float]:
     host = cost.host
     gpu = Gpu(**host["gpu"])
     shape = ModelShape(**host["model_shape"])
-    roofline = Roofline(gpu, shape, replace(Assumptions(), **host["assumptions"]))
+    tp = int(host.get("tensor_parallel_size", 1))
+    roofline = Roofline(gpu, shape, replace(Assumptions(), **host["assumptions"]), tp)
     eng = cost.engine
     out: dict[str, float] = {}
     for seqs in sorted({1, 64, 256, eng["max_num_seqs"]}):
