@@ -61,6 +61,7 @@ STAGE_OUTPUTS = (
     "kernel_bench.json",
     "gpu_engine_bench.json",
     "graph_check.json",
+    "tp_check.json",
     "pytest-kernels.xml",
     "kernel-tests.jsonl",
     "stages.tsv",
@@ -113,6 +114,8 @@ def gpu_stages(python: str, out: Path) -> list[Stage]:
         ),
         Stage("engine_bench", [python, "-m", "bench.gpu_engine_bench", "--out", str(out)], 180),
         Stage("graph_check", [python, "-m", "bench.gpu_graph_check", "--out", str(out)], 90),
+        # Two NCCL ranks against one where the host lends two GPUs; with one it says so and passes.
+        Stage("tp_check", [python, "-m", "bench.gpu_tp_check", "--out", str(out)], 90),
         Stage("kernels", [python, *pytest_args], 120),
     ]
 

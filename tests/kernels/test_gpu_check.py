@@ -83,13 +83,21 @@ def test_a_failed_required_stage_skips_the_rest(tmp_path: Path) -> None:
 
 def test_gpu_stages_order_caps_and_pytest_options(tmp_path: Path) -> None:
     stages = gpu_check.gpu_stages("python3", tmp_path)
-    assert [s.name for s in stages] == ["preflight", "kernel_bench", "engine_bench", "graph_check", "kernels"]
+    assert [s.name for s in stages] == [
+        "preflight",
+        "kernel_bench",
+        "engine_bench",
+        "graph_check",
+        "tp_check",
+        "kernels",
+    ]
     caps = {s.name: s.cap_s for s in stages}
     assert caps == {
         "preflight": 60,
         "kernel_bench": 110,
         "engine_bench": 180,
         "graph_check": 90,
+        "tp_check": 90,
         "kernels": 120,
     }
     pytest_argv = stages[-1].argv
@@ -265,7 +273,7 @@ def test_main_clears_an_earlier_runs_results_and_stops_after_a_failed_preflight(
     assert gpu_check.main(["--out", str(tmp_path), "--python", "false"]) == 1
     assert not (tmp_path / "kernel_bench.json").exists()
     statuses = [line.split("\t")[1] for line in (tmp_path / "stages.tsv").read_text().splitlines()[1:]]
-    assert statuses == ["failed(rc=1)", "skipped", "skipped", "skipped", "skipped"]
+    assert statuses == ["failed(rc=1)", "skipped", "skipped", "skipped", "skipped", "skipped"]
     summary = (tmp_path / "summary.txt").read_text()
     assert "decode attention, 8B heads, b64 ctx1k" in summary and "84%" not in summary
     assert summary.strip() in capsys.readouterr().out
