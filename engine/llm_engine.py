@@ -27,6 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
+from engine.structured.background import BackgroundCompiles
 from engine.worker.model_runner import ModelRunner
 from engine.worker.step_io import RunnerOutput
 from engine.worker.step_overlap import StepHandle
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+# How long an engine with nothing to run but compiling grammars waits for one before it steps again.
+_GRAMMAR_WAIT_S = 0.02
 
 
 @dataclass
@@ -76,6 +79,8 @@ class LLMEngine:
             config.async_scheduling_reason,
         )
         self.metrics = EngineMetrics()
+        # Structured outputs' grammars compile on a helper thread; their requests wait meanwhile.
+        self._grammars = BackgroundCompiles(config)
         self._groups: dict[str, RequestGroup] = {}
         self._pending: list[RequestOutput] = []  # outputs produced between steps (aborts)
         self._inflight: _Submitted | None = None  # async scheduling: the step still running
@@ -126,11 +131,6 @@ class LLMEngine:
                 check_context_length(len(ids) + len(resumed[i]), self.config.max_model_len)
             if params.max_tokens is not None and len(resumed[i]) >= params.max_tokens:
                 raise ValueError("resumed stream already reached max_tokens")
-        if params.structured is not None:
-            from engine.structured.grammar import compiler_for_engine
-
-            # Compiled once here (cached by the spec's hash), so a bad schema is refused before it queues.
-            compiler_for_engine(self.config).compile(params.structured)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         if eos is None and self.config.model.eos_token_ids:
@@ -179,6 +179,9 @@ class LLMEngine:
                 # detokenizer (held-back bytes, stop-string prefixes) continues exactly where it left off.
                 detok.replay(resumed[i])
         self._groups[request_id] = RequestGroup(request_id, text, ids, children, detoks)
+        if params.structured is not None:
+            # Off the step loop: the children wait until their grammar is compiled (or fail with it).
+            self._grammars.submit(request_id, params.structured, children)
         self.load = self.scheduler.stats()
         return ids
 
@@ -187,6 +190,7 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return
+        self._grammars.drop(request_id)
         for child in group.children:
             if self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED):
                 self.metrics.on_finished(child)
@@ -201,7 +205,13 @@ class LLMEngine:
         """One step's outputs. With async scheduling these are the previous step's tokens: this call
         schedules and starts the next step before it waits for them."""
         start = time.monotonic()
+        if self._grammars.num_pending:
+            self._take_compiled()
         out = self.scheduler.schedule()
+        if out.is_empty and self._inflight is None and self._grammars.num_pending:
+            # Nothing runs but grammars compile: wait for one (briefly, so commands are still taken)
+            # instead of spinning through empty steps.
+            self._grammars.wait(_GRAMMAR_WAIT_S)
         scheduled_at = time.monotonic()
         outputs, self._pending = self._pending, []
         if self.scheduler.rejected:  # the policy finished these early, with an error (slo: lost TTFT)
@@ -315,6 +325,18 @@ class LLMEngine:
             self.metrics.on_finished(request)
             groups[request.parent_id] = self._groups[request.parent_id]
         return self._collect(list(groups.values()), {})
+
+    def _take_compiled(self) -> None:
+        """Requests whose grammar compile ended: compiled ones may be scheduled now (the scheduler sees
+        their flag drop); a refused grammar fails its requests, naming the field (they hold no block)."""
+        for requests, error in self._grammars.ready():
+            live = [r for r in requests if not r.finished]
+            if error is None or not live:
+                continue
+            for request in live:
+                request.error_param = error.param
+            self._pending.extend(self._fail(live, str(error)))
+        self.load = self.scheduler.stats()
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         groups: dict[str, RequestGroup] = {}

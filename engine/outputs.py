@@ -44,6 +44,9 @@ class RequestOutput:
     metrics: RequestRecord | None = None
     error: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    # With ``error``: the request field it blames, when the input was at fault (a grammar that did not
+    # compile); the worker answers such a failure as a 400 naming it.
+    error_param: str | None = None
 
 
 @dataclass

@@ -125,6 +125,10 @@ class Request:
         self.logprobs: list[dict[int, float]] = []
         self.stop_reason: int | str | None = None
         self.error: str | None = None
+        self.error_param: str | None = None  # the request field an input error blames (a bad grammar)
+        # Structured outputs: its grammar still compiles on the engine's helper thread
+        # (engine/structured/background.py); the scheduler leaves it waiting until then.
+        self.waiting_for_grammar = False
         # The seed's per-request timeline, in order: (event, time.monotonic(), attributes).
         # queued, admitted, prefill_chunk, first_token, preempted, resumed, finished. Bounded: one
         # entry per prefill chunk or preemption, never one per decode step.

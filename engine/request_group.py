@@ -61,4 +61,5 @@ class RequestGroup:
             finished=finished,
             metrics=RequestRecord.from_request(self.children[0]) if finished else None,
             error=next((c.error for c in self.children if c.error), None),
+            error_param=next((c.error_param for c in self.children if c.error_param), None),
         )

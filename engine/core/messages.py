@@ -124,6 +124,7 @@ class Output(msgspec.Struct, array_like=True, frozen=True):
     finished: bool
     metrics: RequestRecord | None = None
     error: str | None = None
+    error_param: str | None = None  # the request field an input error blames (RequestOutput's)
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
@@ -149,7 +150,7 @@ def wire_output(out: RequestOutput) -> Output:
         )
         for c in out.outputs
     ]
-    return Output(out.request_id, completions, out.finished, out.metrics, out.error)
+    return Output(out.request_id, completions, out.finished, out.metrics, out.error, out.error_param)
 
 
 def request_output(out: Output, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
@@ -160,7 +161,14 @@ def request_output(out: Output, prompt: str | None, prompt_token_ids: list[int])
         for c in out.outputs
     ]
     return RequestOutput(
-        out.request_id, prompt, prompt_token_ids, completions, out.finished, out.metrics, out.error
+        out.request_id,
+        prompt,
+        prompt_token_ids,
+        completions,
+        out.finished,
+        out.metrics,
+        out.error,
+        error_param=out.error_param,
     )
 
 

@@ -201,12 +201,25 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Requests whose grammar still compiles (engine/structured/background.py) are passed over: taken
+        # out while the others are admitted, put back in their order after, so they hold up no one.
+        compiling: list[Request] = []
+        try:
+            self._admit_waiting(out, budget, compiling)
+        finally:
+            for request in reversed(compiling):
+                self.waiting.add_front(request)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, compiling: list[Request]) -> None:
         cfg = self.config
         reserved = 0  # static batching: worst-case blocks promised to this batch so far
         free_at_start = self.kv.num_free_blocks
         # A static batch forms whole even past the budget: its members prefill over the next steps.
         while len(self.waiting) and (budget > 0 or self.static):
             request = self.waiting.peek()
+            if request.waiting_for_grammar:
+                compiling.append(self.waiting.pop())
+                continue
             if request.num_output_placeholders:
                 break  # async: preempted while its last token was in flight; back next step
             if len(self.running) >= cfg.max_num_seqs:

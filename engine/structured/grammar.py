@@ -9,7 +9,6 @@ output tokens, so its constraint continues exactly where it left off.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
@@ -148,21 +147,38 @@ class GrammarCompiler:
         with self._lock:
             return len(self._cache)
 
+    def has(self, spec: StructuredOutput) -> bool:
+        """Whether ``spec`` is compiled already (a lookup: the engine admits such a request at once)."""
+        with self._lock:
+            return spec.key in self._cache
 
-@functools.cache
+
+_CompilerKey = tuple[str, int, tuple[int, ...]]
+_compilers: dict[_CompilerKey, GrammarCompiler] = {}
+_compilers_lock = threading.Lock()
+
+
 def compiler_for(model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarCompiler:
-    """The model's compiler, built on first use (the vocabulary scan takes a moment) and shared by the
-    engine (which compiles at admission, so a bad spec is refused there) and its runner."""
-    tokenizer = load_tokenizer(model_path)
-    if tokenizer is None:
-        raise StructuredOutputError("this model has no tokenizer: structured outputs need one")
-    stops = sorted(set(eos_token_ids) | set(tokenizer.eos_token_ids))
-    return GrammarCompiler(tokenizer, vocab_size, stops)
+    """The model's compiler, built on first use (the vocabulary scan takes seconds: the engine builds it
+    on its compile thread, engine/structured/background.py) and shared by that thread and the runner."""
+    key = (model_path, vocab_size, eos_token_ids)
+    with _compilers_lock:  # one build, whichever thread asks first
+        built = _compilers.get(key)
+        if built is None:
+            tokenizer = load_tokenizer(model_path)
+            if tokenizer is None:
+                raise StructuredOutputError("this model has no tokenizer: structured outputs need one")
+            stops = sorted(set(eos_token_ids) | set(tokenizer.eos_token_ids))
+            built = _compilers[key] = GrammarCompiler(tokenizer, vocab_size, stops)
+        return built
+
+
+def _engine_key(config: EngineConfig) -> _CompilerKey:
+    return str(config.model_path), config.model.vocab_size, tuple(sorted(config.model.eos_token_ids))
 
 
 def compiler_for_engine(config: EngineConfig) -> GrammarCompiler:
-    eos = tuple(sorted(config.model.eos_token_ids))
-    return compiler_for(str(config.model_path), config.model.vocab_size, eos)
+    return compiler_for(*_engine_key(config))
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:

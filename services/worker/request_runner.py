@@ -190,6 +190,8 @@ class Runner:
             async for out in stream:
                 for c in out.outputs:
                     self._on_completion(run, params, c, out.error)
+                if out.error_param is not None:  # the input's fault (a grammar that did not compile): a 400
+                    run.error_code, run.error_param = "invalid_request", out.error_param
                 if run.stopping and not out.finished:
                     await self.engine.abort(engine_id)
         except Exception as exc:

@@ -10,7 +10,14 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.core.messages import AddRequest, Failure, core_codec
+from engine.core.messages import (
+    AddRequest,
+    Step,
+    client_codec,
+    core_codec,
+    request_output,
+    wire_output,
+)
 from engine.inputs import EngineRequest
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.structured.spec import StructuredOutput, StructuredOutputError
@@ -118,12 +125,14 @@ def test_resumed_request_replays_its_grammar_state(llm: LLM) -> None:
     ],
 )
 def test_bad_specs_are_refused_with_their_param(llm: LLM, spec: StructuredOutput) -> None:
-    with pytest.raises(StructuredOutputError) as err:
-        llm.generate(["x"], SamplingParams(max_tokens=4, structured=spec))
-    assert err.value.param == spec.param
-    # Across the core's pipe the refusal keeps its param (the worker answers 400 naming the field).
-    again = Failure.of(err.value).exception()
-    assert isinstance(again, StructuredOutputError) and again.param == spec.param
+    # Compiled off the step loop, a refused grammar fails its request (not the call), naming the field.
+    (out,) = llm.generate(["x"], SamplingParams(max_tokens=4, structured=spec))
+    assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
+    assert out.error is not None and out.error_param == spec.param
+    # Across the core's pipe the failure keeps its param (the worker answers 400 naming the field).
+    step = client_codec().decode(core_codec().encode(Step([wire_output(out)])))
+    wired = request_output(step.outputs[0], None, [])
+    assert wired.error == out.error and wired.error_param == spec.param
     _clean(llm)
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids
 
