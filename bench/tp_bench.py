@@ -1,4 +1,5 @@
-"""Tensor parallelism on this CPU: one rank with T threads against T ranks with one thread each.
+"""Tensor parallelism on this CPU: one rank with T threads against T ranks with one thread each
+(and one rank with one thread, the control).
 
 The same workload on the same random-weight checkpoint (engine/models/tiny.py's "bench" shape,
 float32): ``--requests`` prompts of ``--prompt-len`` random tokens, ``--max-tokens`` greedy tokens each,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import subprocess
@@ -90,6 +92,16 @@ def run_one(model: str, tp: int, threads: int, args: argparse.Namespace) -> dict
     }
 
 
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.one:
@@ -101,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = str(write_tiny_checkpoint(tmp, preset="bench", dtype="float32", with_tokenizer=False))
         results = []
-        for tp, threads in ((1, args.threads), (args.threads, 1)):
+        # One rank with one thread too: on a busy host, T threads of one rank can lose more to
+        # OpenMP's spinning than they gain, and that control says whether they did.
+        for tp, threads in ((1, 1), (1, args.threads), (args.threads, 1)):
             cmd = [sys.executable, "-m", "bench.tp_bench", "--one", str(tp), str(threads), "--model", model]
             cmd += ["--requests", str(args.requests), "--prompt-len", str(args.prompt_len)]
             cmd += ["--max-tokens", str(args.max_tokens)]
@@ -109,7 +123,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     report = {
         "command": "python -m bench.tp_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "host": {"cpu": platform.processor() or platform.machine(), "cores_split": args.threads},
+        "host": {
+            "cpu": _cpu_name(),
+            "cores_split": args.threads,
+            "load_average_1m": os.getloadavg()[0],  # other work on the host skews every figure
+        },
         "workload": {"requests": args.requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
         "results": results,
     }
