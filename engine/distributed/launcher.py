@@ -74,9 +74,7 @@ def join_group(
 
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
-    store = TCPStore(
-        "127.0.0.1", port, size, is_master=rank == 0, timeout=timedelta(seconds=START_TIMEOUT_S)
-    )
+    store = TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timedelta(seconds=START_TIMEOUT_S))
     if rank == 0:
         keys = [f"rank{r}" for r in range(1, size)]
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -90,7 +88,8 @@ def join_group(
         store.set(f"rank{rank}", "up")
     timeout = timedelta(seconds=timeout_s)
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        # Rank r on GPU r unless told otherwise ("cuda" alone names no GPU, and set_device needs one).
+        torch.cuda.set_device(device if device.index is not None else torch.device("cuda", rank))
         dist.init_process_group("nccl", store=store, rank=rank, world_size=size, timeout=timeout)
         cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         return TensorParallel(rank, size, dist.group.WORLD, cpu_group)
