@@ -54,12 +54,18 @@ def read_safetensors(path: Path, plan: ShardPlan | None = None) -> dict[str, tor
 
 
 def dummy_weights(
-    config: ModelConfig, seed: int, dtype: torch.dtype = torch.float32, device: torch.device | None = None
+    config: ModelConfig,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+    plan: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     """Random weights with the checkpoint's names and shapes, for benchmarks of a shape, not a model.
 
     Drawn directly on the target device in the target dtype: an 8B model never passes through host
-    memory in float32.
+    memory in float32. With a tensor-parallel ``plan`` every rank draws the same full tensors in the
+    same order (so N ranks compute the model one rank would) and keeps only its slice of each, one
+    tensor at a time: a rank never holds the whole model.
     """
     device = device or torch.device("cpu")
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -72,23 +78,35 @@ def dummy_weights(
     def ones(n: int) -> torch.Tensor:
         return torch.ones(n, device=device, dtype=dtype)
 
-    w = {"model.embed_tokens.weight": rand(config.vocab_size, h), "model.norm.weight": ones(h)}
+    w: dict[str, torch.Tensor] = {}
+
+    def put(name: str, tensor: torch.Tensor) -> None:
+        if plan is None:
+            w[name] = tensor
+            return
+        from engine.distributed.sharding import slice_region
+
+        # A copy of the slice: a view would keep the whole tensor's storage alive.
+        w[name] = plan.take(name, lambda region: slice_region(tensor, region).clone())
+
+    put("model.embed_tokens.weight", rand(config.vocab_size, h))
+    put("model.norm.weight", ones(h))
     if not config.tie_word_embeddings:
-        w["lm_head.weight"] = rand(config.vocab_size, h)
+        put("lm_head.weight", rand(config.vocab_size, h))
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = ones(h)
-        w[p + "post_attention_layernorm.weight"] = ones(h)
-        w[p + "self_attn.q_proj.weight"] = rand(q, h)
-        w[p + "self_attn.k_proj.weight"] = rand(kv, h)
-        w[p + "self_attn.v_proj.weight"] = rand(kv, h)
+        put(p + "input_layernorm.weight", ones(h))
+        put(p + "post_attention_layernorm.weight", ones(h))
+        put(p + "self_attn.q_proj.weight", rand(q, h))
+        put(p + "self_attn.k_proj.weight", rand(kv, h))
+        put(p + "self_attn.v_proj.weight", rand(kv, h))
         if config.attention_bias:
             for name, size in (("q", q), ("k", kv), ("v", kv)):
-                w[p + f"self_attn.{name}_proj.bias"] = rand(size)
-        w[p + "self_attn.o_proj.weight"] = rand(h, q)
-        w[p + "mlp.gate_proj.weight"] = rand(inter, h)
-        w[p + "mlp.up_proj.weight"] = rand(inter, h)
-        w[p + "mlp.down_proj.weight"] = rand(h, inter)
+                put(p + f"self_attn.{name}_proj.bias", rand(size))
+        put(p + "self_attn.o_proj.weight", rand(h, q))
+        put(p + "mlp.gate_proj.weight", rand(inter, h))
+        put(p + "mlp.up_proj.weight", rand(inter, h))
+        put(p + "mlp.down_proj.weight", rand(h, inter))
     return w
 
 
@@ -141,13 +159,7 @@ def load_weights(
 ) -> dict[str, torch.Tensor]:
     """The merged weights; with a tensor-parallel ``plan``, this rank's shard of them."""
     if load_format == "dummy":
-        raw = dummy_weights(config, seed, dtype, device)
-        if plan is not None:
-            # Every rank draws the same full weights (the same seed), so tensor parallelism computes
-            # the model one rank would; then each keeps its slice.
-            from engine.distributed.sharding import slice_region
-
-            raw = {n: plan.take(n, lambda r, t=t: slice_region(t, r)) for n, t in raw.items()}  # type: ignore[misc]
+        raw = dummy_weights(config, seed, dtype, device, plan)
     else:
         raw = read_safetensors(local_checkpoint(path), plan)
     return merge_weights(config, raw, dtype, device)

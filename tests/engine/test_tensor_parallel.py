@@ -109,6 +109,17 @@ def test_async_scheduling_prefix_caching_and_n(tmp_path: Path, tp_engines: list[
     assert two.kv.pool.num_cache_hits > 0, "the shared 16-token prefix was meant to hit the cache"
 
 
+def test_dummy_weights_split_as_the_checkpoint_would(tmp_path: Path, tp_engines: list[LLMEngine]) -> None:
+    """load_format="dummy" (the GPU benchmarks' random weights): each rank draws the same tensors and
+    keeps its slice, so two ranks still compute the one-rank model."""
+    path = write_tiny_checkpoint(tmp_path, arch="qwen2", seed=3)
+    batch = prompts(3, seed=8)
+    expected = run(engine(path, load_format="dummy", seed=5), batch)
+    two = engine(path, load_format="dummy", seed=5, tensor_parallel_size=2)
+    tp_engines.append(two)
+    assert run(two, batch) == expected
+
+
 def test_each_rank_reads_only_its_shard(tmp_path: Path) -> None:
     path = write_tiny_checkpoint(tmp_path, arch="qwen2", seed=2, vocab_size=1023)
     full = read_safetensors(path)
