@@ -145,7 +145,9 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
         if m.tool_calls and not out["content"]:
             # An earlier call, in the shape this server asks the model to write one.
             out["content"] = "\n".join(
-                json.dumps({"name": f.get("name"), "arguments": _arguments(f.get("arguments"))})
+                "<tool_call>"
+                + json.dumps({"name": f.get("name"), "arguments": _arguments(f.get("arguments"))})
+                + "</tool_call>"
                 for call in m.tool_calls
                 for f in [call.get("function") or {}]
             )

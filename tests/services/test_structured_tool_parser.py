@@ -122,3 +122,25 @@ def test_the_one_message_builder() -> None:
     # A call the model finished before running out of tokens is still a call; the finish stays length.
     message, finish = chat_message(ADD + " and", "length", "auto")
     assert finish == "length" and message["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_an_earlier_call_goes_back_to_the_model_in_the_format_it_is_asked_for() -> None:
+    from services.gateway.prompts import ModelInfo, prepare_chat
+    from services.gateway.protocol import ChatCompletionRequest
+
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "add"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "2"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "add"}}],
+        }
+    )
+    prepared = prepare_chat(body, ModelInfo("m", None, None, None))
+    messages = prepared.messages or []
+    assert "<tool_call>" in messages[0]["content"]  # the system message asks for the Hermes format
+    assert parse_tool_calls(messages[2]["content"]) == (None, [ParsedCall("add", '{"a": 2}')])
