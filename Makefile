@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test browser lint typecheck pytest bench bench-service bench-peers clean
+.PHONY: setup run test browser lint typecheck pytest bench bench-service bench-peers clean images
 
 setup: $(STAMP)
 
@@ -76,6 +76,13 @@ bench-host: setup
 plan-validate: setup
 	$(BIN)/python -m bench validate --workers 1,2 $(if $(HOST_DRIFT),--host-drift $(HOST_DRIFT)) \
 		$(if $(REPEATS),--repeats $(REPEATS)) --out bench-results/plan-validate.json
+
+# The gateway and worker images, built from the Dockerfile by buildah on a debootstrap Debian base (a
+# stand-in for the registries' python and CUDA images) and run as the chart runs them: uid 10001, read-only
+# root, against a loopback broker and Redis, answering a chat completion. As root; IMAGES_MODEL=tiny for
+# the tiny model. Not part of `make test` (a cold build takes minutes); scripts/images.sh says more.
+images: setup
+	TORCH_VERSION=$(TORCH_VERSION) PYTHON=$(BIN)/python scripts/images.sh
 
 # Failure paths. `make test` runs both briefly (25 fuzz examples, a 24-request soak).
 .PHONY: fuzz chaos

