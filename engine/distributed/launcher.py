@@ -74,7 +74,14 @@ def join_group(
 
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host
-    store = TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timedelta(seconds=START_TIMEOUT_S))
+    store = TCPStore(
+        "127.0.0.1",
+        port,
+        size,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=START_TIMEOUT_S),
+        wait_for_workers=False,  # rank 0 waits below, watching that the ranks are still alive
+    )
     if rank == 0:
         keys = [f"rank{r}" for r in range(1, size)]
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -111,14 +118,20 @@ class RankSet:
             torch.set_num_threads(threads)
         self.procs: list[subprocess.Popen[bytes]] = []
         self._closing = False
-        for rank in range(1, size):
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "engine.distributed.rank_main"], stdin=subprocess.PIPE
-            )
-            self.procs.append(proc)
-            assert proc.stdin is not None
-            write_message(proc.stdin, RankInit(config, rank, port, threads, timeout_s))
         try:
+            for rank in range(1, size):
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "engine.distributed.rank_main"], stdin=subprocess.PIPE
+                )
+                self.procs.append(proc)
+                assert proc.stdin is not None
+                try:
+                    write_message(proc.stdin, RankInit(config, rank, port, threads, timeout_s))
+                except OSError as exc:  # it exited before reading its first message
+                    code = proc.wait()
+                    raise RankFailure(
+                        f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+                    ) from exc
             self.tp = join_group(config.device, 0, size, port, timeout_s, alive=self.check)
         except BaseException:
             self.close()

@@ -14,6 +14,7 @@ import asyncio
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +135,15 @@ def test_each_rank_reads_only_its_shard(tmp_path: Path) -> None:
         assert embed.shape[0] == 512  # 1023 rows in two shards of 512, the last padded with a zero row
         assert part["model.norm.weight"].equal(full["model.norm.weight"])
     assert embed[-1].abs().sum() == 0
+
+
+def test_a_rank_that_fails_to_start_fails_the_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_tiny_checkpoint(tmp_path, arch="llama", seed=1)
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the rank's interpreter exits at once
+    start = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 .* exited with code 1"):
+        engine(path, tensor_parallel_size=2)
+    assert time.monotonic() - start < 60  # seen as it exits, not after the start-up bound (300 s)
 
 
 def test_shapes_that_do_not_split_are_refused(tmp_path: Path) -> None:
