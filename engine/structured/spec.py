@@ -64,3 +64,5 @@ def _loads(text: str, param: str) -> Any:
         return json.loads(text)
     except ValueError as exc:
         raise StructuredOutputError(f"not valid JSON: {exc}", param) from None
+    except RecursionError:
+        raise StructuredOutputError("the JSON is nested too deeply", param) from None

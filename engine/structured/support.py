@@ -203,6 +203,8 @@ def check_schema(schema: Any, param: str) -> None:
     except jsonschema.SchemaError as exc:
         where = "/" + "/".join(str(p) for p in exc.absolute_path)
         raise StructuredOutputError(f"not a valid JSON schema at {where}: {exc.message}", param) from None
+    except RecursionError:  # the meta-schema check recurses once per level of nesting
+        raise StructuredOutputError("the JSON schema is nested too deeply", param) from None
     todo: list[tuple[Any, str]] = [(schema, "")]
     while todo:  # iterative: a deeply nested schema cannot exhaust the stack
         node, path = todo.pop()

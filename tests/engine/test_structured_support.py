@@ -68,6 +68,14 @@ def test_schema_refusals_name_the_keyword(schema: object, match: str) -> None:
     assert info.value.param == "tools"
 
 
+def test_a_deeply_nested_schema_is_refused_not_a_crash() -> None:
+    schema: dict[str, Any] = {"type": "integer"}
+    for _ in range(2000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(StructuredOutputError, match="nested too deeply"):
+        check_schema(schema, "response_format")
+
+
 def test_keyword_names_as_property_names_are_fine() -> None:
     # "not" and "uniqueItems" here are property names, not keywords.
     check_schema({"type": "object", "properties": {"not": {"type": "string"}, "uniqueItems": {}}}, "x")
