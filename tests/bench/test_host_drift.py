@@ -39,5 +39,7 @@ def test_host_command_samples_every_core(tmp_path: Path, capsys: pytest.CaptureF
     assert main(["host", "--seconds", "1.5", "--window", "0.25", "--cores", "1", "--json", str(out)]) == 0
     payload = json.loads(out.read_text())
     (rates,) = payload["rates"].values()
-    assert len(rates) >= 4 and all(r > 0 for r in rates)
+    # At least one window per core, each with a rate: how many fit in 1.5 s depends on how busy the
+    # host is (a window ends with the GEMM that crosses it), so the count is not asserted.
+    assert len(rates) >= 1 and all(r > 0 for r in rates)
     assert "windows of 0.25 s" in capsys.readouterr().out

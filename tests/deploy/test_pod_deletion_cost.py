@@ -155,18 +155,19 @@ async def test_only_changes_are_written_and_values_are_clamped(fake_api: FakeApi
 
 
 async def test_bursts_are_throttled_and_the_last_value_lands(fake_api: FakeApiServer) -> None:
-    cost = _cost(fake_api, min_interval_s=1.0)
+    cost = _cost(fake_api, min_interval_s=3.0)
     await cost.update(1)  # the first write goes out at once
     await cost.flush()
     started = time.monotonic()
     for load in (2, 3, 4, 0):  # a burst inside the interval: nothing is sent yet
         await cost.update(load)
     await asyncio.sleep(0.1)
-    assert fake_api.patches() == ["1"]
+    if time.monotonic() - started < 2.5:  # (a host stalled past the interval has sent the trailing write)
+        assert fake_api.patches() == ["1"]
     await cost.flush()
     # Trailing edge: the idle value (0) is written once the interval has passed, the rest skipped.
     assert fake_api.patches() == ["1", "0"]
-    assert time.monotonic() - started >= 0.8
+    assert time.monotonic() - started >= 2.8
     assert cost.published == 0
 
 
