@@ -50,8 +50,15 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy engine services inflight bench harness
 
+# PYTEST_WORKERS=N runs test files side by side in N processes (pytest-xdist; tests/conftest.py keeps a
+# file's tests together so its fixtures start once, and hands out the longest files first). The suite is
+# CPU-bound (about 30 CPU-minutes of work), so that pays only where cores are to spare, and on a loaded
+# host the tests that compare a prediction with a timed run get noisy. 0, the default: one process.
+PYTEST_WORKERS ?= 0
 pytest: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider \
+		$(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder) \
+		$(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m bench engine --out bench-results

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 # Triton kernels run under the interpreter on hosts without CUDA. Set before anything imports
 # triton: pytest may collect tests/engine (which can import engine.kernels) before tests/kernels.
 try:
@@ -19,3 +21,47 @@ if not _has_cuda:
 # undisturbed run of the same engine), so `dtype="auto"` resolves to float32 here on every host, in this
 # process and in the workers it spawns. bf16 is tested where a test asks for it by name.
 os.environ.setdefault("INFLIGHT_CPU_AUTO_DTYPE", "float32")
+
+
+# `make test PYTEST_WORKERS=N` runs the suite in N processes (pytest-xdist, `--dist loadgroup`). Each
+# file is one group, so its module fixtures start once; the files that share the end-to-end
+# `inflight dev` stack are one group, so it starts once. Groups are handed out in collection order, so
+# the longest files go first: started last, one of them would hold the whole run while the other
+# processes sit idle. The order comes from `pytest --durations`; a file missing here runs in its usual
+# place.
+_LONGEST_FIRST = (
+    "tests/services/test_crash.py",
+    "tests/services/test_nothing_lost.py",
+    "tests/services/test_chaos.py",
+    "tests/kernels/test_sampling_kernel.py",
+    "tests/services/test_restarts.py",
+    "tests/engine/test_gguf.py",
+    "tests/e2e/test_readme.py",
+    "tests/e2e/test_live_page.py",
+    "tests/services/test_structured_api.py",
+    "tests/engine/test_core_process.py",
+    "tests/plan/test_policy_bench.py",
+    "tests/test_layering.py",
+    "tests/services/test_engine_core_faults.py",
+    "tests/services/test_schemathesis.py",
+    "tests/services/test_supervise.py",
+    "tests/services/test_event_loop.py",
+    "tests/plan/test_validate.py",
+    "tests/services/test_bad_input.py",
+    "tests/kernels/test_compile_for_gpu.py",
+    "tests/services/test_redis_errors.py",
+    "tests/services/test_orphans.py",
+    "tests/services/test_fuzz_requests.py",
+)
+_SHARED_GROUPS = {"tests/e2e/test_readme.py": "e2e-stack", "tests/e2e/test_live_page.py": "e2e-stack"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: the usual order
+    rank = {path: i for i, path in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: ties keep order
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(path, path)))
