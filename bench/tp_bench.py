@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -25,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from engine.platform import cpu_model_name
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -92,16 +93,6 @@ def run_one(model: str, tp: int, threads: int, args: argparse.Namespace) -> dict
     }
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.one:
@@ -124,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m bench.tp_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "host": {
-            "cpu": _cpu_name(),
+            "cpu": cpu_model_name(),
             "cores_split": args.threads,
             "load_average_1m": os.getloadavg()[0],  # other work on the host skews every figure
         },
