@@ -28,8 +28,10 @@ memory-bound and compute-bound sums.
 What it leaves out (why it is an estimate): activation traffic (under 10% of a prefill's time at
 this scale), a finer per-kernel roofline (each GEMM, norm and activation meets its own knee; a
 phase's max is optimistic near the linear layers' knee, about 140 tokens a step on an H200), the
-attention kernels' own efficiency at short contexts, tensor parallelism, quantisation, and anything
-the host adds beyond the two overhead figures.
+attention kernels' own efficiency at short contexts, quantisation, and anything the host adds beyond
+the two overhead figures. Tensor parallelism (``--tp``) is itself an estimate: each rank does 1/tp of
+the work, then ring all-reduces at a share of the GPU link's bandwidth plus a fixed latency each, with
+no overlap of communication and compute.
 
 The cost model is linear and the roofline is a max, so the preset is not the sum of the roofline's
 terms: the roofline is evaluated on a grid of serving batch shapes (decode batches of 1..max_num_seqs
