@@ -87,6 +87,18 @@ def start_dev(
     return dev
 
 
+_SHARED: list[DevStack] = []  # the session's dev stack, once started
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the shared stack after the last end-to-end test, not at the session's end: idle, it still
+    costs about a fifth of a core (broker, Redis, worker and gateway loops), which the rest of the
+    suite would pay for. This hook sees only this folder's tests."""
+    here = Path(__file__).parent
+    if _SHARED and (nextitem is None or here not in Path(nextitem.path).parents):
+        _SHARED.pop().stop()
+
+
 @pytest.fixture(scope="session")
 def dev_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
     if default_gguf_path() is None:
@@ -94,7 +106,8 @@ def dev_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
     if not Path("/proc").is_dir():
         pytest.skip("the dev stack needs Linux (PR_SET_PDEATHSIG)")
     dev = start_dev(tmp_path_factory.mktemp("dev"), env={"INFLIGHT_FAULT_STEP_DELAY_S": PACED_STEP_DELAY_S})
+    _SHARED.append(dev)
     try:
         yield dev
     finally:
-        dev.stop()
+        dev.stop()  # a no-op once the hook above has stopped it
