@@ -51,9 +51,9 @@ typecheck: setup
 	$(BIN)/mypy engine services inflight bench harness
 
 # PYTEST_WORKERS=N runs test files side by side in N processes (pytest-xdist; tests/conftest.py keeps a
-# file's tests together so its fixtures start once, and hands out the longest files first). The suite is
-# CPU-bound (about 30 CPU-minutes of work), so that pays only where cores are to spare, and on a loaded
-# host the tests that compare a prediction with a timed run get noisy. 0, the default: one process.
+# file's tests together so its fixtures start once, and hands out the longest files first). The suite keeps
+# two cores busy on its own, so that pays only where more cores are to spare, and on a loaded host the
+# tests that compare a prediction with a timed run get noisy. 0, the default: one process.
 PYTEST_WORKERS ?= 0
 pytest: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider \
