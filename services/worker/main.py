@@ -118,6 +118,11 @@ async def _exit_after_stall(worker: Worker, probes: Probes) -> None:
 
 async def start_engine(model: str, settings: Settings) -> EngineClient:
     """The engine core in its own process (the default), or its loop on a thread of this one."""
+    from engine.platform import torch_threads  # torch-free
+
+    # Unset, the cores this process may run on (affinity, CPU quota, hyperthreads; engine/platform.py)
+    # rather than torch's default, which counts every CPU the container can see.
+    threads = torch_threads(settings.torch_threads)
     if settings.engine_process:
         from engine.core.client import EngineCoreClient  # torch-free: the core process imports torch
         from engine.core.watchdog import StallPolicy
@@ -126,19 +131,18 @@ async def start_engine(model: str, settings: Settings) -> EngineClient:
         client = EngineCoreClient(
             model,
             settings.engine_args,
-            torch_threads=settings.torch_threads,
+            torch_threads=threads,
             log_level=settings.log_level,
             setup=faults.install,
             stall=stall,
         )
         await client.start()
         return client
+    import torch
+
     from engine.async_engine import AsyncLLMEngine  # torch: the engine runs in this process
 
-    if settings.torch_threads:
-        import torch
-
-        torch.set_num_threads(settings.torch_threads)
+    torch.set_num_threads(threads)
     engine = AsyncLLMEngine.from_engine_args(model=model, **settings.engine_args)
     faults.install(engine.engine)
     await engine.start()
