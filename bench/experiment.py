@@ -3,7 +3,7 @@
 Same model (the ~50M-parameter bench checkpoint, float32), same threads, same workload for every
 target; greedy, EOS ignored, per-request max_tokens; prefix caching off; each target warmed up.
 
-  1. Decode probe: a decode step at 64 running requests vs the matmul rate, measured alternately.
+  1. Decode probe: a decode step at 64 running requests vs its linear layers alone, measured alternately.
   2. Saturation: every request at t = 0 through continuous, static, hf-batch and hf-generate
      (--targets; add vllm for vLLM's CPU backend, whose greedy outputs are then compared with
      continuous's token by token). Static's completed requests/s there is its saturation rate S.
@@ -194,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"decode probe: step at {probe.batch} running {probe.step_ms:.0f} ms "
         f"({probe.step_gflops:.1f} GFLOP/s), "
-        f"matmul rate {probe.matmul_gflops:.1f} GFLOP/s, share {probe.matmul_rate_share:.2f}",
+        f"its linear layers {probe.packed_matmul_gflops:.1f} GFLOP/s, share "
+        f"{probe.step_share_of_packed_rate:.2f}",
         flush=True,
     )
 

@@ -1,16 +1,26 @@
-"""A decode step at a full batch next to the machine's matmul rate, measured side by side.
+"""A decode step at a full batch next to the rate of its linear layers alone, measured side by side.
 
 A decode step at B running requests does, per layer, the linear layers on B rows plus attention over
 each request's context; its useful FLOPs are
 
     2 * B * linear_params + sum over requests and layers of 4 * num_heads * head_dim * context
 
-(2 per multiply-add; attention is Q.K^T and P.V). "The machine's matmul rate" is the same linear
-layers, same shapes, same B rows, same F.linear, timed alone. The ratio says how much of the step
-is spent doing matmul-rate work; the rest is attention, pointwise ops, sampling and host overhead.
+(2 per multiply-add; attention is Q.K^T and P.V). Its linear layers alone are timed two ways:
 
-The two are measured in alternation, several rounds, and compared by their medians, so a slow
-moment of a shared machine hits both sides alike.
+  packed  the loaded model's own weights through its own ``ops.linear`` (engine/models/llama.py):
+          oneDNN-packed bf16 weights where the engine packs them, at the row count the engine pads
+          a step to (engine/models/onednn.py), the LM head on the rows that sample. This is what the
+          step itself runs, so step time / packed time is what the step adds around its matmuls.
+  raw     ``F.linear`` on fresh random, unpacked weights of the same shapes at B rows, one weight
+          per shape reused for every layer: the plain torch matmul rate. Unfair to the step both
+          ways: in bf16 F.linear repacks the weight on every call (the engine packed it once), and
+          a model small enough for the cache keeps the reused weight there.
+
+The ratio of the step's useful FLOP/s to a matmul rate says how much of the step is spent doing
+matmul-rate work; the rest is attention, pointwise ops, sampling and host overhead.
+
+The three are measured in alternation, several rounds, and compared by their medians, so a slow
+moment of a shared machine hits all of them alike.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import torch.nn.functional as F
 from bench.results import RunResult
 from engine.config import ModelConfig
 from engine.llm_engine import LLMEngine
+from engine.models.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
 from inflight.plan.workload import random_prompt
 
@@ -66,7 +77,8 @@ def run_decode_share(run: RunResult, mc: ModelConfig, batch: int, matmul_gflops:
 
 
 class MatmulProbe:
-    """The model's linear layers at ``rows`` rows, run in model order; time one full pass."""
+    """The model's linear layers at ``rows`` rows through ``F.linear`` on fresh random, unpacked
+    weights, run in model order; time one full pass."""
 
     def __init__(self, mc: ModelConfig, rows: int, dtype: torch.dtype = torch.float32) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -90,25 +102,73 @@ class MatmulProbe:
         return time.perf_counter() - start
 
 
+class ModelLinearsProbe:
+    """Every linear layer of a loaded model (qkv with its bias where the model has one, o, gate_up
+    and down per layer, then the LM head) through the model's own ``ops.linear`` on its own weights,
+    packed as the engine packed them, for a decode step of ``rows`` sequences: at the row count the
+    model pads that step to, the LM head at the rows that sample (one per sequence, padded alike).
+    ``flops`` counts the useful FLOPs at ``rows``: padding costs time, not work."""
+
+    def __init__(self, model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(0)
+        ops = model.ops
+        self.rows = rows
+        self.padded_rows = ops.padded_rows(rows)
+        inputs: dict[int, torch.Tensor] = {}
+
+        def x(features: int) -> torch.Tensor:
+            if features not in inputs:
+                inputs[features] = torch.randn(self.padded_rows, features, generator=gen, dtype=dtype)
+            return inputs[features]
+
+        self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        for layer in model.layers:
+            for key, bias in (("qkv", layer["qkv_bias"]), ("o", None), ("gate_up", None), ("down", None)):
+                w = layer[key]
+                assert w is not None
+                self.calls.append((x(w.shape[1]), w, bias))
+        self.calls.append((x(model.lm_head.shape[1]), model.lm_head, None))
+        self.ops = ops
+        self.flops = 2 * rows * sum(w.shape[0] * w.shape[1] for _, w, _ in self.calls)
+
+    @torch.inference_mode()
+    def time_pass(self) -> float:
+        linear = self.ops.linear
+        start = time.perf_counter()
+        for x, w, b in self.calls:
+            linear(x, w, b)
+        return time.perf_counter() - start
+
+
 @dataclass
 class DecodeProbeResult:
     batch: int
     context_mean: float
     rounds: int
-    matmul_gflops: float  # median over rounds
+    linear_rows: int  # the rows the engine's linears ran at: batch, padded as the model pads it
+    packed_linear_ms: float  # the model's own ops.linear on its packed weights, one pass, median
+    raw_linear_ms: float  # F.linear on fresh random unpacked weights at batch rows, one pass, median
+    packed_matmul_gflops: float  # useful linear FLOPs / packed_linear_ms
+    raw_matmul_gflops: float  # useful linear FLOPs / raw_linear_ms
     step_ms: float  # whole engine.step(), median
     model_ms: float  # model + sampling only (execute - prepare), median
     step_gflop: float  # useful FLOPs of the measured step
     step_gflops: float  # step_gflop / step time
-    matmul_rate_share: float  # step_gflops / matmul_gflops: the ">= 50%" target
-    model_rate_share: float  # the same over model time only
+    step_share_of_packed_rate: float  # step_gflops / packed_matmul_gflops: the ">= 50%" target
+    step_share_of_raw_rate: float  # step_gflops / raw_matmul_gflops
+    model_share_of_packed_rate: float  # the packed share over model time only
     sched_prep_share: float  # (schedule + input preparation) / whole step, median
     schedule_ms: float
     prepare_ms: float
     kv_empty_slot_share: float  # allocated-but-empty KV slots / used slots, at the measured steps
 
+    @property
+    def step_over_linear(self) -> float:
+        """Whole step time / its linear layers' time (packed): what the step adds around them."""
+        return self.step_ms / self.packed_linear_ms
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "step_over_linear": self.step_over_linear}
 
 
 def decode_probe(
@@ -123,9 +183,9 @@ def decode_probe(
     dtype: str = "float32",
     attention_backend: str = "auto",
 ) -> DecodeProbeResult:
-    """Fill an engine with ``batch`` requests, finish their prefills, then alternate one matmul pass
-    with one decode step, ``rounds`` times. Short prompts keep the set-up prefill cheap; the context
-    (and so attention's share) is reported with the result."""
+    """Fill an engine with ``batch`` requests, finish their prefills, then alternate a raw and a packed
+    pass over the linear layers with one decode step, ``rounds`` times. Short prompts keep the set-up
+    prefill cheap; the context (and so attention's share) is reported with the result."""
     import random
 
     rng = random.Random(seed)
@@ -152,11 +212,15 @@ def decode_probe(
     while any(r.num_output_tokens == 0 for r in engine.scheduler.running) or engine.scheduler.num_waiting:
         engine.step()
     probe = MatmulProbe(mc, batch, engine.config.dtype)
+    packed = ModelLinearsProbe(engine.runner.model, batch, engine.config.dtype)
+    assert packed.flops == probe.flops, "the model's linears are not the shapes linear_shapes counts"
     probe.time_pass()  # first call: allocation
+    packed.time_pass()
     engine.step()  # one unmeasured decode step, for the same reason
-    mm, steps, models, scheds, preps, empties, flops, ctx = [], [], [], [], [], [], [], []
+    raw, mm, steps, models, scheds, preps, empties, flops, ctx = [], [], [], [], [], [], [], [], []
     for _ in range(rounds):
-        mm.append(probe.time_pass())
+        raw.append(probe.time_pass())
+        mm.append(packed.time_pass())
         running = list(engine.scheduler.running)
         assert len(running) == batch, "a request left the batch early"
         contexts = [r.num_tokens for r in running]  # the new token's position + 1
@@ -176,19 +240,25 @@ def decode_probe(
         empties.append((used - sum(r.num_computed_tokens for r in held)) / max(used, 1))
         flops.append(probe.flops + attention_flops(mc, contexts))
     med = statistics.median
-    matmul_rate = probe.flops / med(mm)
+    packed_rate = packed.flops / med(mm)
+    raw_rate = probe.flops / med(raw)
     step_rate = med(flops) / med(steps)
     return DecodeProbeResult(
         batch=batch,
         context_mean=sum(ctx) / len(ctx),
         rounds=rounds,
-        matmul_gflops=matmul_rate / 1e9,
+        linear_rows=packed.padded_rows,
+        packed_linear_ms=1e3 * med(mm),
+        raw_linear_ms=1e3 * med(raw),
+        packed_matmul_gflops=packed_rate / 1e9,
+        raw_matmul_gflops=raw_rate / 1e9,
         step_ms=1e3 * med(steps),
         model_ms=1e3 * med(models),
         step_gflop=med(flops) / 1e9,
         step_gflops=step_rate / 1e9,
-        matmul_rate_share=step_rate / matmul_rate,
-        model_rate_share=(med(flops) / med(models)) / matmul_rate,
+        step_share_of_packed_rate=step_rate / packed_rate,
+        step_share_of_raw_rate=step_rate / raw_rate,
+        model_share_of_packed_rate=(med(flops) / med(models)) / packed_rate,
         sched_prep_share=med([(s + p) / t for s, p, t in zip(scheds, preps, steps, strict=True)]),
         schedule_ms=1e3 * med(scheds),
         prepare_ms=1e3 * med(preps),

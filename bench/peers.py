@@ -3,11 +3,13 @@
 The workload: N requests at t = 0 (default 64), a quarter of the prompts
 256-512 tokens and the rest 16-128, outputs log-uniform 8-256, greedy with EOS ignored, prefix
 caching off, the same dtype, threads, batch limit, token budget and KV capacity for both. Each
-configuration (model x dtype x batch limit) runs continuous, then vllm, then continuous again, and
-reports the mean of the two engine runs, so a slow minute of a shared machine hits both sides.
-Outputs are compared token by token. Optionally the same engine with static batching joins the
-runs, and the decode probe (one decode step at a full batch vs the model's linear layers alone,
-same rows) runs per dtype.
+configuration (threads x model x dtype x batch limit) runs continuous, then vllm, then continuous
+again, and reports the mean of the two engine runs, so a slow minute of a shared machine hits both
+sides. At n threads the engine runs n torch threads and vLLM's OpenMP threads are bound to n cores
+of this process's affinity mask (bench/targets/vllm_cpu.py). Outputs are compared token by token.
+Optionally the same engine with static batching joins the runs, and the decode probe (one decode
+step at a full batch vs the model's own linear layers alone on its packed weights, same rows; see
+bench/micro.py) runs per thread count and dtype.
 
 Writes ``peers.json`` and prints a Markdown table. Needs ``make bench-peers`` for vllm.
 """
@@ -27,7 +29,7 @@ from bench.micro import decode_probe
 from bench.results import write_json
 from bench.run_support import Session, set_threads
 from bench.targets import TargetConfig
-from engine.platform import cpu_auto_dtype, cpu_flags, cpu_model_name
+from engine.platform import cpu_auto_dtype, cpu_flags, cpu_model_name, physical_cores
 from inflight.plan.workload import LengthMix, bench_model_path, synthetic
 
 
@@ -42,7 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="comma list of max_num_seqs:max_num_batched_tokens (default: %(default)s)",
     )
     p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--threads", type=int, default=1, help="compute threads of each engine")
+    p.add_argument(
+        "--threads",
+        default="1",
+        help="comma list of compute thread counts; every configuration runs at each (default: %(default)s)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--static", action="store_true", help="also run the engine with static batching")
@@ -64,8 +70,9 @@ def _tok_s(summary: dict[str, Any]) -> float:
 
 
 def run_config(
-    model: str, dtype: str, batch: int, budget: int, args: argparse.Namespace, out: Path
+    model: str, dtype: str, batch: int, budget: int, threads: int, args: argparse.Namespace, out: Path
 ) -> dict[str, Any]:
+    """One configuration at ``threads`` (already set on this process's torch): its row."""
     from engine.config import ModelConfig
 
     mc = ModelConfig.from_path(model)
@@ -86,18 +93,25 @@ def run_config(
     )
     specs = synthetic(args.num_requests, math.inf, mc.vocab_size, mix=mix, seed=args.seed, prefix="peer")
     session = Session(config, out, None, mc.vocab_size)
-    row: dict[str, Any] = {"model": model, "dtype": dtype, "max_num_seqs": batch, "budget": budget}
+    row: dict[str, Any] = {
+        "threads": threads,
+        "model": model,
+        "dtype": dtype,
+        "max_num_seqs": batch,
+        "budget": budget,
+    }
+    tag = f"t{threads}_{dtype}_{batch}"  # names the runs' files under out/runs
     try:
-        first, s1 = session.run("continuous", specs, f"{dtype}_{batch}_a", math.inf)
+        first, s1 = session.run("continuous", specs, f"{tag}_a", math.inf)
         runs = [s1]
         if not args.no_vllm:
-            vllm_run, sv = session.run("vllm", specs, f"{dtype}_{batch}", math.inf)
+            vllm_run, sv = session.run("vllm", specs, tag, math.inf)
             session.release("vllm")
             row["vllm_tok_s"] = _tok_s(sv)
             row["vllm_tok_per_cpu_s"] = sv["output_tokens_per_cpu_s"]
             same = identical_outputs(first, vllm_run)
             row["identical"] = f"{same['identical']}/{same['compared']}"
-            _, s2 = session.run("continuous", specs, f"{dtype}_{batch}_b", math.inf)
+            _, s2 = session.run("continuous", specs, f"{tag}_b", math.inf)
             runs.append(s2)
         row["inflight_tok_s"] = statistics.mean(_tok_s(s) for s in runs)
         row["inflight_tok_s_runs"] = [_tok_s(s) for s in runs]
@@ -110,7 +124,7 @@ def run_config(
             lagged = dataclasses.replace(config, engine_args={**engine_args, "async_scheduling": True})
             on = Session(lagged, out, None, mc.vocab_size)
             try:
-                on_run, so = on.run("continuous", specs, f"{dtype}_{batch}_async", math.inf)
+                on_run, so = on.run("continuous", specs, f"{tag}_async", math.inf)
             finally:
                 on.close()
             row["async_tok_s"] = _tok_s(so)
@@ -123,7 +137,7 @@ def run_config(
                 flush=True,
             )
         if args.static:
-            _, ss = session.run("static", specs, f"{dtype}_{batch}", math.inf)
+            _, ss = session.run("static", specs, tag, math.inf)
             row["static_tok_s"] = _tok_s(ss)
             row["continuous_over_static"] = row["inflight_tok_s"] / row["static_tok_s"]
     finally:
@@ -131,25 +145,50 @@ def run_config(
     return row
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
-    head = "| model | dtype | seqs / budget | inflight tok/s | vLLM tok/s | inflight / vLLM | per CPU-s |"
-    lines = [head + " identical |", "|---|---|---|---|---|---|---|---|"]
+def parse_threads(text: str) -> list[int]:
+    """A comma list ("1,2") as thread counts, each positive, in the order given, without repeats."""
+    try:
+        counts = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"--threads: a comma list of positive integers, got {text!r}") from None
+    if not counts or min(counts) < 1:
+        raise SystemExit(f"--threads: a comma list of positive integers, got {text!r}")
+    return list(dict.fromkeys(counts))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = "| threads | model | dtype | seqs / budget | inflight tok/s | vLLM tok/s | inflight / vLLM |"
+    lines = [head + " per CPU-s | identical |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
         per_cpu = f"{r['ratio_per_cpu_s']:.2f}" if "ratio_per_cpu_s" in r else "-"
         vllm = f"{r['vllm_tok_s']:.1f}" if "vllm_tok_s" in r else "-"
         lines.append(
-            f"| {Path(r['model']).name} | {r['dtype']} | {r['max_num_seqs']} / {r['budget']} | "
-            f"{r['inflight_tok_s']:.1f} | {vllm} | {ratio} | {per_cpu} | {r.get('identical', '-')} |"
+            f"| {r['threads']} | {Path(r['model']).name} | {r['dtype']} | "
+            f"{r['max_num_seqs']} / {r['budget']} | {r['inflight_tok_s']:.1f} | {vllm} | {ratio} | "
+            f"{per_cpu} | {r.get('identical', '-')} |"
         )
     return "\n".join(lines)
+
+
+def run_probe(model: str, dtype: str, threads: int) -> dict[str, Any]:
+    """The decode probe at 64 running sequences, printed; its JSON with the thread count."""
+    p = decode_probe(model, batch=64, prompt_len=256, rounds=6, dtype=dtype)
+    print(
+        f"decode probe {dtype}, {threads} threads: step at 64 running {p.step_ms:.1f} ms, its linear "
+        f"layers alone {p.packed_linear_ms:.1f} ms on the model's own weights at {p.linear_rows} rows "
+        f"({p.step_over_linear:.2f}x; raw F.linear on unpacked weights {p.raw_linear_ms:.1f} ms), "
+        f"context {p.context_mean:.0f}",
+        flush=True,
+    )
+    return {"threads": threads, "dtype": dtype, **p.to_json()}
 
 
 def main(args: argparse.Namespace) -> int:
     started = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    threads = set_threads(args.threads)
+    thread_counts = parse_threads(args.threads)
     models = [str(bench_model_path()) if m == "bench" else m for m in args.models.split(",")]
     auto = str(cpu_auto_dtype()).removeprefix("torch.")
     dtypes = [auto if d == "auto" else d for d in args.dtypes.split(",")]
@@ -158,35 +197,27 @@ def main(args: argparse.Namespace) -> int:
         "cpu": cpu_model_name(),
         "bf16_units": sorted(cpu_flags() & {"avx512_bf16", "amx_bf16"}),
         "avx512f": "avx512f" in cpu_flags(),
-        "threads": threads,
+        "threads": thread_counts,
+        "cores": physical_cores(),
         "auto_dtype": auto,
         "async_scheduling": args.async_scheduling,
     }
     print(f"host: {host}", flush=True)
-    probes: dict[str, Any] = {}
-    if args.probe:
-        for dtype in dtypes:
-            p = decode_probe(models[0], batch=64, prompt_len=256, rounds=6, dtype=dtype)
-            linear_ms = 1e3 * (2 * 64 * _linear_params(models[0])) / (p.matmul_gflops * 1e9)
-            probes[dtype] = {**p.to_json(), "linear_ms": linear_ms, "step_over_linear": p.step_ms / linear_ms}
-            print(
-                f"decode probe {dtype}: step at 64 running {p.step_ms:.1f} ms, its linear layers alone "
-                f"{linear_ms:.1f} ms: {p.step_ms / linear_ms:.2f}x (context {p.context_mean:.0f})",
-                flush=True,
-            )
-    rows = []
-    for model in models:
-        for dtype in dtypes:
-            for batch, budget in batches:
-                rows.append(run_config(model, dtype, batch, budget, args, out))
-                write_json(out / "peers.json", {"host": host, "probes": probes, "rows": rows})
-    print(_table(rows))
+    probes: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    for threads in thread_counts:
+        # The engine runs in this process: its torch threads are the process's. The vllm target reads
+        # the same count when it starts its child (one Session per configuration, so after this).
+        set_threads(threads)
+        if args.probe:
+            for dtype in dtypes:
+                probes.append(run_probe(models[0], dtype, threads))
+        for model in models:
+            for dtype in dtypes:
+                for batch, budget in batches:
+                    rows.append(run_config(model, dtype, batch, budget, threads, args, out))
+                    write_json(out / "peers.json", {"host": host, "probes": probes, "rows": rows})
+    write_json(out / "peers.json", {"host": host, "probes": probes, "rows": rows})
+    print(table(rows))
     print(f"done in {time.time() - started:.0f} s", flush=True)
     return 0
-
-
-def _linear_params(model: str) -> int:
-    from bench.micro import linear_params
-    from engine.config import ModelConfig
-
-    return linear_params(ModelConfig.from_path(model))

@@ -9,7 +9,8 @@ There are no step rows: vLLM's engine core runs in another process and does not 
 What is matched, and what cannot be:
   * dtype: the engine target's (engine_args "dtype", float32 unless set); "auto" is resolved the way
     the engine resolves it on this CPU, so both run the same one;
-  * threads: the benchmark's torch thread count n, as vLLM's OpenMP binding to cores 0..n-1;
+  * threads: the benchmark's torch thread count n, as vLLM's OpenMP binding to n cores of this
+    process's affinity mask, one logical CPU per physical core (``thread_binding``);
   * KV capacity: the same number of tokens. vLLM's CPU attention needs a block size that is a
     multiple of 32, so a smaller block size is rounded up to 32 and the block count follows;
   * eager by default (no torch.compile), as the reference table was measured; ``vllm_eager=False``
@@ -56,9 +57,35 @@ def resolve_dtype(config: TargetConfig) -> str:
     return dtype
 
 
-def thread_binding(threads: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` compute threads: "0" for one, "0-3" for four."""
-    return "0" if threads <= 1 else f"0-{threads - 1}"
+def thread_binding(threads: int, cores: list[frozenset[int]] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` compute threads: the first ``threads`` of
+    ``cores`` (this process's allowed CPUs grouped by physical core, engine/platform.py), one logical
+    CPU of each ("0" for one, "0-3" for four on a plain host), then their hyperthread siblings if
+    there are more threads than cores. vLLM pins one OpenMP thread to each CPU listed."""
+    if cores is None:
+        from engine.platform import allowed_cpus, core_groups
+
+        cpus = allowed_cpus()
+        cores = core_groups(cpus) or [frozenset({c}) for c in sorted(cpus)]
+    ordered = sorted(cores, key=min)
+    picks = [min(c) for c in ordered] + sorted(cpu for c in ordered for cpu in c if cpu != min(c))
+    if not 1 <= threads <= len(picks):
+        raise ValueError(f"cannot bind {threads} threads to the {len(picks)} CPUs this process may use")
+    return format_cpu_list(picks[:threads])
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (the kernel's list syntax, which vLLM parses)."""
+    parts: list[str] = []
+    run: list[int] = []
+    for cpu in sorted(cpus):
+        if run and cpu != run[-1] + 1:
+            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+            run = []
+        run.append(cpu)
+    if run:
+        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(parts)
 
 
 def driver_config(config: TargetConfig, model_dir: str, dtype: str) -> dict[str, Any]:
@@ -127,16 +154,18 @@ class VLLMTarget:
         self.threads = max(1, torch.get_num_threads())
         self.driver_cfg = driver_config(config, model_dir, resolve_dtype(config))
         kv_gib = kv_cache_gib(self.driver_cfg, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim)
+        binding = thread_binding(self.threads)
         env = dict(os.environ)
         env.update(
             VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
-            VLLM_CPU_OMP_THREADS_BIND=thread_binding(self.threads),
+            VLLM_CPU_OMP_THREADS_BIND=binding,
             OMP_NUM_THREADS=str(self.threads),
         )
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         self.run_config = {
             **self.driver_cfg,
             "threads": self.threads,
+            "cpu_binding": binding,
             "kv_cache_space_gib": kv_gib,
             "enable_prefix_caching": False,
         }

@@ -19,12 +19,14 @@ from bench.results import RequestResult, RunResult
 from bench.targets import TargetConfig
 from bench.targets.vllm_cpu import (
     driver_config,
+    format_cpu_list,
     kv_cache_gib,
     peers_python,
     resolve_dtype,
     run_result,
     thread_binding,
 )
+from engine.platform import allowed_cpus
 from inflight.plan.workload import RequestSpec
 
 SPECS = [
@@ -104,9 +106,25 @@ def test_driver_config_matches_kv_tokens_threads_and_dtype() -> None:
     big = dict(cfg, num_blocks=(40 * 2**30) // (32 * 2 * 32 * 8 * 128 * 4) - 1)
     assert kv_cache_gib(big, 32, 8, 128) == 40
     assert kv_cache_gib(dict(big, dtype="bfloat16"), 32, 8, 128) == 20
-    assert [thread_binding(n) for n in (1, 2, 4)] == ["0", "0-1", "0-3"]
+    plain = [frozenset({cpu}) for cpu in range(8)]
+    assert [thread_binding(n, plain) for n in (1, 2, 4)] == ["0", "0-1", "0-3"]
     assert resolve_dtype(config) == "float32"  # the engine target's default
     assert resolve_dtype(TargetConfig(model="m", engine_args={"dtype": "bfloat16"})) == "bfloat16"
+
+
+def test_vllm_threads_bind_to_allowed_physical_cores_first() -> None:
+    # 4 cores with siblings n and n + 4, as Linux numbers them: one CPU per core, then the siblings.
+    ht = [frozenset({c, c + 4}) for c in range(4)]
+    assert [thread_binding(n, ht) for n in (1, 2, 4, 5, 8)] == ["0", "0-1", "0-3", "0-4", "0-7"]
+    # Siblings numbered side by side (0 and 1 share a core): two threads take two cores.
+    assert thread_binding(2, [frozenset({0, 1}), frozenset({2, 3})]) == "0,2"
+    # A process allowed CPUs 4-5 (taskset, a container's cpuset) binds there, not to CPU 0.
+    assert thread_binding(2, [frozenset({4}), frozenset({5})]) == "4-5"
+    assert thread_binding(3, [frozenset({1}), frozenset({3}), frozenset({4})]) == "1,3-4"
+    with pytest.raises(ValueError, match="cannot bind 3 threads"):
+        thread_binding(3, [frozenset({0}), frozenset({1})])
+    assert thread_binding(1) in {str(cpu) for cpu in allowed_cpus()}  # this host's own mask
+    assert format_cpu_list([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
 
 
 def test_engine_experiment_targets() -> None:
