@@ -1,6 +1,6 @@
 """``python -m bench service``: the full service path, through the gateway with the ``openai`` client.
 
-Two measurements, one command (``make bench-service``), JSON plus a plot under ``--out``:
+Three measurements, one command (``make bench-service``), JSON plus a plot under ``--out``:
 
 * Low load, one request at a time: the latency the service path (HTTP, admission, Kafka, worker,
   Redis pub/sub, SSE) adds over the same request run by an in-process ``AsyncLLMEngine``. Each request
@@ -10,6 +10,9 @@ Two measurements, one command (``make bench-service``), JSON plus a plot under `
 * Overload: many concurrent clients against a small admission bound. Reported: the admission rate
   sustained (accepted requests/s), the share answered 429, and the gateway's CPU time per request
   (user + system time of the gateway process over the window, per HTTP request it answered).
+* Under load (``--no-load`` skips it, ``--load-only`` runs only it): one worker's capacity on the engine
+  alone, then Poisson and gamma traces at 80% of it, and a saturating burst, through the stack and through
+  the engine alone side by side (bench/service_load.py says how each figure is taken).
 
 The broker (tansu) and Redis run on loopback, as in the tests; on such a machine the floor is about
 4.4 ms p50 for a Kafka produce-to-consume and 0.24 ms for a Redis pub/sub round trip.
@@ -30,6 +33,7 @@ from typing import Any
 import openai
 import redis as redis_lib
 
+from bench import service_load
 from harness.stack import build_stack
 from services.common import keys
 
@@ -42,7 +46,12 @@ TARGET_P50_MS, TARGET_P99_MS = 10.0, 25.0
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench service", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="bench-results", help="directory for service.json and service.png")
-    p.add_argument("--model", help="model directory (default: the tiny random-weight model)")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="model of the low-load and overload measurements: tiny, bench, smollm2 or a checkpoint path "
+        "(default tiny, the random-weight test model)",
+    )
     p.add_argument("--requests", type=int, default=200, help="low-load requests per path (default 200)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per low-load request (default 8)")
     p.add_argument("--overload-s", type=float, default=20.0, help="overload window in seconds (default 20)")
@@ -55,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
         help="torch threads, in-process and in the worker alike (default 1: the stack's other processes "
         "need the host's other cores; 0 = torch's default)",
     )
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--no-load", action="store_true", help="skip the under-load measurement")
+    which.add_argument("--load-only", action="store_true", help="run only the under-load measurement")
+    service_load.add_arguments(p)
     return p
 
 
@@ -200,39 +213,61 @@ def _plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, series in result["raw_ms"].items():
-        ordered = sorted(series)
-        ax1.plot(ordered, [i / len(ordered) for i in range(1, len(ordered) + 1)], label=name)
-    ax1.set_xlabel("ms")
-    ax1.set_ylabel("fraction of requests")
-    ax1.set_title("Low load: added latency of the service path")
-    ax1.axvline(TARGET_P50_MS, ls="--", c="grey", lw=0.8)
-    ax1.legend(fontsize=8)
-    ov = result["overload"]
-    bars = {"accepted/s": ov["admission_rate_per_s"], "429 share %": 100 * ov["share_429"],
-            "gateway CPU ms/req": ov["gateway_cpu_ms_per_request"]}  # fmt: skip
-    ax2.bar(list(bars), list(bars.values()), color=["tab:green", "tab:red", "tab:blue"])
-    ax2.set_title(
-        f"Overload: {result['config']['concurrency']} clients, bound {result['config']['max_pending']}"
+    panels = (["low_load", "overload"] if "low_load" in result else []) + (
+        ["under_load"] if "under_load" in result else []
     )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    ax = dict(zip(panels, axes[0], strict=True))
+    if "low_load" in ax:
+        for name, series in result["raw_ms"].items():
+            ordered = sorted(series)
+            ax["low_load"].plot(ordered, [i / len(ordered) for i in range(1, len(ordered) + 1)], label=name)
+        ax["low_load"].set_xlabel("ms")
+        ax["low_load"].set_ylabel("fraction of requests")
+        ax["low_load"].set_title("Low load: added latency of the service path")
+        ax["low_load"].axvline(TARGET_P50_MS, ls="--", c="grey", lw=0.8)
+        ax["low_load"].legend(fontsize=8)
+        ov = result["overload"]
+        bars = {"accepted/s": ov["admission_rate_per_s"], "429 share %": 100 * ov["share_429"],
+                "gateway CPU ms/req": ov["gateway_cpu_ms_per_request"]}  # fmt: skip
+        ax["overload"].bar(list(bars), list(bars.values()), color=["tab:green", "tab:red", "tab:blue"])
+        ax["overload"].set_title(
+            f"Overload: {result['config']['concurrency']} clients, bound {result['config']['max_pending']}"
+        )
+    if "under_load" in ax:
+        _plot_load(ax["under_load"], result["under_load"])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    if args.model is None:
-        from engine.models.tiny import default_model_path
+def _plot_load(ax: Any, load: dict[str, Any]) -> None:
+    """TTFT p50 and p99 of each trace, the engine alone beside the stack."""
+    labels, engine, stack = [], [], []
+    for name in service_load.TRACES:
+        for q in ("p50_ms", "p99_ms"):
+            labels.append(f"{name}\n{q[:3]}")
+            engine.append(load["engine"][name]["ttft"][q])
+            stack.append(load["stack"][name]["ttft"][q])
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], engine, width=0.4, label="engine alone")
+    ax.bar([i + 0.2 for i in x], stack, width=0.4, label="stack")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("TTFT, ms")
+    ax.set_title(
+        f"Under load ({100 * load['config']['load']:.0f}% of {load['capacity_req_s']:.1f} req/s); "
+        f"saturation ratio {load['throughput_ratio']:.2f}",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
 
-        args.model = str(default_model_path())
-    if args.torch_threads:
-        import torch
 
-        torch.set_num_threads(args.torch_threads)
+def _verdict(value: float, bound: float) -> str:
+    return "PASS" if value <= bound else "FAIL"
+
+
+def _idle(args: argparse.Namespace) -> dict[str, Any]:
+    """The low-load and overload measurements."""
     print(f"in-process engine: {args.requests} requests ...", flush=True)
     engine_totals, engine_firsts = asyncio.run(_engine_latencies(args.model, args.requests, args.max_tokens))
 
@@ -261,8 +296,7 @@ def main(argv: list[str] | None = None) -> int:
 
     added_total = [s - e for s, e in zip(service_totals, engine_totals, strict=False)]
     added_first = [s - e for s, e in zip(service_firsts, engine_firsts, strict=False)]
-    result = {
-        "config": {**vars(args), "cpus": os.cpu_count()},
+    return {
         "low_load": {
             "engine_total": _summary(engine_totals),
             "service_total": _summary(service_totals),
@@ -279,20 +313,47 @@ def main(argv: list[str] | None = None) -> int:
             "added (first token)": [1000 * v for v in added_first],
         },
     }
-    (out / "service.json").write_text(json.dumps(result, indent=2))
-    _plot(result, out / "service.png")
-    low = result["low_load"]
-    print(
-        f"added latency, whole response: p50 {low['added_total']['p50_ms']:.2f} ms, "
-        f"p99 {low['added_total']['p99_ms']:.2f} ms (targets {TARGET_P50_MS:.0f} / {TARGET_P99_MS:.0f} ms)\n"
-        f"added latency, first token:    p50 {low['added_first_token']['p50_ms']:.2f} ms, "
-        f"p99 {low['added_first_token']['p99_ms']:.2f} ms\n"
+
+
+def _idle_report(result: dict[str, Any]) -> str:
+    low, overload = result["low_load"], result["overload"]
+    added = low["added_total"]
+    first = low["added_first_token"]
+    return (
+        f"added latency, whole response: p50 {added['p50_ms']:.2f} ms "
+        f"({_verdict(added['p50_ms'], TARGET_P50_MS)}, target {TARGET_P50_MS:.0f}), "
+        f"p99 {added['p99_ms']:.2f} ms "
+        f"({_verdict(added['p99_ms'], TARGET_P99_MS)}, target {TARGET_P99_MS:.0f})\n"
+        f"added latency, first token:    p50 {first['p50_ms']:.2f} ms, p99 {first['p99_ms']:.2f} ms\n"
         f"overload: {overload['admission_rate_per_s']:.1f} admitted/s, "
         f"{100 * overload['share_429']:.1f}% answered 429, "
         f"gateway CPU {overload['gateway_cpu_ms_per_request']:.2f} ms/request\n"
         + "".join(
             f"  {name}: p50 {v['p50_ms']:.2f} ms\n" for name, v in low["stages_of_the_whole_response"].items()
         )
-        + f"wrote {out / 'service.json'} and {out / 'service.png'}"
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.model = service_load.resolve_model(args.model)
+    if args.torch_threads:
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+    load_cfg = None if args.no_load else service_load.config_from_args(args)
+    result: dict[str, Any] = {"config": {**vars(args), "cpus": os.cpu_count()}}
+    if not args.load_only:
+        result.update(_idle(args))
+    if load_cfg is not None:
+        print(f"under load ({Path(load_cfg.model).name}):", flush=True)
+        result["under_load"] = service_load.measure(load_cfg)
+    (out / "service.json").write_text(json.dumps(result, indent=2))
+    _plot(result, out / "service.png")
+    text = _idle_report(result) if "low_load" in result else ""
+    if "under_load" in result:
+        text += service_load.report(result["under_load"]) + "\n"
+    print(text + f"wrote {out / 'service.json'} and {out / 'service.png'}")
     return 0

