@@ -31,13 +31,21 @@ its claim stamp: the two middle stages both hold that gap and the last is short 
 millisecond while the worker's event loop is idle, more when it is busy). Not observable from the
 records: admission + produce apart from the Kafka wait, and the worker's own queue apart from the
 engine's queue and prefill; the traces (OTEL_* settings) hold both splits.
+
+And who kept the host's cores busy during each run, as CPU seconds per second of it: on the stack's runs
+the gateway, the worker, its engine core, the broker, Redis and this process (the clients); on the
+engine's, this process (the engine and its caller). On a host with few cores the stack's processes take
+their CPU from the engine core, and its steps slow down.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import os
+import resource
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -227,6 +235,68 @@ def judge(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+# ---- CPU: who uses the host's cores ------------------------------------------------------------------
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+THIS_PROCESS = "this process"  # the clients on the stack's runs, the engine and its caller on the others
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one live process (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (Linux: every thread's ``children`` list)."""
+    found, todo = [], [pid]
+    while todo:
+        with contextlib.suppress(OSError, ValueError):
+            for task in Path(f"/proc/{todo.pop()}/task").iterdir():
+                children = [int(c) for c in (task / "children").read_text().split()]
+                found += children
+                todo += children
+    return found
+
+
+def stack_processes(stack: Any) -> dict[str, list[int]]:
+    """A stack's processes by role; the worker's own process apart from its children (the engine core)."""
+    workers = [w.proc.pid for w in stack.workers]
+    servers = {"broker": stack.kafka.proc, "redis": stack.redis.proc}
+    groups = {
+        "gateway": [p for g in stack.gateways for p in (g.proc.pid, *descendants(g.proc.pid))],
+        "worker": workers,
+        "engine core": [p for pid in workers for p in descendants(pid)],
+    }
+    for name, proc in servers.items():
+        groups[name] = [] if proc is None else [proc.pid, *descendants(proc.pid)]
+    return groups
+
+
+class CpuMeter:
+    """CPU time of process groups and of this process from now on; ``cores()``: each as cores kept busy
+    over the wall time since (1.0 = one core all the time). On a host with few cores this is where
+    the stack competes with its own engine."""
+
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = groups
+        self.began = time.monotonic()
+        self.before = self._read()
+
+    def _read(self) -> dict[str, float]:
+        out = {name: sum(_cpu_s(pid) for pid in pids) for name, pids in self.groups.items()}
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        out[THIS_PROCESS] = usage.ru_utime + usage.ru_stime
+        return out
+
+    def cores(self) -> dict[str, float]:
+        wall = time.monotonic() - self.began
+        after = self._read()
+        return {name: (after[name] - self.before[name]) / wall for name in after}
+
+
 # ---- the two paths ------------------------------------------------------------------------------------
 def _resolve_threads(threads: int) -> None:
     if threads:
@@ -244,7 +314,9 @@ async def _engine_runs(cfg: LoadConfig, vocab_size: int, say: Callable[[str], No
         await engine_replay(engine, warmup_specs(vocab_size, engine.max_model_len))
         specs = burst(cfg, vocab_size)
         say(f"  engine alone: capacity, {len(specs)} requests at t=0 ...")
+        meter = CpuMeter({})
         sat = saturation_figures(specs, await engine_replay(engine, specs), cfg.max_num_seqs)
+        sat["cpu_cores"] = meter.cores()
         capacity = sat["requests_per_s"]
         if not capacity > 0:
             raise RuntimeError(f"no saturation throughput from {len(specs)} requests: {sat}")
@@ -254,7 +326,9 @@ async def _engine_runs(cfg: LoadConfig, vocab_size: int, say: Callable[[str], No
         traces = workloads(cfg, vocab_size, rate)
         for name, trace in traces.items():
             say(f"  engine alone: {name}, {len(trace)} requests at {rate:.2f}/s ...")
+            meter = CpuMeter({})
             out[name] = trace_figures(trace, await engine_replay(engine, trace))
+            out[name]["cpu_cores"] = meter.cores()
         out["workloads"] = {"burst": describe(specs), **{n: describe(t) for n, t in traces.items()}}
         return out
     finally:
@@ -297,15 +371,20 @@ def _stack_runs(
             try:
                 await warm_up(client, warmup_specs(vocab_size, max_model_len) * 2, SERVED_NAME)
                 out: dict[str, Any] = {}
+                groups = stack_processes(stack)  # the engine core is up since the warm-up
                 specs = burst(cfg, vocab_size)
                 say(f"  stack: saturation, {len(specs)} requests at t=0 ...")
+                meter = CpuMeter(groups)
                 streamed = await replay(client, specs, SERVED_NAME)
                 out["burst"] = saturation_figures(specs, streamed, cfg.max_num_seqs)
+                out["burst"]["cpu_cores"] = meter.cores()
                 out["burst"]["stages"] = stages(streamed, _records(redis, keys, streamed))
                 for name, trace in workloads(cfg, vocab_size, rate).items():
                     say(f"  stack: {name}, {len(trace)} requests at {rate:.2f}/s ...")
+                    meter = CpuMeter(groups)
                     streamed = await replay(client, trace, SERVED_NAME)
                     out[name] = trace_figures(trace, streamed)
+                    out[name]["cpu_cores"] = meter.cores()
                     out[name]["stages"] = stages(streamed, _records(redis, keys, streamed))
                 return out
             finally:
@@ -388,6 +467,12 @@ def report(result: dict[str, Any]) -> str:
     for stage in STAGES:
         cells = [stk[n]["stages"][stage] for n in (*TRACES, "burst")]
         lines.append(f"  {stage:<32}" + "".join(f"{c['p50_ms']:>8.1f} /{c['p99_ms']:>6.1f}" for c in cells))
+    lines.append("cores busy (CPU seconds per second of the run):")
+    for path, runs in (("engine alone", eng), ("stack", stk)):
+        for run in (*TRACES, "burst"):
+            cores = runs[run]["cpu_cores"]
+            busy = ", ".join(f"{name} {value:.2f}" for name, value in cores.items())
+            lines.append(f"  {path}, {'saturation' if run == 'burst' else run}: {busy}")
     lines.append("targets:")
     for name, t in result["targets"].items():
         lines.append(f"  {name}: {t['value']:.3g} ({t['bound']}) {'PASS' if t['passed'] else 'FAIL'}")

@@ -92,6 +92,10 @@ def test_under_load_through_a_real_stack(tiny_model: Path, tmp_path: Path) -> No
         # Every stack request's record had the gateway's and the worker's stamps.
         assert {v["count"] for v in load["stack"][run]["stages"].values()} == {8}, run
     assert load["throughput_ratio"] > 0
+    roles = {"gateway", "worker", "engine core", "broker", "redis", service_load.THIS_PROCESS}
+    runs = [load["stack"][run]["cpu_cores"] for run in (*service_load.TRACES, "burst")]
+    assert all(set(cores) == roles for cores in runs)
+    assert sum(cores["engine core"] for cores in runs) > 0  # the worker's child process was found
     assert set(load["added_ttft_p99_ms"]) == set(service_load.TRACES)
     assert len(load["targets"]) == 3 and all(isinstance(t["passed"], bool) for t in load["targets"].values())
     assert load["workloads"]["poisson"]["num_requests"] == 8
