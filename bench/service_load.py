@@ -34,8 +34,9 @@ engine's queue and prefill; the traces (OTEL_* settings) hold both splits.
 
 And who kept the host's cores busy during each run, as CPU seconds per second of it: on the stack's runs
 the gateway, the worker, its engine core, the broker, Redis and this process (the clients); on the
-engine's, this process (the engine and its caller). On a host with few cores the stack's processes take
-their CPU from the engine core, and its steps slow down.
+engine's, this process (the engine and its caller); on both, the rest of the host. On a host with few
+cores the stack's processes take their CPU from the engine core, and its steps slow down; on a shared
+host the rest of the host shows when other work did the same to either path.
 """
 
 from __future__ import annotations
@@ -238,6 +239,15 @@ def judge(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
 # ---- CPU: who uses the host's cores ------------------------------------------------------------------
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 THIS_PROCESS = "this process"  # the clients on the stack's runs, the engine and its caller on the others
+REST = "rest of the host"  # everything else that ran meanwhile: on a shared host, other tenants
+
+
+def _host_busy_s() -> float:
+    """CPU seconds the whole host has spent busy since boot, all cores (/proc/stat)."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (
+        int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+    )
+    return (user + nice + system + irq + softirq + steal) / _CLOCK_TICKS
 
 
 def _cpu_s(pid: int) -> float:
@@ -289,12 +299,15 @@ class CpuMeter:
         out = {name: sum(_cpu_s(pid) for pid in pids) for name, pids in self.groups.items()}
         usage = resource.getrusage(resource.RUSAGE_SELF)
         out[THIS_PROCESS] = usage.ru_utime + usage.ru_stime
+        out[REST] = _host_busy_s()  # the whole host until cores() takes ours out
         return out
 
     def cores(self) -> dict[str, float]:
         wall = time.monotonic() - self.began
         after = self._read()
-        return {name: (after[name] - self.before[name]) / wall for name in after}
+        cores = {name: (after[name] - self.before[name]) / wall for name in after}
+        cores[REST] = max(0.0, cores[REST] - sum(v for name, v in cores.items() if name != REST))
+        return cores
 
 
 # ---- the two paths ------------------------------------------------------------------------------------

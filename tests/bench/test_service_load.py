@@ -92,7 +92,15 @@ def test_under_load_through_a_real_stack(tiny_model: Path, tmp_path: Path) -> No
         # Every stack request's record had the gateway's and the worker's stamps.
         assert {v["count"] for v in load["stack"][run]["stages"].values()} == {8}, run
     assert load["throughput_ratio"] > 0
-    roles = {"gateway", "worker", "engine core", "broker", "redis", service_load.THIS_PROCESS}
+    roles = {
+        "gateway",
+        "worker",
+        "engine core",
+        "broker",
+        "redis",
+        service_load.THIS_PROCESS,
+        service_load.REST,
+    }
     runs = [load["stack"][run]["cpu_cores"] for run in (*service_load.TRACES, "burst")]
     assert all(set(cores) == roles for cores in runs)
     assert sum(cores["engine core"] for cores in runs) > 0  # the worker's child process was found
