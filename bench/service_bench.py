@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    args.model = service_load.resolve_model(args.model)
+    if not args.load_only:
+        args.model = service_load.resolve_model(args.model)
     if args.torch_threads:
         import torch
 
