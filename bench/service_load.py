@@ -26,9 +26,10 @@ its engine) and the client's clock, all on this host's wall clock:
     worker fetch -> first token       claim, hand-off to the engine core, engine queue, prefill
     first token -> client             publish, Redis pub/sub, the gateway's SSE
 
-The stages add up to the request's TTFT. The worker counts from its fetch, which comes a little before
-its claim stamp: the two middle stages both hold that gap and the last is short by it (well under a
-millisecond while the worker's event loop is idle, more when it is busy). Not observable from the
+The stages add up to the time from sending to the first token. The worker counts from its fetch, which
+comes a little before its claim stamp: the two middle stages both hold that gap and the last is short by
+it (the time the claim's task takes to start: short while the worker's event loop is idle, longer when
+it is busy). Not observable from the
 records: admission + produce apart from the Kafka wait, and the worker's own queue apart from the
 engine's queue and prefill; the traces (OTEL_* settings) hold both splits.
 
