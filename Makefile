@@ -54,6 +54,8 @@ typecheck: setup
 # file's tests together so its fixtures start once, and hands out the longest files first). The suite keeps
 # two cores busy on its own, so that pays only where more cores are to spare, and on a loaded host the
 # tests that compare a prediction with a timed run get noisy. 0, the default: one process.
+# PYTEST_ARGS="-p tests.cpu_report" adds, at the end, each test file's wall and CPU seconds (pytest and the
+# stacks and interpreters it started): where the suite's time goes, most CPU first.
 PYTEST_WORKERS ?= 0
 pytest: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider \
