@@ -57,15 +57,23 @@ class ServiceProcess:
         wait_ready([self], timeout_s)
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int | None:
+        self.send_signal(sig)
+        return self.wait_stopped(timeout_s)
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        """Send ``sig`` to its process group, if it is still running."""
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+
+    def wait_stopped(self, timeout_s: float) -> int | None:
+        """Wait for it to exit; SIGKILL its process group if it has not within ``timeout_s``."""
+        try:
+            self.proc.wait(max(0.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(5)
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -195,8 +203,15 @@ class Stack:
         return redis_lib.Redis.from_url(self.redis.url, password=self.redis.password, decode_responses=True)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        for proc in [*self.gateways, *self.workers]:
-            proc.stop(timeout_s=timeout_s)
+        # The gateways together, then the workers together: one at a time, each worker that leaves
+        # the consumer group would start a rebalance the next one has to sit through before its own
+        # drain and goodbye.
+        for group in (self.gateways, self.workers):
+            for proc in group:
+                proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for proc in group:
+                proc.wait_stopped(deadline - time.monotonic())
         for server in self.own_servers:
             server.stop()
 
