@@ -15,14 +15,40 @@ A step packs every scheduled token of every request flat. Worked example, block_
 
 Query token i of request r sits at position seq_lens[r] - query_len[r] + i and attends causally to
 every cached position <= its own.
+
+Slot s is position s % block_size of block s // block_size whatever the layout; the layout (chosen
+by the backend, ``KVLayout``) only says how a block's K (or V) is laid out in memory.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+class KVLayout(enum.Enum):
+    """How one layer's paged cache is laid out; index 0 of the first dimension is K, 1 is V.
+
+    TOKEN_MAJOR ``[2, num_blocks, block_size, Hkv, D]``: a token's kv heads side by side, so a store
+    writes one run per token; a reader of one kv head strides Hkv * D between keys.
+    HEAD_MAJOR ``[2, num_blocks, Hkv, block_size, D]``: each (block, kv head) page is one contiguous
+    run of block_size * D elements, which a reader of one kv head streams.
+    """
+
+    TOKEN_MAJOR = "token-major"
+    HEAD_MAJOR = "head-major"
+
+    def shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        if self is KVLayout.HEAD_MAJOR:
+            return (2, num_blocks, num_kv_heads, block_size, head_size)
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    def token_major_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """``kv_cache`` seen as ``[2, num_blocks, block_size, Hkv, D]`` (a view: no copy, writes land)."""
+        return kv_cache.transpose(2, 3) if self is KVLayout.HEAD_MAJOR else kv_cache
 
 
 @dataclass
@@ -44,10 +70,13 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     """Stores the step's K/V into the paged cache and attends through block tables.
 
-    kv_cache for one layer: [2, num_blocks, block_size, num_kv_heads, head_size] (index 0: K, 1: V).
+    kv_cache for one layer is allocated in the layout ``kv_layout`` returns for the model's dtype,
+    head size and device, and handed back to ``store_kv`` and ``forward`` as it is.
     """
 
     name: str
+
+    def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout: ...
 
     def store_kv(
         self,

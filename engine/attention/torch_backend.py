@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, KVLayout
 from engine.kernels import reference
 
 
@@ -34,6 +34,11 @@ def _decode_buckets(
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout:
+        # A token's heads side by side: the store is one indexed copy per half, and the decode gather
+        # keeps whole blocks.
+        return KVLayout.TOKEN_MAJOR
 
     def store_kv(
         self,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, KVLayout
 from engine.kernels._common import DecodeConfig
 from engine.kernels.cache import store_kvcache
 from engine.kernels.paged_attention import paged_attention
@@ -18,6 +18,9 @@ class TritonAttentionBackend:
     def __init__(self, decode_config: DecodeConfig | None = None) -> None:
         # The decode variant's launch (BLOCK_N, warps, stages); None: the launcher's defaults.
         self.decode_config = decode_config
+
+    def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout:
+        return KVLayout.TOKEN_MAJOR  # what the Triton store and attention kernels index
 
     def store_kv(
         self,

@@ -96,7 +96,9 @@ class ModelRunner:
         )
         # Each rank sizes its cache from its own memory; the one scheduler uses the smallest.
         self.num_blocks = tp.agree_min(self._decide_num_blocks())
-        shape = (2, self.num_blocks, config.block_size, self.model.num_kv_heads, mc.head_dim)
+        # The backend picks the layout its kernels read (engine/attention/backend.py, KVLayout).
+        self.kv_layout = self.backend.kv_layout(config.dtype, mc.head_dim, self.device)
+        shape = self.kv_layout.shape(self.num_blocks, config.block_size, self.model.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(mc.num_hidden_layers)
         ]

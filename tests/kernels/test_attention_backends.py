@@ -31,9 +31,10 @@ def _fresh_step(batch):
     new_v = torch.cat(
         [v[v.shape[0] - (b - a) :] for v, a, b in zip(batch.values, starts, starts[1:], strict=False)]
     )
-    num_kv_heads, head_size = batch.kv_cache.shape[-2:]
+    cache = batch.token_major_cache()  # a view: the poison lands in the cache, whatever its layout
+    block_size = cache.shape[2]
     for half in (0, 1):
-        batch.kv_cache[half].view(-1, num_kv_heads, head_size)[batch.slot_mapping] = float("nan")
+        cache[half, batch.slot_mapping // block_size, batch.slot_mapping % block_size] = float("nan")
     return new_k, new_v
 
 

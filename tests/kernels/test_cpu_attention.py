@@ -1,12 +1,15 @@
 """The C++ CPU attention kernels vs the torch reference over the Triton kernels' grid, and the
-backend through store_kv + forward vs dense attention."""
+backend through store_kv + forward vs dense attention. The kernels read head-major caches
+(KVLayout.HEAD_MAJOR); the reference reads the same cache through its token-major view."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 
-from engine.attention.backend import get_attention_backend
+from engine.attention.backend import KVLayout, get_attention_backend
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import reference
 from tests.kernels.test_attention_backends import CASES as BACKEND_CASES
@@ -22,11 +25,17 @@ EXTRA_CASES = [
     ([1] * 9, [1, 2, 15, 16, 17, 31, 32, 33, 300], 9, 3, 64, 16, torch.float32),  # GQA 3 (SmolLM2)
     ([40, 1, 17], [40, 500, 100], 8, 2, 64, 16, torch.bfloat16),  # chunks spanning tiles of 8 queries
     ([3, 1], [3, 70], 4, 4, 128, 8, torch.float32),  # small blocks, MHA
-    ([1, 64], [129, 64], 4, 2, 256, 64, torch.bfloat16),  # largest head size
+    ([1, 64], [129, 64], 4, 2, 256, 64, torch.bfloat16),  # largest head size, pages of 4 key groups
+    ([1, 1, 5, 1], [37, 3, 50, 64], 6, 2, 32, 4, torch.bfloat16),  # a group of 16 keys spans 4 pages
+    ([1, 2], [19, 9], 4, 2, 64, 1, torch.float32),  # one key per page
 ]
+
+HEAD_MAJOR = KVLayout.HEAD_MAJOR
+CPU = torch.device("cpu")
 
 
 def _op(batch, scale, out=None, max_query_len=2**31):
+    assert batch.layout is HEAD_MAJOR
     out = torch.empty_like(batch.query) if out is None else out
     torch.ops.inflight_cpu.paged_attention(
         out,
@@ -42,7 +51,7 @@ def _op(batch, scale, out=None, max_query_len=2**31):
 
 
 def test_kernel_leaves_longer_requests_to_the_caller(paged_batch):
-    batch = paged_batch([1, 40, 3], [50, 60, 3], 4, 2, 64, 16, torch.float32, device=torch.device("cpu"))
+    batch = paged_batch([1, 40, 3], [50, 60, 3], 4, 2, 64, 16, torch.float32, device=CPU, layout=HEAD_MAJOR)
     out = torch.full_like(batch.query, 7.0)
     _op(batch, 0.125, out=out, max_query_len=31)
     assert torch.all(out[1:41] == 7.0)  # the 40-token chunk: untouched
@@ -56,12 +65,17 @@ def test_kernel_leaves_longer_requests_to_the_caller(paged_batch):
 )
 def test_kernel_matches_reference(paged_batch, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype):
     batch = paged_batch(
-        query_lens, seq_lens, hq, hkv, head_size, block_size, dtype, device=torch.device("cpu")
+        query_lens, seq_lens, hq, hkv, head_size, block_size, dtype, device=CPU, layout=HEAD_MAJOR
     )
     scale = head_size**-0.5
     got = _op(batch, scale)
     want = reference.paged_attention(
-        batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, scale
+        batch.query,
+        batch.token_major_cache(),
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_tables,
+        scale,
     )
     assert got.dtype == dtype
     # Unused cache slots are NaN: a read past a request's context or outside its blocks shows here.
@@ -71,7 +85,7 @@ def test_kernel_matches_reference(paged_batch, query_lens, seq_lens, hq, hkv, he
 
 def test_kernel_reads_strided_query(paged_batch):
     """The model hands attention a view of the fused qkv projection: rows strided, heads contiguous."""
-    batch = paged_batch([1, 5], [20, 5], 4, 2, 64, 16, torch.float32, device=torch.device("cpu"))
+    batch = paged_batch([1, 5], [20, 5], 4, 2, 64, 16, torch.float32, device=CPU, layout=HEAD_MAJOR)
     wide = torch.randn(batch.query.shape[0], 4 * 64 + 99)
     wide[:, : 4 * 64] = batch.query.reshape(-1, 4 * 64)
     strided = wide[:, : 4 * 64].view(-1, 4, 64)
@@ -81,7 +95,7 @@ def test_kernel_reads_strided_query(paged_batch):
 
 
 def test_kernel_rejects_bad_input(paged_batch):
-    batch = paged_batch([1], [9], 4, 2, 64, 16, torch.float32, device=torch.device("cpu"))
+    batch = paged_batch([1], [9], 4, 2, 64, 16, torch.float32, device=CPU, layout=HEAD_MAJOR)
     with pytest.raises(RuntimeError, match="share a dtype"):
         _op(batch, 0.125, out=torch.empty_like(batch.query, dtype=torch.bfloat16))
     bad = type(batch)(**{**batch.__dict__, "seq_lens": batch.seq_lens.long()})
@@ -91,6 +105,55 @@ def test_kernel_rejects_bad_input(paged_batch):
         torch.ops.inflight_cpu.store_kv(
             batch.query[:, :2], batch.query[:, :2], batch.kv_cache, torch.tensor([10**6])
         )
+
+
+@pytest.mark.parametrize(
+    ("num_kv_heads", "head_size", "block_size", "dtype"),
+    [(1, 64, 16, torch.float32), (3, 64, 16, torch.bfloat16), (2, 128, 4, torch.float32)],
+)
+def test_store_kv_writes_each_token_into_its_heads_pages(num_kv_heads, head_size, block_size, dtype):
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, num_tokens = 5, 11
+    # K and V as views into a fused QKV output: token stride larger than Hkv * D.
+    qkv = torch.randn(num_tokens, 3 * num_kv_heads * head_size, generator=gen).to(dtype)
+    kv_size = num_kv_heads * head_size
+    key = qkv[:, kv_size : 2 * kv_size].view(num_tokens, num_kv_heads, head_size)
+    value = qkv[:, 2 * kv_size :].view(num_tokens, num_kv_heads, head_size)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[[2, 7]] = -1  # padding tokens
+    token_major = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen).to(dtype)
+    head_major = torch.empty(HEAD_MAJOR.shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
+    HEAD_MAJOR.token_major_view(head_major).copy_(token_major)  # the same contents, laid out head-major
+    reference.store_kvcache(key, value, token_major, slots)
+    torch.ops.inflight_cpu.store_kv(key, value, head_major, slots)
+    assert torch.equal(HEAD_MAJOR.token_major_view(head_major), token_major)
+    # Spelled out for one token: block slot // block_size, row slot % block_size of each head's page.
+    slot = int(slots[0])
+    for h in range(num_kv_heads):
+        assert torch.equal(head_major[0, slot // block_size, h, slot % block_size], key[0, h])
+        assert torch.equal(head_major[1, slot // block_size, h, slot % block_size], value[0, h])
+
+
+@functools.cache
+def _backend():
+    return get_attention_backend("cpu")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_size", "layout"),
+    [
+        (torch.float32, 64, HEAD_MAJOR),
+        (torch.bfloat16, 64, HEAD_MAJOR),
+        (torch.bfloat16, 256, HEAD_MAJOR),
+        (torch.float32, 16, HEAD_MAJOR),
+        (torch.float16, 64, KVLayout.TOKEN_MAJOR),  # the torch fallback's dtype
+        (torch.float32, 24, KVLayout.TOKEN_MAJOR),  # not a multiple of 16
+        (torch.float32, 512, KVLayout.TOKEN_MAJOR),  # past the kernel's largest head
+    ],
+)
+def test_backend_declares_head_major_exactly_for_the_kernel_shapes(dtype, head_size, layout):
+    assert _backend().kv_layout(dtype, head_size, CPU) is layout
+    assert get_attention_backend("torch").kv_layout(dtype, head_size, CPU) is KVLayout.TOKEN_MAJOR
 
 
 LONG_CHUNK_CASES = [
@@ -107,24 +170,48 @@ LONG_CHUNK_CASES = [
 def test_backend_store_then_attend_matches_dense(
     paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype
 ):
+    backend = _backend()
+    layout = backend.kv_layout(dtype, head_size, CPU)
+    assert layout is HEAD_MAJOR
     batch = paged_batch(
-        query_lens, seq_lens, hq, hkv, head_size, block_size, dtype, device=torch.device("cpu")
+        query_lens, seq_lens, hq, hkv, head_size, block_size, dtype, device=CPU, layout=layout
     )
     want = dense_attention(batch, head_size**-0.5)
     new_k, new_v = _fresh_step(batch)
-    backend = get_attention_backend("cpu")
     metadata = batch.metadata()
     backend.store_kv(new_k, new_v, batch.kv_cache, metadata)
     got = backend.forward(batch.query, batch.kv_cache, metadata, head_size**-0.5)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
-def test_backend_falls_back_for_shapes_the_kernel_does_not_take(paged_batch, dense_attention):
-    # head size 24 is not a multiple of 16: the torch path serves it, same answer.
-    batch = paged_batch([1, 4], [30, 4], 4, 2, 24, 16, torch.float32, device=torch.device("cpu"))
-    want = dense_attention(batch, 24**-0.5)
-    got = get_attention_backend("cpu").forward(batch.query, batch.kv_cache, batch.metadata(), 24**-0.5)
-    torch.testing.assert_close(got, want, **TOL[torch.float32])
+@pytest.mark.parametrize(("head_size", "dtype"), [(24, torch.float32), (64, torch.float16)])
+def test_backend_falls_back_for_shapes_the_kernel_does_not_take(
+    paged_batch, dense_attention, head_size, dtype
+):
+    # Head size 24 is not a multiple of 16, float16 is not a kernel dtype: the torch path serves
+    # them from a token-major cache, store and attention, with the same answer.
+    backend = _backend()
+    layout = backend.kv_layout(dtype, head_size, CPU)
+    batch = paged_batch([1, 4], [30, 4], 4, 2, head_size, 16, dtype, device=CPU, layout=layout)
+    want = dense_attention(batch, head_size**-0.5)
+    new_k, new_v = _fresh_step(batch)
+    metadata = batch.metadata()
+    backend.store_kv(new_k, new_v, batch.kv_cache, metadata)
+    got = backend.forward(batch.query, batch.kv_cache, metadata, head_size**-0.5)
+    tol = {"atol": 2e-3, "rtol": 2e-3} if dtype == torch.float16 else TOL[dtype]
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_backend_attends_a_query_of_another_dtype_in_the_caches(paged_batch, dense_attention):
+    batch = paged_batch([1, 3], [40, 3], 4, 2, 64, 16, torch.bfloat16, device=CPU, layout=HEAD_MAJOR)
+    want = dense_attention(batch, 0.125)
+    new_k, new_v = _fresh_step(batch)
+    metadata = batch.metadata()
+    backend = _backend()
+    backend.store_kv(new_k.float(), new_v.float(), batch.kv_cache, metadata)
+    got = backend.forward(batch.query.float(), batch.kv_cache, metadata, 0.125)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
 
 
 def test_a_host_that_cannot_build_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):

@@ -1,9 +1,13 @@
 // Paged attention and KV store for the CPU engine, read in place through the block tables.
 //
-// Registered as torch ops (torch.ops.inflight_cpu.*), built by engine/kernels/cpu/build.py. The paged
-// layout and the packed-step metadata are those of engine/attention/backend.py:
-//   kv_cache [2, num_blocks, block_size, Hkv, D]   query/out [T, Hq, D]
+// Registered as torch ops (torch.ops.inflight_cpu.*), built by engine/kernels/cpu/__init__.py. The
+// packed-step metadata is that of engine/attention/backend.py; the cache is head-major
+// (KVLayout.HEAD_MAJOR there):
+//   kv_cache [2, num_blocks, Hkv, block_size, D]   query/out [T, Hq, D]
 //   query_start_loc [S + 1] int32   seq_lens [S] int32   block_tables [S, max_blocks] int32
+// so the K (or V) of one kv head in one block, a page, is one run of block_size * D elements: an item
+// streams whole pages, and neither its cache lines nor its 4 KiB memory pages hold other heads' rows
+// (token-major, one kv head's keys are D-element rows at a stride of Hkv * D).
 //
 // Work is split into items (request, kv head, tile of up to kTileQ query tokens); one item computes
 // the G = Hq / Hkv query heads that share its kv head for every query token of its tile, so each K and
@@ -94,13 +98,30 @@ void dots16_bf16(const at::BFloat16*, const at::BFloat16* const*, int64_t, float
 const bool kHasDpBf16 = false;
 #endif
 
-// Pages are scattered, so the hardware prefetcher loses the stream at every block boundary: fetch a
-// key's row ahead of use, whole (D * sizeof(T) bytes, one to eight cache lines).
-template <typename T, int C>
-__attribute__((always_inline)) inline void prefetch_row(const T* p) {
-  constexpr int kBytes = C * kLanes * static_cast<int>(sizeof(T));
-  const char* c = reinterpret_cast<const char*>(p);
-  for (int b = 0; b < kBytes; b += 64) __builtin_prefetch(c + b, 0, 3);
+// Where an item's keys live: the offset of each of its pages (one per block of its context) in the
+// K half of the cache; the V half is the same offsets past v_offset. Key position t is row t & mask
+// of page t >> shift (block_size is a power of two).
+struct Pages {
+  const int64_t* offsets;
+  int shift;
+  int64_t mask;
+  int64_t row(int64_t t, int64_t d) const { return offsets[t >> shift] + (t & mask) * d; }
+};
+
+// Pages are scattered, so the hardware prefetcher loses the stream at every page boundary: fetch the
+// keys [begin, end) ahead of use, one contiguous run of cache lines per page they span. kLocality 3:
+// into L1, for use within the next groups; 2: into L2, for a later pass.
+template <typename T, int64_t D, int kLocality = 3>
+__attribute__((always_inline)) inline void prefetch_keys(const T* half, const Pages& pages, int64_t begin,
+                                                         int64_t end) {
+  while (begin < end) {
+    const int64_t stop = std::min(end, ((begin >> pages.shift) + 1) << pages.shift);  // this page's part
+    const char* first = reinterpret_cast<const char*>(half + pages.row(begin, D));
+    const char* last = reinterpret_cast<const char*>(half + pages.row(stop - 1, D) + D);
+    first = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63});
+    for (; first < last; first += 64) __builtin_prefetch(first, 0, kLocality);
+    begin = stop;
+  }
 }
 
 template <typename T>
@@ -119,32 +140,43 @@ struct Geometry {
   int64_t num_heads, num_kv_heads, group, head_size, chunks, block_size;
   int64_t q_stride_t, q_stride_h;  // query strides in elements (last dim contiguous)
   int64_t o_stride_t, o_stride_h;
-  int64_t kv_stride_block, kv_stride_tok, v_offset;  // v_offset: kv_cache[1] - kv_cache[0]
+  int64_t kv_stride_block, kv_stride_head, v_offset;  // v_offset: kv_cache[1] - kv_cache[0]
   int64_t bt_stride;
   float scale;
 };
 
 struct Scratch {
   std::vector<float> floats;
-  std::vector<int64_t> offsets;  // cache offset of each key position's row for this item's kv head
+  std::vector<int64_t> pages;  // Pages::offsets of the current item
 };
 
-constexpr int64_t kVAhead = 24;  // keys of V prefetched ahead of the accumulation (~ one memory trip)
+constexpr int64_t kKAhead = 2 * kLanes;  // keys of K prefetched ahead: two groups of 16, ~ one memory trip
+constexpr int64_t kVAhead = 32;  // keys of V prefetched ahead of the accumulation
+// V of the first keys, up to this many bytes, is prefetched into L2 alongside K during pass 1, so the
+// two streams' misses overlap and pass 2 starts from L2; a longer context's rest of V comes in pass 2.
+constexpr int64_t kVEarlyBytes = 256 << 10;
 
-// acc[i] = sum over t < limit of p[i * p_stride + t] * V[t] for NR rows; written to out [NR, D].
+// acc[i] = sum over t < limit of p[i * p_stride + t] * V[t] for NR rows; written to out [NR, D]. Walks
+// page by page: within a page the rows are consecutive.
 template <typename T, int C, int NR>
-__attribute__((always_inline)) inline void weighted_v(const T* v_cache, const int64_t* offsets, const float* p,
-                                                      int64_t p_stride, int64_t limit, float* out) {
+__attribute__((always_inline)) inline void weighted_v(const T* v_cache, const Pages& pages, int64_t block_size,
+                                                      const float* p, int64_t p_stride, int64_t limit, float* out) {
+  constexpr int64_t D = C * kLanes;
   vfloat acc[NR][C];
   for (int i = 0; i < NR; ++i) {
     for (int c = 0; c < C; ++c) acc[i][c] = vfloat{};
   }
-  for (int64_t t = 0; t < limit; ++t) {
-    prefetch_row<T, C>(v_cache + offsets[t + kVAhead < limit ? t + kVAhead : limit - 1]);
-    const T* v = v_cache + offsets[t];
-    for (int c = 0; c < C; ++c) {
-      const vfloat x = load16(v + c * kLanes);
-      for (int i = 0; i < NR; ++i) acc[i][c] += p[i * p_stride + t] * x;
+  for (int64_t t0 = 0; t0 < limit; t0 += block_size) {
+    const int64_t ahead = t0 + kVAhead;
+    prefetch_keys<T, D>(v_cache, pages, std::min(ahead, limit), std::min(ahead + block_size, limit));
+    const T* page = v_cache + pages.row(t0, D);
+    const int64_t n = std::min(block_size, limit - t0);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = page + j * D;
+      for (int c = 0; c < C; ++c) {
+        const vfloat x = load16(v + c * kLanes);
+        for (int i = 0; i < NR; ++i) acc[i][c] += p[i * p_stride + t0 + j] * x;
+      }
     }
   }
   for (int i = 0; i < NR; ++i) {
@@ -169,18 +201,14 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
   const int64_t ctx_pad = (ctx + kLanes - 1) / kLanes * kLanes;
   const int32_t* table = tables + it.seq * g.bt_stride;
 
-  // Where each key position lives, once per item; positions past ctx repeat the last one, so the
-  // padded lanes of a partial group of 16 read valid memory (their scores are discarded).
-  scratch.offsets.resize(static_cast<size_t>(ctx_pad));
-  int64_t* offsets = scratch.offsets.data();
-  // block_size is a power of two (the engine enforces it): shifts, not divisions, per key.
-  const int shift = __builtin_ctzll(static_cast<uint64_t>(g.block_size));
-  const int64_t mask = g.block_size - 1;
-  for (int64_t t = 0; t < ctx_pad; ++t) {
-    const int64_t p = std::min(t, ctx - 1);
-    offsets[t] = static_cast<int64_t>(table[p >> shift]) * g.kv_stride_block + (p & mask) * g.kv_stride_tok +
-                 it.kv_head * D;
+  // The item's pages, once. block_size is a power of two (the engine enforces it): shifts, not
+  // divisions, per key.
+  const int64_t num_pages = (ctx + g.block_size - 1) / g.block_size;
+  scratch.pages.resize(static_cast<size_t>(num_pages));
+  for (int64_t b = 0; b < num_pages; ++b) {
+    scratch.pages[b] = static_cast<int64_t>(table[b]) * g.kv_stride_block + it.kv_head * g.kv_stride_head;
   }
+  const Pages pages{scratch.pages.data(), __builtin_ctzll(static_cast<uint64_t>(g.block_size)), g.block_size - 1};
   // scratch: scaled queries [rows, D], probabilities [rows, ctx_pad]
   scratch.floats.resize(static_cast<size_t>(rows * (D + ctx_pad)));
   float* qf = scratch.floats.data();
@@ -195,26 +223,34 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
 
   const T* k_cache = cache;
   const T* v_cache = cache + g.v_offset;
-  // Pass 1, scores: sixteen keys at a time, widened to float once into an L1-resident buffer that
-  // every row of the item then reads (rather than each row streaming the whole context from L2).
-  alignas(64) float kbuf[kLanes * D];
+  constexpr bool kDpEligible = std::is_same_v<T, at::BFloat16> && C % 2 == 0;
+  const bool dp = kDpEligible && kHasDpBf16;
+  // Pass 1, scores: sixteen keys at a time. float32 keys are read in place (after the first row the
+  // group's rows sit in L1 for the others); bf16 ones, without VDPBF16PS, are widened to float once
+  // into an L1-resident buffer that every row of the item then reads.
+  alignas(64) float kbuf[std::is_same_v<T, float> ? 1 : kLanes * D];
+  const int64_t v_early = std::min<int64_t>(ctx, kVEarlyBytes / (D * static_cast<int64_t>(sizeof(T))));
+  prefetch_keys<T, D>(k_cache, pages, 0, std::min(kKAhead, ctx));
+  prefetch_keys<T, D, 2>(v_cache, pages, 0, std::min(kKAhead, v_early));
   for (int64_t t0 = 0; t0 < ctx_pad; t0 += kLanes) {
-    // Two groups ahead: a group takes about as long as one trip to memory.
-    if (t0 == 0) {
-      for (int64_t j = kLanes; j < std::min<int64_t>(2 * kLanes, ctx_pad); ++j) prefetch_row<T, C>(k_cache + offsets[j]);
-    }
-    if (t0 + 2 * kLanes < ctx_pad) {
-      for (int j = 0; j < kLanes; ++j) prefetch_row<T, C>(k_cache + offsets[t0 + 2 * kLanes + j]);
-    }
-    constexpr bool kDpEligible = std::is_same_v<T, at::BFloat16> && C % 2 == 0;
-    const bool dp = kDpEligible && kHasDpBf16;
+    const int64_t ahead = t0 + kKAhead;
+    prefetch_keys<T, D>(k_cache, pages, std::min(ahead, ctx), std::min(ahead + kLanes, ctx));
+    prefetch_keys<T, D, 2>(v_cache, pages, std::min(ahead, v_early), std::min(ahead + kLanes, v_early));
+    // Positions past ctx repeat the last key, so the padded lanes of a partial group read valid
+    // memory (their scores are discarded).
     const T* keys[kLanes];
-    for (int j = 0; j < kLanes; ++j) keys[j] = k_cache + offsets[t0 + j];
-    if (!dp) {
-      for (int j = 0; j < kLanes; ++j) {
-        for (int c = 0; c < C; ++c) {
-          const vfloat x = load16(keys[j] + c * kLanes);
-          std::memcpy(kbuf + j * D + c * kLanes, &x, sizeof(x));
+    for (int j = 0; j < kLanes; ++j) keys[j] = k_cache + pages.row(std::min(t0 + j, ctx - 1), D);
+    const float* kf[kLanes];
+    if constexpr (std::is_same_v<T, float>) {
+      for (int j = 0; j < kLanes; ++j) kf[j] = keys[j];
+    } else {
+      for (int j = 0; j < kLanes; ++j) kf[j] = kbuf + j * D;
+      if (!dp) {
+        for (int j = 0; j < kLanes; ++j) {
+          for (int c = 0; c < C; ++c) {
+            const vfloat x = load16(keys[j] + c * kLanes);
+            std::memcpy(kbuf + j * D + c * kLanes, &x, sizeof(x));
+          }
         }
       }
     }
@@ -235,8 +271,8 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
         const float* qr = qf + r * D;
         vfloat dots[kLanes];
         for (int j = 0; j < kLanes; ++j) {
-          vfloat acc = load16(qr) * load16(kbuf + j * D);
-          for (int c = 1; c < C; ++c) acc += load16(qr + c * kLanes) * load16(kbuf + j * D + c * kLanes);
+          vfloat acc = load16(qr) * load16(kf[j]);
+          for (int c = 1; c < C; ++c) acc += load16(qr + c * kLanes) * load16(kf[j] + c * kLanes);
           dots[j] = acc;
         }
         sv = reduce16(dots);
@@ -249,6 +285,8 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
       std::memcpy(scores + r * ctx_pad + t0, &sv, sizeof(sv));
     }
   }
+  // V's first keys, from L2 (or memory, past v_early) to L1 during the softmax.
+  prefetch_keys<T, D>(v_cache, pages, 0, std::min(kVAhead, ctx));
   // Softmax numerators in place (zero past each row's limit, up to ctx_pad), and 1 / their sum.
   float inv_sum[kTileQ * 16];
   for (int64_t r = 0; r < rows; ++r) {
@@ -278,17 +316,17 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
   // compile-time constant (a GQA group of 3 runs as one pass of 3, not a pass of 4 with a
   // runtime bound, which would leave the accumulators in memory).
   constexpr int64_t kRowsPerPass = C <= 4 ? 4 : (C <= 8 ? 2 : 1);
-  for (int64_t t = 0; t < std::min(kVAhead, ctx); ++t) prefetch_row<T, C>(v_cache + offsets[t]);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
     const int64_t nr = std::min(kRowsPerPass, rows - r0);
     const int64_t limit = first_pos + it.q_begin + (r0 + nr - 1) / g.group + 1;  // of the last row
     float* acc_out = qf + r0 * D;  // the scaled queries of these rows are no longer needed
     const float* p = scores + r0 * ctx_pad;
+    const int64_t bs = g.block_size;
     switch (nr) {
-      case 4: weighted_v<T, C, (kRowsPerPass >= 4 ? 4 : 1)>(v_cache, offsets, p, ctx_pad, limit, acc_out); break;
-      case 3: weighted_v<T, C, (kRowsPerPass >= 3 ? 3 : 1)>(v_cache, offsets, p, ctx_pad, limit, acc_out); break;
-      case 2: weighted_v<T, C, (kRowsPerPass >= 2 ? 2 : 1)>(v_cache, offsets, p, ctx_pad, limit, acc_out); break;
-      default: weighted_v<T, C, 1>(v_cache, offsets, p, ctx_pad, limit, acc_out); break;
+      case 4: weighted_v<T, C, (kRowsPerPass >= 4 ? 4 : 1)>(v_cache, pages, bs, p, ctx_pad, limit, acc_out); break;
+      case 3: weighted_v<T, C, (kRowsPerPass >= 3 ? 3 : 1)>(v_cache, pages, bs, p, ctx_pad, limit, acc_out); break;
+      case 2: weighted_v<T, C, (kRowsPerPass >= 2 ? 2 : 1)>(v_cache, pages, bs, p, ctx_pad, limit, acc_out); break;
+      default: weighted_v<T, C, 1>(v_cache, pages, bs, p, ctx_pad, limit, acc_out); break;
     }
     for (int64_t i = 0; i < nr; ++i) {
       const int64_t r = r0 + i;
@@ -320,7 +358,7 @@ ItemFn<T> item_fn(int64_t chunks) {
 
 void check_common(const at::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.device().is_cpu(), "inflight_cpu ops run on CPU tensors");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, block_size, Hkv, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, blocks, Hkv, block_size, D]");
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
   TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
               "kv_cache must be float32 or bfloat16");
@@ -341,7 +379,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
               "metadata must be contiguous");
   Geometry g{};
   g.num_heads = query.size(1);
-  g.num_kv_heads = kv_cache.size(3);
+  g.num_kv_heads = kv_cache.size(2);
   TORCH_CHECK(g.num_heads % g.num_kv_heads == 0, "query heads must be a multiple of kv heads");
   g.group = g.num_heads / g.num_kv_heads;
   TORCH_CHECK(g.group <= 16, "at most 16 query heads per kv head");
@@ -350,14 +388,14 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK(g.head_size % kLanes == 0 && item_fn<float>(g.head_size / kLanes) != nullptr,
               "head size must be 16, 32, 64, 80, 96, 128 or 256");
   g.chunks = g.head_size / kLanes;
-  g.block_size = kv_cache.size(2);
+  g.block_size = kv_cache.size(3);
   TORCH_CHECK((g.block_size & (g.block_size - 1)) == 0, "block_size must be a power of two");
   g.q_stride_t = query.stride(0);
   g.q_stride_h = query.stride(1);
   g.o_stride_t = out.stride(0);
   g.o_stride_h = out.stride(1);
   g.kv_stride_block = kv_cache.stride(1);
-  g.kv_stride_tok = kv_cache.stride(2);
+  g.kv_stride_head = kv_cache.stride(2);
   g.v_offset = kv_cache.stride(0);
   g.bt_stride = block_tables.stride(0);
   g.scale = static_cast<float>(scale);
@@ -407,10 +445,10 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3, "key and value must be [T, Hkv, D]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slot_mapping must be int64");
   const int64_t num_tokens = slot_mapping.size(0);
-  const int64_t num_kv_heads = kv_cache.size(3), head_size = kv_cache.size(4);
+  const int64_t num_kv_heads = kv_cache.size(2), block_size = kv_cache.size(3), head_size = kv_cache.size(4);
   TORCH_CHECK(key.size(1) == num_kv_heads && key.size(2) == head_size, "key shape differs from the cache's");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "head dim must be contiguous");
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t num_slots = kv_cache.size(1) * block_size;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   dispatch(kv_cache.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -423,8 +461,10 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // a padding token
       TORCH_CHECK(slot < num_slots, "slot ", slot, " is outside the cache");
+      // Slot s is row s % block_size of block s / block_size's page of each kv head.
+      const int64_t page0 = (slot / block_size) * kv_cache.stride(1) + (slot % block_size) * head_size;
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t dst = (slot * num_kv_heads + h) * head_size;
+        const int64_t dst = page0 + h * kv_cache.stride(2);
         std::memcpy(k_cache + dst, k + t * key.stride(0) + h * key.stride(1), row_bytes);
         std::memcpy(v_cache + dst, v + t * value.stride(0) + h * value.stride(1), row_bytes);
       }

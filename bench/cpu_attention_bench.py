@@ -1,0 +1,216 @@
+"""CPU decode attention (the C++ kernel, engine/kernels/cpu): time of one layer's call.
+
+    python -m bench.cpu_attention_bench [--baseline REV] [--seqs 64] [--context 300] [--threads 1]
+
+A decode step of --seqs requests with --context cached tokens each, at SmolLM2-135M's attention
+shape (9 query / 3 kv heads, head 64, block 16), in float32 and bf16. There is one cache per layer
+(--layers, 30 as in the model), blocks shuffled as a long-running pool fragments them, and each timed
+sweep calls every layer once: the K/V then comes from memory, as in a real step, not from a
+last-level cache holding the one layer a loop would repeat. Printed: one layer's call (median over
+sweeps) and the K/V bytes it reads per second. With one thread the kernel runs on the calling thread
+and is timed by that thread's CPU time, which a busy host's other processes do not inflate by
+preempting it (they still share the memory bus); with more threads, by the wall clock.
+
+``--baseline REV`` also builds the kernel of git revision REV (engine/kernels/cpu/paged_attention.cpp
+and vec.h, under another op namespace; its cache laid out as --baseline-layout) and times it
+interleaved with the current one, sweep for sweep, in one process. On a busy host read the ratio,
+not either absolute figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention.backend import KVLayout
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.kernels import cpu as cpu_kernels
+from engine.paths import cpu_ext_root
+
+REPO = Path(__file__).resolve().parents[1]
+BASELINE_OPS = "inflight_cpu_baseline"
+_KERNEL_FILES = ("engine/kernels/cpu/paged_attention.cpp", "engine/kernels/cpu/vec.h")
+
+
+@dataclass(frozen=True)
+class Shape:
+    seqs: int
+    context: int  # cached tokens per request, this step's included
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_size: int = 64
+    block_size: int = 16
+
+
+@dataclass
+class Variant:
+    name: str
+    layout: KVLayout
+    op: Callable[..., None]
+    caches: list[torch.Tensor]
+    seconds: list[float]  # per layer's call, one entry per sweep
+
+
+def build_baseline(rev: str) -> Callable[..., None]:
+    """The paged_attention op as it was at ``rev``, registered as torch.ops.inflight_cpu_baseline."""
+    sources = {}
+    for path in _KERNEL_FILES:
+        text = subprocess.run(
+            ["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True, capture_output=True, text=True
+        ).stdout
+        # Only the op library's name changes: both builds then load side by side in one process.
+        for macro in ("TORCH_LIBRARY", "TORCH_LIBRARY_IMPL"):
+            text = text.replace(f"{macro}(inflight_cpu,", f"{macro}({BASELINE_OPS},")
+        sources[Path(path).name] = text
+    key = hashlib.sha256("".join(sources.values()).encode() + torch.__version__.encode()).hexdigest()[:16]
+    directory = cpu_ext_root() / f"baseline-{key}"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in sources.items():
+        if not (directory / name).exists() or (directory / name).read_text() != text:
+            (directory / name).write_text(text)
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name=BASELINE_OPS,
+        sources=[str(directory / "paged_attention.cpp")],
+        extra_cflags=cpu_kernels._FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    return torch.ops.inflight_cpu_baseline.paged_attention  # type: ignore[no-any-return]
+
+
+def make_caches(
+    shape: Shape, dtype: torch.dtype, layers: int, layouts: list[KVLayout], seed: int = 0
+) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+    """Per layout, one cache per layer (the same values in each layout), and the shuffled block table."""
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-shape.context // shape.block_size)
+    num_blocks = shape.seqs * per_seq + 1
+    tables = torch.randperm(num_blocks, generator=gen)[: shape.seqs * per_seq].view(shape.seqs, per_seq)
+    dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_size)
+    caches: list[list[torch.Tensor]] = [[] for _ in layouts]
+    for _ in range(layers):
+        token_major = torch.randn((2, *dims), generator=gen).to(dtype)
+        for i, layout in enumerate(layouts):
+            cache = torch.empty(layout.shape(*dims), dtype=dtype)
+            layout.token_major_view(cache).copy_(token_major)
+            caches[i].append(cache)
+    return caches, tables.to(torch.int32)
+
+
+def run(
+    shape: Shape,
+    dtype: torch.dtype,
+    layers: int,
+    sweeps: int,
+    baseline: tuple[Callable[..., None], KVLayout] | None,
+) -> list[Variant]:
+    current_layout = CpuAttentionBackend().kv_layout(dtype, shape.head_size, torch.device("cpu"))
+    specs: list[tuple[str, KVLayout, Callable[..., None]]] = [
+        ("current", current_layout, torch.ops.inflight_cpu.paged_attention)
+    ]
+    if baseline is not None:
+        specs.insert(0, ("baseline", baseline[1], baseline[0]))
+    caches, tables = make_caches(shape, dtype, layers, [layout for _, layout, _ in specs])
+    variants = [Variant(n, layout, op, c, []) for (n, layout, op), c in zip(specs, caches, strict=True)]
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn((shape.seqs, shape.num_heads, shape.head_size), generator=gen).to(dtype)
+    starts = torch.arange(shape.seqs + 1, dtype=torch.int32)
+    seq_lens = torch.full((shape.seqs,), shape.context, dtype=torch.int32)
+    scale = shape.head_size**-0.5
+    outs = {v.name: torch.empty_like(query) for v in variants}
+
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+    def sweep(v: Variant) -> float:
+        out = outs[v.name]
+        t0 = clock()
+        for cache in v.caches:
+            v.op(out, query, cache, starts, seq_lens, tables, scale, 1)
+        return (clock() - t0) / len(v.caches)
+
+    for v in variants:
+        sweep(v)  # warm-up: first touches, thread pool
+    if len(variants) > 1:
+        first = outs[variants[0].name].float()
+        torch.testing.assert_close(outs[variants[1].name].float(), first, atol=2e-2, rtol=1e-2)
+    for i in range(sweeps):
+        # Alternate who goes first, so neither always runs right after the other warmed a cache.
+        for v in variants if i % 2 == 0 else variants[::-1]:
+            v.seconds.append(sweep(v))
+    return variants
+
+
+def kv_bytes(shape: Shape, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * shape.seqs * shape.context * shape.num_kv_heads * shape.head_size * elem
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seqs", type=int, default=64)
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--layers", type=int, default=30, help="caches swept per timing (one per layer)")
+    parser.add_argument("--sweeps", type=int, default=25, help="timed sweeps per variant and dtype")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's workers)")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
+    )
+    parser.add_argument("--baseline", metavar="REV", help="also time the kernel of this git revision")
+    parser.add_argument(
+        "--baseline-layout",
+        choices=[layout.value for layout in KVLayout],
+        default=KVLayout.TOKEN_MAJOR.value,
+        help="the cache layout the baseline kernel reads",
+    )
+    args = parser.parse_args(argv)
+    if not cpu_kernels.load():
+        print("cpu_attention_bench: the C++ CPU kernels could not be built here", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        report(args)
+    finally:
+        torch.set_num_threads(threads)  # main() may run inside another program (the tests)
+    return 0
+
+
+def report(args: argparse.Namespace) -> None:
+    baseline = (build_baseline(args.baseline), KVLayout(args.baseline_layout)) if args.baseline else None
+    shape = Shape(args.seqs, args.context)
+    print(
+        f"decode attention, {shape.seqs} requests x {shape.context} tokens, heads {shape.num_heads}/"
+        f"{shape.num_kv_heads}, head {shape.head_size}, block {shape.block_size}, {args.threads} thread(s), "
+        f"{args.layers} layer caches per sweep, median of {args.sweeps} sweeps"
+    )
+    print(f"{'dtype':<9} {'kernel':<9} {'layout':<12} {'us/layer':>9} {'GB/s':>6} {'vs baseline':>11}")
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        variants = run(shape, dtype, args.layers, args.sweeps, baseline)
+        for v in variants:
+            median = statistics.median(v.seconds)
+            # The ratio of medians of paired sweeps: each pair ran back to back, under the same load.
+            ratio = statistics.median(b / s for b, s in zip(variants[0].seconds, v.seconds, strict=True))
+            print(
+                f"{name:<9} {v.name:<9} {v.layout.value:<12} {median * 1e6:>9.1f} "
+                f"{kv_bytes(shape, dtype) / median / 1e9:>6.1f} {ratio if baseline else 1.0:>10.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The CPU attention benchmark's harness on a tiny case: caches hold the same values in every layout,
+and a run prints a row per dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import cpu_attention_bench as bench
+from engine.attention.backend import KVLayout
+from engine.kernels import cpu as cpu_kernels
+
+
+def test_caches_hold_the_same_values_in_each_layout():
+    shape = bench.Shape(seqs=3, context=20, block_size=8)
+    (token, head), tables = bench.make_caches(
+        shape, torch.float32, 2, [KVLayout.TOKEN_MAJOR, KVLayout.HEAD_MAJOR]
+    )
+    assert len(token) == len(head) == 2
+    assert head[0].shape == (2, 3 * 3 + 1, 3, 8, 64) and head[0].is_contiguous()
+    assert torch.equal(KVLayout.HEAD_MAJOR.token_major_view(head[1]), token[1])
+    assert not torch.equal(token[0], token[1])  # a cache per layer, not one repeated
+    assert tables.shape == (3, 3) and len(set(tables.flatten().tolist())) == 9
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels could not be built here")
+def test_smoke_prints_a_row_per_dtype(capsys):
+    assert bench.main(["--seqs", "2", "--context", "40", "--layers", "2", "--sweeps", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("float32", "bfloat16"))]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        ("float32", "current", "head-major"),
+        ("bfloat16", "current", "head-major"),
+    ]
+    assert all(float(r[3]) > 0 for r in rows)
