@@ -13,6 +13,7 @@ with settings of its own (API keys, say) to it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,6 +43,32 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
         yield server
 
 
+# The session's shared stacks by fixture name, while they run (see the hook below).
+_RUNNING: dict[str, Stack] = {}
+_LAST_USE: dict[str, int] = {}  # fixture name -> index of the last selected test that uses it
+
+
+@pytest.hookimpl(trylast=True)  # after the test's own teardown: module fixtures on the stack are gone
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop a shared stack once the last test that uses it is done, not at the session's end: idle, a
+    stack still costs about a tenth of a core (its worker's loops), which the own-stack tests after it
+    would pay for. Only in a one-process run: there the order is the selection's order, while a
+    pytest-xdist process learns its tests one batch at a time (it keeps them till the end)."""
+    if not _RUNNING or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    items = item.session.items
+    if not _LAST_USE:
+        for i, other in enumerate(items):
+            for name in other.fixturenames:
+                if name in ("stack", "paced_stack"):
+                    _LAST_USE[name] = i
+    index = items.index(item) if nextitem is not None else len(items) - 1
+    for name, shared in list(_RUNNING.items()):
+        if index >= _LAST_USE.get(name, -1):
+            del _RUNNING[name]
+            shared.close()
+
+
 @pytest.fixture(scope="session")
 def stack(
     kafka: ServerProcess,
@@ -50,8 +77,10 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Stack]:
     shared = new_stack(kafka, redis_server, model_path, tmp_path_factory.mktemp("stack"))
+    _RUNNING["stack"] = shared
     yield shared
-    shared.close()
+    _RUNNING.pop("stack", None)
+    shared.close()  # a no-op once the hook above has stopped it
 
 
 @pytest.fixture(scope="session")
@@ -72,8 +101,10 @@ def paced_stack(
         tmp_path_factory.mktemp("paced"),
         INFLIGHT_FAULT_STEP_DELAY_S=PACED_STEP_DELAY_S,
     )
+    _RUNNING["paced_stack"] = paced
     yield paced
-    paced.close()
+    _RUNNING.pop("paced_stack", None)
+    paced.close()  # a no-op once the hook above has stopped it
 
 
 ExtraGateway = Callable[..., ServiceProcess]
