@@ -59,7 +59,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     items = item.session.items
     if not _LAST_USE:
         for i, other in enumerate(items):
-            for name in other.fixturenames:
+            for name in getattr(other, "fixturenames", ()):  # a Function item has them
                 if name in ("stack", "paced_stack"):
                     _LAST_USE[name] = i
     index = items.index(item) if nextitem is not None else len(items) - 1
