@@ -150,25 +150,31 @@ struct Scratch {
   std::vector<int64_t> pages;  // Pages::offsets of the current item
 };
 
-constexpr int64_t kKAhead = 2 * kLanes;  // keys of K prefetched ahead: two groups of 16, ~ one memory trip
-constexpr int64_t kVAhead = 32;  // keys of V prefetched ahead of the accumulation
-// V of the first keys, up to this many bytes, is prefetched into L2 alongside K during pass 1, so the
-// two streams' misses overlap and pass 2 starts from L2; a longer context's rest of V comes in pass 2.
-constexpr int64_t kVEarlyBytes = 256 << 10;
+// Two prefetch distances per stream. Into L1, just ahead of use: what the next groups read. Into L2,
+// a window of kL2Bytes ahead: at an item's start its first window of K and of V is requested at
+// once, then the window rolls with each pass, so many misses are in flight rather than the few that
+// two groups ahead make (a 16-key group's compute does not hide one memory trip per page). V's first
+// window then waits in L2 for pass 2. A window of 32 KiB per stream did as well as 256 KiB at
+// SmolLM2's shape (bench/cpu_attention_bench.py), at contexts of 300 and 3000.
+constexpr int64_t kKAhead = 2 * kLanes;  // keys of K prefetched ahead into L1: two groups of 16
+constexpr int64_t kVAhead = 32;  // keys of V prefetched ahead of the accumulation into L1
+constexpr int64_t kL2Bytes = 32 << 10;
 
 // acc[i] = sum over t < limit of p[i * p_stride + t] * V[t] for NR rows; written to out [NR, D]. Walks
 // page by page: within a page the rows are consecutive.
 template <typename T, int C, int NR>
 __attribute__((always_inline)) inline void weighted_v(const T* v_cache, const Pages& pages, int64_t block_size,
-                                                      const float* p, int64_t p_stride, int64_t limit, float* out) {
+                                                      int64_t window, const float* p, int64_t p_stride,
+                                                      int64_t limit, float* out) {
   constexpr int64_t D = C * kLanes;
   vfloat acc[NR][C];
   for (int i = 0; i < NR; ++i) {
     for (int c = 0; c < C; ++c) acc[i][c] = vfloat{};
   }
   for (int64_t t0 = 0; t0 < limit; t0 += block_size) {
-    const int64_t ahead = t0 + kVAhead;
+    const int64_t ahead = t0 + kVAhead, far = t0 + window;
     prefetch_keys<T, D>(v_cache, pages, std::min(ahead, limit), std::min(ahead + block_size, limit));
+    prefetch_keys<T, D, 2>(v_cache, pages, std::min(far, limit), std::min(far + block_size, limit));
     const T* page = v_cache + pages.row(t0, D);
     const int64_t n = std::min(block_size, limit - t0);
     for (int64_t j = 0; j < n; ++j) {
@@ -229,13 +235,15 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
   // group's rows sit in L1 for the others); bf16 ones, without VDPBF16PS, are widened to float once
   // into an L1-resident buffer that every row of the item then reads.
   alignas(64) float kbuf[std::is_same_v<T, float> ? 1 : kLanes * D];
-  const int64_t v_early = std::min<int64_t>(ctx, kVEarlyBytes / (D * static_cast<int64_t>(sizeof(T))));
+  // The L2 window in keys: a K or V row is D * sizeof(T) bytes.
+  const int64_t window = std::max<int64_t>(kKAhead + kLanes, kL2Bytes / (D * static_cast<int64_t>(sizeof(T))));
   prefetch_keys<T, D>(k_cache, pages, 0, std::min(kKAhead, ctx));
-  prefetch_keys<T, D, 2>(v_cache, pages, 0, std::min(kKAhead, v_early));
+  prefetch_keys<T, D, 2>(k_cache, pages, kKAhead, std::min(window, ctx));
+  prefetch_keys<T, D, 2>(v_cache, pages, 0, std::min(window, ctx));
   for (int64_t t0 = 0; t0 < ctx_pad; t0 += kLanes) {
-    const int64_t ahead = t0 + kKAhead;
+    const int64_t ahead = t0 + kKAhead, far = t0 + window;
     prefetch_keys<T, D>(k_cache, pages, std::min(ahead, ctx), std::min(ahead + kLanes, ctx));
-    prefetch_keys<T, D, 2>(v_cache, pages, std::min(ahead, v_early), std::min(ahead + kLanes, v_early));
+    prefetch_keys<T, D, 2>(k_cache, pages, std::min(far, ctx), std::min(far + kLanes, ctx));
     // Positions past ctx repeat the last key, so the padded lanes of a partial group read valid
     // memory (their scores are discarded).
     const T* keys[kLanes];
@@ -285,7 +293,7 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
       std::memcpy(scores + r * ctx_pad + t0, &sv, sizeof(sv));
     }
   }
-  // V's first keys, from L2 (or memory, past v_early) to L1 during the softmax.
+  // V's first keys, from L2 (its first window) to L1 during the softmax.
   prefetch_keys<T, D>(v_cache, pages, 0, std::min(kVAhead, ctx));
   // Softmax numerators in place (zero past each row's limit, up to ctx_pad), and 1 / their sum.
   float inv_sum[kTileQ * 16];
@@ -323,10 +331,10 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
     const float* p = scores + r0 * ctx_pad;
     const int64_t bs = g.block_size;
     switch (nr) {
-      case 4: weighted_v<T, C, (kRowsPerPass >= 4 ? 4 : 1)>(v_cache, pages, bs, p, ctx_pad, limit, acc_out); break;
-      case 3: weighted_v<T, C, (kRowsPerPass >= 3 ? 3 : 1)>(v_cache, pages, bs, p, ctx_pad, limit, acc_out); break;
-      case 2: weighted_v<T, C, (kRowsPerPass >= 2 ? 2 : 1)>(v_cache, pages, bs, p, ctx_pad, limit, acc_out); break;
-      default: weighted_v<T, C, 1>(v_cache, pages, bs, p, ctx_pad, limit, acc_out); break;
+      case 4: weighted_v<T, C, (kRowsPerPass >= 4 ? 4 : 1)>(v_cache, pages, bs, window, p, ctx_pad, limit, acc_out); break;
+      case 3: weighted_v<T, C, (kRowsPerPass >= 3 ? 3 : 1)>(v_cache, pages, bs, window, p, ctx_pad, limit, acc_out); break;
+      case 2: weighted_v<T, C, (kRowsPerPass >= 2 ? 2 : 1)>(v_cache, pages, bs, window, p, ctx_pad, limit, acc_out); break;
+      default: weighted_v<T, C, 1>(v_cache, pages, bs, window, p, ctx_pad, limit, acc_out); break;
     }
     for (int64_t i = 0; i < nr; ++i) {
       const int64_t r = r0 + i;
