@@ -51,16 +51,22 @@ typecheck: setup
 	$(BIN)/mypy engine services inflight bench harness
 
 # PYTEST_WORKERS=N runs test files side by side in N processes (pytest-xdist; tests/conftest.py keeps a
-# file's tests together so its fixtures start once, and hands out the longest files first). The suite keeps
-# two cores busy on its own, so that pays only where more cores are to spare, and on a loaded host the
-# tests that compare a prediction with a timed run get noisy. 0, the default: one process.
+# file's tests together so its fixtures start once, and hands out the longest files first). Most of the
+# suite waits (for stacks to start, sessions to lapse, paced steps), so two processes fill two cores. The
+# tests marked `serial` compare a prediction or a cost with a timed run; they run afterwards, alone, in
+# one process, so no other test's CPU moves their figures. 0: everything in one process.
 # PYTEST_ARGS="-p tests.cpu_report" adds, at the end, each test file's wall and CPU seconds (pytest and the
 # stacks and interpreters it started): where the suite's time goes, most CPU first.
-PYTEST_WORKERS ?= 0
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 pytest: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider \
-		$(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder) \
-		$(PYTEST_ARGS)
+ifeq ($(PYTEST_WORKERS),0)
+	$(PYTEST) $(PYTEST_ARGS)
+else
+	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS)
+	# Exit status 5: the selection held no serial test.
+	$(PYTEST) -m serial $(PYTEST_ARGS) || test $$? -eq 5
+endif
 
 bench: setup
 	$(BIN)/python -m bench engine --out bench-results

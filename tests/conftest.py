@@ -31,27 +31,30 @@ os.environ.setdefault("INFLIGHT_CPU_AUTO_DTYPE", "float32")
 # place.
 _LONGEST_FIRST = (
     "tests/services/test_crash.py",
-    "tests/services/test_nothing_lost.py",
-    "tests/services/test_chaos.py",
-    "tests/kernels/test_sampling_kernel.py",
     "tests/services/test_restarts.py",
-    "tests/engine/test_gguf.py",
+    "tests/services/test_chaos.py",
+    "tests/services/test_nothing_lost.py",
     "tests/e2e/test_readme.py",
     "tests/e2e/test_live_page.py",
-    "tests/services/test_structured_api.py",
+    "tests/bench/test_vllm_target.py",
     "tests/engine/test_core_process.py",
-    "tests/plan/test_policy_bench.py",
-    "tests/test_layering.py",
+    "tests/engine/test_gguf.py",
     "tests/services/test_engine_core_faults.py",
-    "tests/services/test_schemathesis.py",
-    "tests/services/test_supervise.py",
-    "tests/services/test_event_loop.py",
-    "tests/plan/test_validate.py",
-    "tests/services/test_bad_input.py",
-    "tests/kernels/test_compile_for_gpu.py",
+    "tests/plan/test_policy_bench.py",
+    "tests/engine/test_tensor_parallel.py",
     "tests/services/test_redis_errors.py",
     "tests/services/test_orphans.py",
-    "tests/services/test_fuzz_requests.py",
+    "tests/services/test_deadlines.py",
+    "tests/kernels/test_sampling_kernel.py",
+    "tests/plan/test_validate.py",
+    "tests/engine/test_hf_parity.py",
+    "tests/services/test_supervise.py",
+    "tests/observability/test_service_path.py",
+    "tests/services/test_cancel_reconnect.py",
+    "tests/services/test_structured_api.py",
+    "tests/services/test_schemathesis.py",
+    "tests/services/test_tp_stack.py",
+    "tests/services/test_admission.py",
 )
 _SHARED_GROUPS = {"tests/e2e/test_readme.py": "e2e-stack", "tests/e2e/test_live_page.py": "e2e-stack"}
 
@@ -65,3 +68,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         item.add_marker(pytest.mark.xdist_group(_SHARED_GROUPS.get(path, path)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "serial: compares a prediction or a cost with a timed run; under PYTEST_WORKERS (the Makefile) it "
+        "runs after the rest, alone in one process, so no other test's CPU moves its figures",
+    )

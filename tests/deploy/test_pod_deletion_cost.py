@@ -156,9 +156,11 @@ async def test_only_changes_are_written_and_values_are_clamped(fake_api: FakeApi
 
 async def test_bursts_are_throttled_and_the_last_value_lands(fake_api: FakeApiServer) -> None:
     cost = _cost(fake_api, min_interval_s=3.0)
+    # The interval counts from the first PATCH's start, which comes after this and before its (slow,
+    # first-client) flush returns: the trailing write is due no earlier than started + 3 s.
+    started = time.monotonic()
     await cost.update(1)  # the first write goes out at once
     await cost.flush()
-    started = time.monotonic()
     for load in (2, 3, 4, 0):  # a burst inside the interval: nothing is sent yet
         await cost.update(load)
     await asyncio.sleep(0.1)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from bench.tracing_overhead import COMPARED, main
 
 
+@pytest.mark.serial  # compares the timed cost of the span listener on and off
 def test_benchmark_runs_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     assert main(["--rounds", "1", "--requests", "2", "--step-sample-every", "1", "--out", str(out)]) == 0

@@ -43,6 +43,7 @@ TOLERANCE = 0.25  # simulated with the run's own step costs
 GROSS = 4.0
 
 
+@pytest.mark.serial  # a real run timed against a calibration: no other test's CPU between them
 def test_simulation_agrees_with_a_real_run(tiny_model_path: Path, tmp_path: Path) -> None:
     # One intra-op thread for both: on a shared host a two-thread step stalls at every barrier whenever
     # one of its threads is descheduled, which no step-cost model (and no real deployment) resembles.
