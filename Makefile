@@ -54,7 +54,8 @@ typecheck: setup
 # file's tests together so its fixtures start once, and hands out the longest files first). Most of the
 # suite waits (for stacks to start, sessions to lapse, paced steps), so two processes fill two cores. The
 # tests marked `serial` compare a prediction or a cost with a timed run; they run afterwards, alone, in
-# one process, so no other test's CPU moves their figures. 0: everything in one process.
+# one process, so no other test's CPU moves their figures (exit status 5 there: none was selected).
+# 0: everything in one process.
 # PYTEST_ARGS="-p tests.cpu_report" adds, at the end, each test file's wall and CPU seconds (pytest and the
 # stacks and interpreters it started): where the suite's time goes, most CPU first.
 PYTEST_WORKERS ?= 2
@@ -64,8 +65,7 @@ ifeq ($(PYTEST_WORKERS),0)
 	$(PYTEST) $(PYTEST_ARGS)
 else
 	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS)
-	# Exit status 5: the selection held no serial test.
-	$(PYTEST) -m serial $(PYTEST_ARGS) || test $$? -eq 5
+	$(PYTEST) -m serial $(PYTEST_ARGS) || test $$? -eq 5  # 5: the selection held no serial test
 endif
 
 bench: setup
