@@ -34,6 +34,7 @@ import openai
 import redis as redis_lib
 
 from bench import service_load
+from bench.process_cpu import cpu_s
 from harness.stack import build_stack
 from services.common import keys
 
@@ -184,9 +185,9 @@ async def _overload(
             except openai.OpenAIError:
                 counts["failed"] += 1
 
-    cpu_before, wall_before = _cpu_seconds(gateway_pid), time.monotonic()
+    cpu_before, wall_before = cpu_s(gateway_pid), time.monotonic()
     await asyncio.gather(*(one_client() for _ in range(concurrency)))
-    cpu, wall = _cpu_seconds(gateway_pid) - cpu_before, time.monotonic() - wall_before
+    cpu, wall = cpu_s(gateway_pid) - cpu_before, time.monotonic() - wall_before
     await client.close()
     answered = counts["accepted"] + counts["rejected"] + counts["failed"]
     return {
@@ -200,11 +201,6 @@ async def _overload(
         "accepted_latency": _summary(accept_latencies) if accept_latencies else None,
         "rejected_latency": _summary(reject_latencies) if reject_latencies else None,  # 429 at once?
     }
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 def _plot(result: dict[str, Any], path: Path) -> None:

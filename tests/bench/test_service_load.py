@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import service_bench, service_load
+from bench import process_cpu, service_bench, service_load
 from bench.service_replay import Streamed
 from inflight.plan.workload import RequestSpec
 
@@ -98,8 +98,8 @@ def test_under_load_through_a_real_stack(tiny_model: Path, tmp_path: Path) -> No
         "engine core",
         "broker",
         "redis",
-        service_load.THIS_PROCESS,
-        service_load.REST,
+        process_cpu.THIS_PROCESS,
+        process_cpu.REST,
     }
     runs = [load["stack"][run]["cpu_cores"] for run in (*service_load.TRACES, "burst")]
     assert all(set(cores) == roles for cores in runs)
