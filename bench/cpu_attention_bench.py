@@ -77,17 +77,7 @@ def build_baseline(rev: str) -> Callable[..., None]:
     for name, text in sources.items():
         if not (directory / name).exists() or (directory / name).read_text() != text:
             (directory / name).write_text(text)
-    from torch.utils import cpp_extension
-
-    cpp_extension.load(
-        name=BASELINE_OPS,
-        sources=[str(directory / "paged_attention.cpp")],
-        extra_cflags=cpu_kernels._FLAGS,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
+    cpu_kernels.build(BASELINE_OPS, [directory / "paged_attention.cpp"], directory)
     return torch.ops.inflight_cpu_baseline.paged_attention  # type: ignore[no-any-return]
 
 

@@ -38,26 +38,31 @@ def build_dir() -> Path:
     return cpu_ext_root() / key.hexdigest()[:16]
 
 
+def build(name: str, sources: list[Path], directory: Path) -> None:
+    """Compiles ``sources`` into ``directory`` (or loads what is there) and registers their ops library
+    ``name``; raises what the compiler or torch raise."""
+    from torch.utils import cpp_extension
+
+    # torch's own lock file outlives a builder that was killed; ours does not (build_lock.py).
+    with exclusive_build(directory):
+        cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in sources],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+
+
 @functools.cache
 def load() -> bool:
     """True when ``torch.ops.inflight_cpu`` is ready; False (after one warning) when it cannot be built."""
     if envs.cpu_kernels_disabled():
         return False
     try:
-        from torch.utils import cpp_extension
-
-        directory = build_dir()
-        # torch's own lock file outlives a builder that was killed; ours does not (build_lock.py).
-        with exclusive_build(directory):
-            cpp_extension.load(
-                name="inflight_cpu",
-                sources=[str(p) for p in _SOURCES],
-                extra_cflags=_FLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+        build("inflight_cpu", _SOURCES, build_dir())
     except Exception as exc:  # a compiler error, a missing ninja or g++: the torch path still works
         log.warning(
             "CPU attention kernels unavailable (%s: %s); using the slower torch path", type(exc).__name__, exc
