@@ -57,6 +57,14 @@ DISABLE_CPU_KERNELS = EnvVar(
     "false",
     'true: never build or load the C++ CPU kernels; `attention_backend="auto"` then runs the torch path.',
 )
+CPU_GEMM = EnvVar(
+    "INFLIGHT_CPU_GEMM",
+    "onednn|torch",
+    "onednn",
+    "The CPU engine's linear layers: `onednn` packs float32 and bf16 weights once into oneDNN's blocked "
+    "layout where torch and the CPU support it (on AMD CPUs torch's float32 matmul, MKL's sgemm, is 2-2.5x "
+    "slower); `torch` keeps plain weights and torch's own matmul.",
+)
 
 TP_TIMEOUT_S = EnvVar(
     "INFLIGHT_TP_TIMEOUT_S",
@@ -66,7 +74,22 @@ TP_TIMEOUT_S = EnvVar(
     "start-up) before the engine fails; a rank that hangs ends the engine after this long.",
 )
 
-ENGINE_ENVS: tuple[EnvVar, ...] = (HOME, CPU_AUTO_DTYPE, CPU_EXT_DIR, DISABLE_CPU_KERNELS, TP_TIMEOUT_S)
+ENGINE_ENVS: tuple[EnvVar, ...] = (
+    HOME,
+    CPU_AUTO_DTYPE,
+    CPU_EXT_DIR,
+    DISABLE_CPU_KERNELS,
+    CPU_GEMM,
+    TP_TIMEOUT_S,
+)
+
+
+def cpu_gemm() -> str:
+    """``INFLIGHT_CPU_GEMM``: who multiplies the CPU engine's linear layers (``onednn`` or ``torch``)."""
+    value = os.environ.get(CPU_GEMM.name, "").strip().lower() or CPU_GEMM.default
+    if value not in ("onednn", "torch"):
+        raise ValueError(f"{CPU_GEMM.name} must be onednn or torch, got {value!r}")
+    return value
 
 
 def cpu_auto_dtype() -> str | None:

@@ -38,10 +38,10 @@ class ModelOps:
 
     use_triton: bool = False
     use_cpu_kernels: bool = False
-    # bf16 on CPU: linear weights packed once into oneDNN's blocked layout (a decode step's small
+    # On CPU: linear weights packed once into oneDNN's blocked layout (in bf16 a decode step's small
     # GEMMs otherwise repack every weight on every call: 1.4-1.6x slower at 16-64 rows, measured on
-    # SmolLM2's shapes; the same kernels, so the same results). float32 stays on MKL's sgemm, whose
-    # results the token-exact HF parity tests pin. 0 = off; else the batch size the packing targets.
+    # SmolLM2's shapes; float32: engine/models/onednn.py). 0 = off; else the batch size the packing
+    # targets.
     prepack_rows: int = 0
     # With packed weights, a step's row count is rounded up to whole GEMM tiles (engine/models/
     # onednn.py) up to this many rows (the token budget); None: not padded.

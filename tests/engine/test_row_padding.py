@@ -64,11 +64,13 @@ def _generate_both(llm: LLM) -> tuple[list[int], list, list]:  # type: ignore[ty
 
 
 def test_padded_rows_leak_into_nothing(tiny_llama_path: Path) -> None:
-    """float32 with the padding forced on (it is off there in serving): equal up to the GEMM's own
-    row-count rounding, so a padded row reaching attention, the cache or a real row would show."""
+    """float32 with a padding of 16 rows (coarser than the host's own, if it pads): equal up to the
+    GEMM's own row-count rounding, so a padded row reaching attention, the cache or a real row would
+    show."""
     llm = LLM(str(tiny_llama_path), dtype="float32", **_ARGS)
-    assert llm.engine.runner.model.ops.row_padding is None
-    llm.engine.runner.model.ops.row_padding = RowPadding(16, 64)
+    ops = llm.engine.runner.model.ops
+    assert (ops.row_padding is not None) == onednn.can_prepack(torch.float32) == (ops.prepack_rows > 0)
+    ops.row_padding = RowPadding(16, 64)
     _, padded, plain = _generate_both(llm)
     for a, b in zip(padded, plain, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
@@ -107,3 +109,23 @@ def test_warm_up_builds_every_shape_once() -> None:
     head = onednn.pack(torch.randn(64, 32, dtype=torch.bfloat16), 16)
     # Six row counts for the two linears of one shape (built once), two for the head (<= 20 rows).
     assert onednn.warm_up([(big, 96), (same_shape, 96), (head, 20)], padding) == 6 + 2
+
+
+def test_torch_gemm_keeps_plain_weights(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``INFLIGHT_CPU_GEMM=torch``: nothing packed, nothing padded, the checkpoint's own tensors
+    multiplied by torch; the same greedy tokens as oneDNN's packed weights."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    packed = LLM(str(tiny_llama_path), dtype="float32", **_ARGS)
+    assert packed.engine.runner.model.ops.prepack_rows > 0, "float32 packs where oneDNN can"
+    expected = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
+    monkeypatch.setenv("INFLIGHT_CPU_GEMM", "torch")
+    plain = LLM(str(tiny_llama_path), dtype="float32", **_ARGS)
+    ops, layer = plain.engine.runner.model.ops, plain.engine.runner.model.layers[0]
+    assert ops.prepack_rows == 0 and ops.row_padding is None
+    assert layer["gate_up"] is not None and layer["gate_up"].layout == torch.strided
+    assert not onednn.can_prepack(torch.bfloat16)
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == expected
+    monkeypatch.setenv("INFLIGHT_CPU_GEMM", "blas")
+    with pytest.raises(ValueError, match="INFLIGHT_CPU_GEMM"):
+        onednn.can_prepack(torch.float32)

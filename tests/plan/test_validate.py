@@ -107,8 +107,11 @@ def run_both(tiny_model_path: Path, tmp_path: Path) -> None:
     predicted_total = sum(k["predicted_s"] for k in d["by_kind"].values())
     measured_total = sum(k["measured_s"] for k in d["by_kind"].values())
     assert predicted_total == pytest.approx(measured_total, rel=TOLERANCE)
-    # Random prompt lengths: the run meets token counts its warm-up never ran.
-    assert d["new_shape_steps"] > 0 and d["model_first_shape_ms"] >= 0
+    # Random prompt lengths: an engine that pads rows to GEMM tiles (oneDNN's packed weights) built
+    # every padded count when it loaded; one that does not meets counts its warm-up never ran.
+    pads = cost.row_grain > 1
+    assert (d["new_shape_steps"] == 0) if pads else (d["new_shape_steps"] > 0), (pads, d["new_shape_steps"])
+    assert d["model_first_shape_ms"] >= 0
     assert {"decode", "mixed"} <= set(d["by_kind"])  # requests join running batches on this trace
     assert 0 < d["measured_utilisation"] <= 1.0 + 1e-9
     assert abs(predicted["utilisation"] - d["measured_utilisation"]) <= TOLERANCE
