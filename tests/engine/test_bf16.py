@@ -113,3 +113,23 @@ def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
             cpu_auto_dtype()
     finally:
         cpu_auto_dtype.cache_clear()
+
+
+def test_float_logits_reuse_one_buffer_and_are_exact(llama: Path) -> None:
+    """bf16 on CPU: the logits come back as float32 in memory kept from step to step, each call's
+    values those of the LM head's own bf16 output, widened exactly."""
+    llm = LLM(str(llama), dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=64)
+    model = llm.engine.runner.model
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+    first = model.compute_logits(hidden)
+    assert first.dtype == torch.float32 and first.shape == (5, model.config.vocab_size)
+    expected_first = first.clone()
+    rows = model.ops.padded_rows(5)
+    bf16 = model.ops.linear(torch.nn.functional.pad(hidden, (0, 0, 0, rows - 5)), model.lm_head)[:5]
+    assert torch.equal(expected_first, bf16.float())
+    second = model.compute_logits(hidden[:3] * 2)
+    assert second.data_ptr() == first.data_ptr(), "the second step's logits reuse the first's memory"
+    rows = model.ops.padded_rows(3)
+    bf16 = model.ops.linear(torch.nn.functional.pad(hidden[:3] * 2, (0, 0, 0, rows - 3)), model.lm_head)[:3]
+    assert torch.equal(second, bf16.float()) and not torch.equal(second, expected_first[:3])
