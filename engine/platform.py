@@ -234,15 +234,20 @@ def host_torch_threads() -> ThreadChoice:
     return decide_torch_threads(allowed_cpus())
 
 
-def torch_threads(requested: int | None, source: str = "INFLIGHT_TORCH_THREADS") -> int:
+def torch_threads(requested: int | None, source: str = "INFLIGHT_TORCH_THREADS", reserve: int = 0) -> int:
     """The thread count a serving process gives its engine: ``requested`` (an operator's setting,
-    named by ``source`` in the log) when set, else the host's choice; logged, so call it once at start."""
+    named by ``source`` in the log) when set, else the host's choice less ``reserve`` cores left to the
+    process's own work, where the host has more than that; logged, so call it once at start."""
     if requested:
         log.info("torch threads: %d (set by %s)", requested, source)
         return requested
     choice = host_torch_threads()
-    log.info("torch threads: %d (%s; %s overrides)", choice.threads, choice.reason, source)
-    return choice.threads
+    threads, reason = choice.threads, choice.reason
+    if reserve and threads > reserve:
+        threads -= reserve
+        reason = f"{reason}, {reserve} left to the serving process"
+    log.info("torch threads: %d (%s; %s overrides)", threads, reason, source)
+    return threads
 
 
 def limit_torch_threads() -> int:

@@ -136,9 +136,10 @@ class Settings:
     lease_ttl_s: float = 2.0
     worker_port: int = 8001  # The worker's HTTP port (/metrics, /healthz, /readyz, /stats).
     # CPU hosts: intra-op threads of the worker's torch. Unset: one per physical core this process may
-    # run on (its affinity mask), at most its cgroup's CPU quota and one NUMA node's cores, logged at
-    # start. On a small host the broker, Redis and the gateway need cores too, and oversubscribed
-    # OpenMP threads spin: fewer threads can be faster.
+    # run on (its affinity mask), at most its cgroup's CPU quota and one NUMA node's cores, less one
+    # core for the worker's own loop where there are two or more; logged at start. On a small host the
+    # broker, Redis and the gateway need cores too, and oversubscribed OpenMP threads spin: fewer
+    # threads can be faster.
     torch_threads: int | None = None
     # The engine core in its own process (vLLM v1's EngineCore): the worker's Kafka, Redis and HTTP work
     # then shares no interpreter with the model step (it cost the step +13% to +77% on one CPU core,

@@ -121,8 +121,11 @@ async def start_engine(model: str, settings: Settings) -> EngineClient:
     from engine.platform import torch_threads  # torch-free
 
     # Unset, the cores this process may run on (affinity, CPU quota, hyperthreads; engine/platform.py)
-    # rather than torch's default, which counts every CPU the container can see.
-    threads = torch_threads(settings.torch_threads)
+    # rather than torch's default, which counts every CPU the container can see, less one core kept for
+    # this process's own loop (Kafka, Redis for every token, HTTP) where there are two or more: with a
+    # thread on every core, each time the loop runs it preempts one, and every other OpenMP thread
+    # spins at the next barrier until it is back. vLLM's CPU backend keeps one for its scheduler too.
+    threads = torch_threads(settings.torch_threads, reserve=1)
     if settings.engine_process:
         from engine.core.client import EngineCoreClient  # torch-free: the core process imports torch
         from engine.core.watchdog import StallPolicy

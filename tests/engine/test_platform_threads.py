@@ -129,6 +129,24 @@ def test_a_serving_process_takes_the_operators_count_or_the_hosts(
     assert "torch threads: 3 (3 cores allowed; INFLIGHT_TORCH_THREADS overrides)" in caplog.text
 
 
+def test_a_worker_keeps_a_core_for_its_own_loop(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A core left to the serving process where there are two or more; never zero threads; an
+    operator's count as it is."""
+    for cores, expected in ((4, 3), (2, 1), (1, 1)):
+        choice = platform.ThreadChoice(cores, f"{cores} cores allowed")
+        monkeypatch.setattr(platform, "host_torch_threads", lambda c=choice: c)
+        assert platform.torch_threads(None, reserve=1) == expected
+    assert platform.torch_threads(2, reserve=1) == 2
+    with caplog.at_level(logging.INFO, logger="engine.platform"):
+        monkeypatch.setattr(
+            platform, "host_torch_threads", lambda: platform.ThreadChoice(4, "4 cores allowed")
+        )
+        platform.torch_threads(None, reserve=1)
+    assert "torch threads: 3 (4 cores allowed, 1 left to the serving process;" in caplog.text
+
+
 def test_the_offline_engine_only_lowers_torchs_count(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(platform, "host_torch_threads", lambda: platform.ThreadChoice(1, "1 core allowed"))
