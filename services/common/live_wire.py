@@ -18,7 +18,7 @@ the live view tells requests apart, it does not address them.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.keys import PREFIX
@@ -46,7 +46,10 @@ class LiveSteps:
     dropped: int = 0  # steps since the previous message that did not fit in this one
 
     def encode(self) -> str:
-        return json.dumps({"v": LIVE_VERSION, **asdict(self)}, separators=(",", ":"))
+        # vars(), not asdict(): asdict deep-copies every row of every step (thousands of tuples a message
+        # at a full batch), and json writes the tuples as the same lists.
+        body = {"v": LIVE_VERSION, **vars(self), "steps": [vars(s) for s in self.steps]}
+        return json.dumps(body, separators=(",", ":"))
 
     @classmethod
     def decode(cls, raw: str | bytes) -> LiveSteps:
