@@ -16,9 +16,9 @@ from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
 from services.gateway.prompts import Prepared, prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from services.gateway.responses import ResponseBuilder
+from services.gateway.responses import ResponseBuilder, sse_data
 from services.gateway.state import Gateway, gateway
-from services.gateway.token_streams import StreamError, Subscription
+from services.gateway.token_streams import FLUSH, StreamError, Subscription
 from services.gateway.tools import tool_mode
 
 log = logging.getLogger(__name__)
@@ -141,29 +141,39 @@ async def _sse(
 ) -> AsyncIterator[str]:
     """Server-sent events: one chunk per token event, then usage (if asked) and [DONE]; an error after
     the stream started is its last event. A client that goes away, or reads too slowly to keep up
-    (its buffer overflows), cancels the request."""
+    (its buffer overflows), cancels the request.
+
+    Chunks of events that arrived together (a backlog, a page of the log) go out in one write: the
+    same bytes, fewer trips through the ASGI stack and fewer socket writes."""
     finished = False
+    parts: list[str] = []
     if cancel_on_exit:
         # At once: the writer may be stuck on a client that stopped reading, and nobody gets these tokens.
         sub.on_overflow = lambda: gw.spawn(gw.dispatcher.cancel(sub.request_id))
     try:
-        async for event in sub.events(gw.settings.request_timeout_s):
-            if event is None:
+        async for event in sub.events(gw.settings.request_timeout_s, flush=True):
+            if isinstance(event, DeltaEvent):
+                parts.append(builder.sse(event))
+            elif event is FLUSH:
+                if parts:
+                    yield "".join(parts)
+                    parts.clear()
+            elif event is None:
                 yield ": keep-alive\n\n"  # also how a vanished client is noticed while queued
-            elif isinstance(event, DeltaEvent):
-                yield _data(builder.chunk(event))
             elif isinstance(event, DoneEvent):
                 finished = True
                 if event.status == COMPLETED or event.status == CANCELLED:
                     if include_usage:
-                        yield _data(builder.usage_chunk(event))
-                    yield "data: [DONE]\n\n"
+                        parts.append(_data(builder.usage_chunk(event)))
+                    parts.append("data: [DONE]\n\n")
                 else:
-                    yield _data(_done_error(event).body())
+                    parts.append(_data(_done_error(event).body()))
+                yield "".join(parts)
                 return
     except StreamError as exc:
         # Not finished: the request itself runs on, for nobody, unless cancelled below.
-        yield _data(error_body(503, f"the stream was interrupted: {exc}", code=exc.code))
+        parts.append(_data(error_body(503, f"the stream was interrupted: {exc}", code=exc.code)))
+        yield "".join(parts)
     finally:
         # Runs also when the client disconnects (the generator is cancelled): never await here.
         gw.spawn(gw.hub.unsubscribe(sub))
@@ -171,8 +181,7 @@ async def _sse(
             gw.spawn(gw.dispatcher.cancel(sub.request_id))
 
 
-def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+_data = sse_data
 
 
 class _ClientGone(Exception):

@@ -40,6 +40,7 @@ class ResponseBuilder:
         self.tools = tools
         self._calls: dict[int, CallStream] = {}
         self._auto: dict[int, ToolCallStream] = {}
+        self._sse_head: str | None = None  # "data: " and the chunk envelope up to its choices (sse)
 
     @property
     def object(self) -> str:
@@ -72,6 +73,23 @@ class ResponseBuilder:
         if ev.finish_reason is not None:
             choice["stop_reason"] = ev.stop_reason
         return self._envelope([choice], chunk=True)
+
+    def sse(self, ev: DeltaEvent) -> str:
+        """One event as a server-sent event: ``sse_data(self.chunk(ev))``, byte for byte. A plain text
+        delta (no logprobs, no tool calls, not the last of its choice, not a chat choice's first) is
+        the common case, one per token: its chunk is filled into this request's envelope, encoded once,
+        instead of built as dicts and encoded whole."""
+        plain = ev.finish_reason is None and self.logprobs is None and self.tools is None
+        if not plain or (self.kind == "chat" and ev.index not in self._role_sent):
+            return sse_data(self.chunk(ev))
+        if self._sse_head is None:
+            envelope = _dumps(self._envelope([], chunk=True))
+            assert envelope.endswith("[]}")
+            self._sse_head = "data: " + envelope[:-2]  # up to and with the choices' opening bracket
+        text = _dumps(ev.text)
+        if self.kind == "completion":
+            return f'{self._sse_head}{{"index":{int(ev.index)},"text":{text}{_PLAIN_TAIL}'
+        return f'{self._sse_head}{{"index":{int(ev.index)},"delta":{{"content":{text}}}{_PLAIN_TAIL}'
 
     def _call_delta(self, ev: DeltaEvent) -> dict[str, Any]:
         call = self._calls.setdefault(ev.index, CallStream())
@@ -199,6 +217,18 @@ def _call(call: ParsedCall) -> dict[str, Any]:
 
 def _lookup(pairs: list[list[float]], token_id: int) -> float | None:
     return next((p[1] for p in pairs if int(p[0]) == token_id), None)
+
+
+_PLAIN_TAIL = ',"logprobs":null,"finish_reason":null}]}\n\n'  # a plain delta's chunk, after its text
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse_data(obj: dict[str, Any]) -> str:
+    """A server-sent event carrying ``obj`` as compact JSON (UTF-8 as is, not escaped)."""
+    return f"data: {_dumps(obj)}\n\n"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

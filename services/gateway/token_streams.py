@@ -44,6 +44,15 @@ _CONCURRENT_LOG_READS = 8  # per gateway: after a reconnect every stream queues 
 DEFAULT_BUFFER_BYTES = 1024 * 1024
 
 
+class Flush:
+    """Yielded by ``Subscription.events(flush=True)`` just before it waits (for Redis or for the next
+    event): what a writer has gathered should go out now. Events that are already here follow without
+    one, so a writer can send a backlog in one write instead of one per event."""
+
+
+FLUSH = Flush()
+
+
 class StreamError(RuntimeError):
     def __init__(self, message: str, code: str) -> None:
         super().__init__(message)
@@ -97,6 +106,9 @@ class Subscription:
         while not self._buffer:
             self._ready.clear()
             await self._ready.wait()
+        return self._pop()
+
+    def _pop(self) -> Any:
         item = self._buffer.popleft()
         if item is not _RESYNC and item is not _OVERFLOW:
             self.buffered_bytes -= len(item)
@@ -109,9 +121,12 @@ class Subscription:
         self.buffered_bytes = 0
         self._buffer.clear()
 
-    async def events(self, idle_timeout_s: float) -> AsyncIterator[Event | None]:
+    async def events(
+        self, idle_timeout_s: float, *, flush: bool = False
+    ) -> AsyncIterator[Event | Flush | None]:
         """Events in sequence order, each once, ending with the DoneEvent; None while idle (a tick
-        every few seconds, so an SSE writer can send a keep-alive and notice a gone client).
+        every few seconds, so an SSE writer can send a keep-alive and notice a gone client); with
+        ``flush``, FLUSH before every wait.
 
         Raises StreamError when no progress happens for ``idle_timeout_s``, when events are lost
         for good (Redis lost them before this gateway could read them), or when the client reads too
@@ -123,15 +138,24 @@ class Subscription:
             idle = False
             if more_logged:
                 item = _RESYNC
+            elif self._buffer:
+                # Already here: no timer to set up and cancel.
+                item = self._pop()
             else:
+                if flush:
+                    yield FLUSH
                 try:
-                    item = await asyncio.wait_for(self._take(), timeout=_POLL_S)
+                    # A timer, not wait_for's task per call: this wait comes once per token.
+                    async with asyncio.timeout(_POLL_S):
+                        item = await self._take()
                 except TimeoutError:
                     item, idle = _RESYNC, True
             if item is _OVERFLOW:
                 message = f"the client read too slowly: over {self.hub.buffer_bytes} bytes waited for it"
                 raise StreamError(message, "slow_reader")
             if item is _RESYNC:
+                if flush:
+                    yield FLUSH
                 batch, more_logged = await self._from_log()
                 if idle and not batch:
                     yield None
@@ -142,6 +166,8 @@ class Subscription:
                 if event.seq == self.next_seq:
                     batch = [event]
                 else:
+                    if flush:
+                        yield FLUSH
                     batch, more_logged = await self._from_log(upto=event)
             for event in batch:
                 self.next_seq = event.seq + 1
