@@ -11,7 +11,6 @@ Each API key may have ``INFLIGHT_MAX_JOBS_PER_KEY`` unfinished jobs (429 past it
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -24,7 +23,7 @@ from services.common import keys
 from services.common.wire import TERMINAL, DoneEvent, Kind, WireError, decode_event
 from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
-from services.gateway.openai_routes import SSE_HEADERS, _data, _sse, check_model
+from services.gateway.openai_routes import SSE_HEADERS, _data, _sse, check_model, prepare
 from services.gateway.prompts import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
 from services.gateway.quotas import JobQuota
@@ -43,13 +42,13 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
             completion = CompletionRequest.model_validate(body.body)
             check_model(gw, completion.model)
             kind: Kind = "completion"
-            prepared = await asyncio.to_thread(prepare_completion, completion, gw.info)
+            prepared = await prepare(request, prepare_completion, completion, gw.info)
             tools: ToolMode = None
         else:
             chat = ChatCompletionRequest.model_validate(body.body)
             check_model(gw, chat.model)
             kind = "chat"
-            prepared = await asyncio.to_thread(prepare_chat, chat, gw.info)
+            prepared = await prepare(request, prepare_chat, chat, gw.info)
             tools = tool_mode(chat.tools, chat.tool_choice, prepared.tool_calls)
     except ValidationError as exc:
         first = exc.errors()[0]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from services.common.wire import CANCELLED, COMPLETED, DeltaEvent, DoneEvent, Kind
 from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
-from services.gateway.prompts import Prepared, prepare_chat, prepare_completion
+from services.gateway.prompts import ModelInfo, Prepared, prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from services.gateway.responses import ResponseBuilder, sse_data
 from services.gateway.state import Gateway, gateway
@@ -26,6 +26,14 @@ router = APIRouter()
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Bodies up to this size are prepared on the event loop: tokenizing or rendering a chat template of a
+# couple of kilobytes takes well under a millisecond, less than the hop to a worker thread and back
+# costs. Larger ones (a body of megabytes takes seconds) go to a thread, where probes and streams do
+# not wait on them.
+INLINE_PREPARE_BYTES = 2048
+# Likewise a whole response of up to this many tokens without logprobs is encoded on the loop.
+INLINE_RENDER_TOKENS = 512
+B = TypeVar("B")
 
 
 def check_model(gw: Gateway, model: str) -> None:
@@ -59,8 +67,7 @@ def _model_card(gw: Gateway) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     gw = gateway(request)
     check_model(gw, body.model)
-    # Off the event loop: tokenizing a body of megabytes takes seconds (probes and streams wait on the loop).
-    prepared = await asyncio.to_thread(prepare_completion, body, gw.info)
+    prepared = await prepare(request, prepare_completion, body, gw.info)
     return await _serve(gw, request, "completion", body, prepared, body.logprobs)
 
 
@@ -68,8 +75,18 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     gw = gateway(request)
     check_model(gw, body.model)
-    prepared = await asyncio.to_thread(prepare_chat, body, gw.info)
+    prepared = await prepare(request, prepare_chat, body, gw.info)
     return await _serve(gw, request, "chat", body, prepared, prepared.params.logprobs)
+
+
+async def prepare(
+    request: Request, fn: Callable[[B, ModelInfo], Prepared], body: B, info: ModelInfo
+) -> Prepared:
+    """``fn(body, info)``: on the event loop for a small body, else off it (INLINE_PREPARE_BYTES)."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) <= INLINE_PREPARE_BYTES:
+        return fn(body, info)
+    return await asyncio.to_thread(fn, body, info)
 
 
 async def _serve(
@@ -100,8 +117,11 @@ async def _serve(
         await gw.hub.unsubscribe(sub)
     if done.status != COMPLETED:
         raise _done_error(done)
-    # n x tokens x top logprobs can be a large body: build and serialize it off the event loop.
-    payload = await asyncio.to_thread(_render, builder, done)
+    if builder.logprobs is None and done.completion_tokens <= INLINE_RENDER_TOKENS:
+        payload = _render(builder, done)
+    else:
+        # n x tokens x top logprobs can be a large body: build and serialize it off the event loop.
+        payload = await asyncio.to_thread(_render, builder, done)
     return Response(payload, media_type="application/json")
 
 
