@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 import redis.asyncio as aioredis
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -120,6 +120,15 @@ class Subscription:
         self.hub.buffered_bytes -= self.buffered_bytes
         self.buffered_bytes = 0
         self._buffer.clear()
+
+    @overload
+    def events(
+        self, idle_timeout_s: float, *, flush: Literal[False] = ...
+    ) -> AsyncIterator[Event | None]: ...
+    @overload
+    def events(
+        self, idle_timeout_s: float, *, flush: Literal[True]
+    ) -> AsyncIterator[Event | Flush | None]: ...
 
     async def events(
         self, idle_timeout_s: float, *, flush: bool = False

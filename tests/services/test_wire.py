@@ -96,6 +96,23 @@ def test_events_round_trip() -> None:
     assert CancelMessage.decode(CancelMessage("r").encode()) == CancelMessage("r")
 
 
+@pytest.mark.parametrize(
+    "event",
+    [
+        DeltaEvent("r", 1, 0, [7], 'é 😀 "q" \\ \n\x00', worker="w1"),
+        DeltaEvent("r", 1, 0, [7], "a\ud800b"),  # a lone surrogate: only json's escapes carry it
+        DeltaEvent("r", 1, 0, [7], "x", logprobs=[[[7, float("-inf")], [2, -0.5]]]),  # -Infinity stays
+        DoneEvent("r", 2, "failed", error="ü broke", code="engine_error", param="messages"),
+    ],
+)
+def test_events_round_trip_whichever_encoder_wrote_them(event: DeltaEvent | DoneEvent) -> None:
+    assert decode_event(encode_event(event)) == event
+    # What json writes (ASCII escapes) reads the same: a worker and gateway of other encoders agree.
+    as_json = json.dumps({"v": 1, "type": event.type, **vars(event)}, separators=(",", ":"))
+    assert decode_event(as_json) == event
+    assert json.loads(encode_event(event)) == json.loads(as_json)
+
+
 @pytest.mark.parametrize("version", [0, 2, "1", None])
 def test_unknown_versions_are_rejected(version: object) -> None:
     body = json.loads(_request().encode())
