@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 _RESYNC = object()  # buffer marker: re-read the log (the connection dropped, events may be lost)
 _OVERFLOW = object()  # buffer marker: the client fell too far behind; the stream ends
 _POLL_S = 5.0  # with no event for this long, look at the log anyway (a safety net, rarely used)
+_HEALTH_POLL_S = 1.0  # how often the hub asks whether its connection's health check is due
 LOG_PAGE = 256  # log entries per read: a page of token events is tens of kilobytes
 _CONCURRENT_LOG_READS = 8  # per gateway: after a reconnect every stream queues for one of these
 DEFAULT_BUFFER_BYTES = 1024 * 1024
@@ -261,17 +262,20 @@ class Hub:
         self._pubsub = client.pubsub()
         self._home = f"{keys.PREFIX}:gateway:{instance}"  # keeps the connection subscribed when idle
         self._task: asyncio.Task[None] | None = None
+        self._health_task: asyncio.Task[None] | None = None
         self._reconnecting = False
 
     async def start(self) -> None:
         await self._pubsub.subscribe(self._home)
         self._task = asyncio.create_task(self._read())
+        self._health_task = asyncio.create_task(self._check_health())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._health_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         with contextlib.suppress(Exception):
             await self._pubsub.aclose()
 
@@ -303,10 +307,23 @@ class Hub:
             with contextlib.suppress(*REDIS_ERRORS):
                 await self._pubsub.unsubscribe(sub.channel)
 
+    async def _check_health(self) -> None:
+        """The client's health check of the connection (a PING once it has been idle for its
+        health_check_interval), on a timer of its own: ``_read`` blocks without a timeout, where a
+        timeout per read would be a timer set and cancelled per token event."""
+        while True:
+            await asyncio.sleep(_HEALTH_POLL_S)
+            conn = self._pubsub.connection
+            if conn is None or not conn.is_connected or self._reconnecting:
+                continue  # the read reconnects
+            # Sends only when due; the reply is read (and dropped) by _read.
+            with contextlib.suppress(*REDIS_ERRORS):
+                await self._pubsub.check_health()
+
     async def _read(self) -> None:
         while True:
             try:
-                message = await self._pubsub.get_message(timeout=1.0)
+                message = await self._pubsub.get_message(timeout=None)
             except REDIS_ERRORS as exc:
                 if not self._reconnecting:
                     log.warning("token stream connection lost (%s); reconnecting", exc)
