@@ -12,7 +12,8 @@ and is timed by that thread's CPU time, which a busy host's other processes do n
 preempting it (they still share the memory bus); with more threads, by the wall clock.
 
 ``--baseline REV`` also builds the kernel of git revision REV (engine/kernels/cpu/paged_attention.cpp
-and vec.h, under another op namespace; its cache laid out as --baseline-layout) and times it
+and vec.h, under another op namespace; its cache laid out as --baseline-layout: head-major by default,
+the layout the kernel has read since 565be93; token-major for older revisions) and times it
 interleaved with the current one, sweep for sweep, in one process. On a busy host read the ratio,
 not either absolute figure.
 """
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seqs", type=int, default=64)
     parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (a power of two)")
     parser.add_argument("--layers", type=int, default=30, help="caches swept per timing (one per layer)")
     parser.add_argument("--sweeps", type=int, default=25, help="timed sweeps per variant and dtype")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's workers)")
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--baseline-layout",
         choices=[layout.value for layout in KVLayout],
-        default=KVLayout.TOKEN_MAJOR.value,
+        default=KVLayout.HEAD_MAJOR.value,
         help="the cache layout the baseline kernel reads",
     )
     args = parser.parse_args(argv)
@@ -182,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(args: argparse.Namespace) -> None:
     baseline = (build_baseline(args.baseline), KVLayout(args.baseline_layout)) if args.baseline else None
-    shape = Shape(args.seqs, args.context)
+    shape = Shape(args.seqs, args.context, block_size=args.block_size)
     print(
         f"decode attention, {shape.seqs} requests x {shape.context} tokens, heads {shape.num_heads}/"
         f"{shape.num_kv_heads}, head {shape.head_size}, block {shape.block_size}, {args.threads} thread(s), "
