@@ -23,11 +23,11 @@ from services.common import keys
 from services.common.wire import TERMINAL, DoneEvent, Kind, WireError, decode_event
 from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
-from services.gateway.openai_routes import SSE_HEADERS, _data, _sse, check_model, prepare
+from services.gateway.openai_routes import SSE_HEADERS, _sse, check_model, prepare
 from services.gateway.prompts import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
 from services.gateway.quotas import JobQuota
-from services.gateway.responses import ResponseBuilder, record_tools, response_from_record
+from services.gateway.responses import ResponseBuilder, record_tools, response_from_record, sse_data
 from services.gateway.state import Gateway, gateway, new_request_id
 from services.gateway.tools import ToolMode, tool_mode
 
@@ -143,7 +143,7 @@ async def _from_record(job_id: str, record: dict[str, str]) -> AsyncIterator[str
     result = view["result"]
     if result is None:
         message = (view["error"] or {}).get("message") or f"the job ended {view['status']} without a result"
-        yield _data(error_body(500, message, code="job_failed"))
+        yield sse_data(error_body(500, message, code="job_failed"))
         return
     chat = result["object"] == "chat.completion"
     for choice in result["choices"]:
@@ -160,8 +160,10 @@ async def _from_record(job_id: str, record: dict[str, str]) -> AsyncIterator[str
                 "finish_reason": choice["finish_reason"],
             }
         obj = "chat.completion.chunk" if chat else "text_completion"
-        yield _data({**result, "object": obj, "choices": [body], "usage": None})
-    yield _data({**result, "object": "chat.completion.chunk" if chat else "text_completion", "choices": []})
+        yield sse_data({**result, "object": obj, "choices": [body], "usage": None})
+    yield sse_data(
+        {**result, "object": "chat.completion.chunk" if chat else "text_completion", "choices": []}
+    )
     yield "data: [DONE]\n\n"
 
 

@@ -19,7 +19,8 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from services.gateway.errors import APIError
 from services.gateway.live_feed import LiveFeed
-from services.gateway.openai_routes import SSE_HEADERS, _data
+from services.gateway.openai_routes import SSE_HEADERS
+from services.gateway.responses import sse_data
 
 _STATIC = {"live.js": "text/javascript", "live.css": "text/css"}
 _KEEPALIVE_S = 5.0
@@ -61,7 +62,7 @@ async def live_events(request: Request) -> StreamingResponse:
         # never run a ``finally`` to leave again.
         viewer = feed.join()
         if viewer is None:  # others joined since the check above
-            yield _data(_too_many(feed).body())
+            yield sse_data(_too_many(feed).body())
             return
         try:
             yield ": live\n\n"  # the headers and a first byte now: the page knows it is connected

@@ -33,7 +33,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 INLINE_PREPARE_BYTES = 2048
 # Likewise a whole response of up to this many tokens without logprobs is encoded on the loop.
 INLINE_RENDER_TOKENS = 512
-B = TypeVar("B")
 
 
 def check_model(gw: Gateway, model: str) -> None:
@@ -80,7 +79,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 
 
 async def prepare(
-    request: Request, fn: Callable[[B, ModelInfo], Prepared], body: B, info: ModelInfo
+    request: Request, fn: Callable[[T, ModelInfo], Prepared], body: T, info: ModelInfo
 ) -> Prepared:
     """``fn(body, info)``: on the event loop for a small body, else off it (INLINE_PREPARE_BYTES)."""
     size = request.headers.get("content-length", "")
@@ -184,24 +183,21 @@ async def _sse(
                 finished = True
                 if event.status == COMPLETED or event.status == CANCELLED:
                     if include_usage:
-                        parts.append(_data(builder.usage_chunk(event)))
+                        parts.append(sse_data(builder.usage_chunk(event)))
                     parts.append("data: [DONE]\n\n")
                 else:
-                    parts.append(_data(_done_error(event).body()))
+                    parts.append(sse_data(_done_error(event).body()))
                 yield "".join(parts)
                 return
     except StreamError as exc:
         # Not finished: the request itself runs on, for nobody, unless cancelled below.
-        parts.append(_data(error_body(503, f"the stream was interrupted: {exc}", code=exc.code)))
+        parts.append(sse_data(error_body(503, f"the stream was interrupted: {exc}", code=exc.code)))
         yield "".join(parts)
     finally:
         # Runs also when the client disconnects (the generator is cancelled): never await here.
         gw.spawn(gw.hub.unsubscribe(sub))
         if cancel_on_exit and not finished:
             gw.spawn(gw.dispatcher.cancel(sub.request_id))
-
-
-_data = sse_data
 
 
 class _ClientGone(Exception):
