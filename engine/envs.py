@@ -65,6 +65,15 @@ CPU_GEMM = EnvVar(
     "layout where torch and the CPU support it (on AMD CPUs torch's float32 matmul, MKL's sgemm, is 2-2.5x "
     "slower); `torch` keeps plain weights and torch's own matmul.",
 )
+CPU_MALLOC = EnvVar(
+    "INFLIGHT_CPU_MALLOC",
+    "reuse|system",
+    "reuse",
+    "The CPU engine's process and glibc's malloc: `reuse` keeps freed memory mapped (mmap threshold 32 "
+    "MiB, trim threshold 512 MiB) so each step's activations land on pages already mapped instead of "
+    "page-faulting fresh ones; `system` leaves malloc as configured (a preloaded tcmalloc or jemalloc, or "
+    "your own `MALLOC_*` variables, which also keep it untouched).",
+)
 
 TP_TIMEOUT_S = EnvVar(
     "INFLIGHT_TP_TIMEOUT_S",
@@ -80,6 +89,7 @@ ENGINE_ENVS: tuple[EnvVar, ...] = (
     CPU_EXT_DIR,
     DISABLE_CPU_KERNELS,
     CPU_GEMM,
+    CPU_MALLOC,
     TP_TIMEOUT_S,
 )
 
@@ -89,6 +99,14 @@ def cpu_gemm() -> str:
     value = os.environ.get(CPU_GEMM.name, "").strip().lower() or CPU_GEMM.default
     if value not in ("onednn", "torch"):
         raise ValueError(f"{CPU_GEMM.name} must be onednn or torch, got {value!r}")
+    return value
+
+
+def cpu_malloc() -> str:
+    """``INFLIGHT_CPU_MALLOC``: whether the CPU engine tunes glibc's malloc (``reuse``) or not."""
+    value = os.environ.get(CPU_MALLOC.name, "").strip().lower() or CPU_MALLOC.default
+    if value not in ("reuse", "system"):
+        raise ValueError(f"{CPU_MALLOC.name} must be reuse or system, got {value!r}")
     return value
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine import platform
 from engine.attention.backend import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import SINGLE, TensorParallel
@@ -76,6 +77,9 @@ class ModelRunner:
             torch.float32,
             torch.bfloat16,
         )
+        if self.device.type == "cpu":
+            # Before the weights: a step's activations then reuse pages instead of faulting new ones.
+            platform.reuse_freed_memory()
         prepack = use_cpu_kernels and onednn.can_prepack(config.dtype)
         max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
         weights = load_weights(

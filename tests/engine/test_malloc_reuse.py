@@ -1,0 +1,75 @@
+"""The CPU engine keeps freed memory mapped (engine/platform.py, ``reuse_freed_memory``): once warm, a
+prefill step allocates its activations on pages it already has instead of faulting fresh ones in.
+
+Each case runs the engine in a subprocess: malloc's thresholds are process-wide and set once, so the
+test process cannot hold both settings. Minor page faults are counted by the kernel (getrusage), not
+timed, so the outcome does not depend on the host's speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = """
+import json, random, resource, sys
+import torch
+torch.set_num_threads(1)
+from engine import SamplingParams
+from engine import platform
+from engine.llm_engine import LLMEngine
+
+engine = LLMEngine.from_engine_args(
+    sys.argv[1], max_num_seqs=16, max_num_batched_tokens=2048, enable_prefix_caching=False,
+    dtype="float32", max_model_len=256, seed=0,
+)
+rng = random.Random(0)
+vocab = engine.config.model.vocab_size
+params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+faults = []
+for round_ in range(3):
+    for i in range(16):
+        engine.add_request(f"{round_}-{i}", [rng.randrange(vocab) for _ in range(120)], params)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    engine.step()  # the prefill of all sixteen: 1,920 tokens
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    while engine.has_unfinished_requests():
+        engine.step()
+print(json.dumps({"reused": platform.reuse_freed_memory(), "faults": faults}))
+"""
+
+
+def _prefill_faults(model: Path, setting: str) -> dict[str, object]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["INFLIGHT_CPU_MALLOC"] = setting
+    out = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(model)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and getrusage")
+def test_warm_prefill_steps_fault_no_pages_in(tiny_llama_path: Path) -> None:
+    reuse = _prefill_faults(tiny_llama_path, "reuse")
+    system = _prefill_faults(tiny_llama_path, "system")
+    assert reuse["reused"] is True and system["reused"] is False
+    warm_reuse = max(reuse["faults"][1:])  # type: ignore[index]
+    warm_system = min(system["faults"][1:])  # type: ignore[index]
+    # Left to itself glibc maps and unmaps a step's larger activations every step.
+    assert warm_system > 1000, system
+    assert warm_reuse < 100, reuse
+
+
+def test_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import envs
+
+    monkeypatch.setenv("INFLIGHT_CPU_MALLOC", "jemalloc")
+    with pytest.raises(ValueError, match="reuse or system"):
+        envs.cpu_malloc()
