@@ -71,6 +71,10 @@ class Settings:
     redis_password: str | None = field(default=None, repr=False)  # Overrides the URL's (kept out of logs).
     # How long the worker keeps buffering token events while Redis is unreachable before giving up.
     redis_outage_s: float = 30.0
+    # Connections each process keeps to Redis at most. A command holds one for its round trip; past
+    # this many at once, commands wait their turn (up to the socket timeout, 5 s) instead of failing,
+    # so a burst of concurrent requests queues briefly rather than answering 503.
+    redis_max_connections: int = 64
     # ---- model ------------------------------------------------------------------------------
     # The checkpoint: an HF-format directory (config.json, safetensors, tokenizer.json) or a .gguf file.
     # A worker refuses to start without one; `tiny-random` asks for the small random-weight test model.
@@ -183,6 +187,7 @@ class Settings:
             "max_live_viewers": self.max_live_viewers,
             "max_jobs_per_key": self.max_jobs_per_key,
             "fetch_max_waiting": self.fetch_max_waiting,
+            "redis_max_connections": self.redis_max_connections,
             "lease_ttl_s": self.lease_ttl_s,
             "engine_stall_timeout_s": self.engine_stall_timeout_s,
         }
@@ -311,6 +316,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_REDIS_URL": ("redis_url", "str"),
     "INFLIGHT_REDIS_PASSWORD": ("redis_password", "str"),
     "INFLIGHT_REDIS_OUTAGE_S": ("redis_outage_s", "float"),
+    "INFLIGHT_REDIS_MAX_CONNECTIONS": ("redis_max_connections", "int"),
     "INFLIGHT_MODEL": ("model", "str"),
     "INFLIGHT_SERVED_MODEL_NAME": ("served_model_name", "str"),
     "INFLIGHT_ENGINE_ARGS": ("engine_args", "json"),

@@ -39,21 +39,27 @@ from services.common.wire import (
 REDIS_ERRORS = (RedisError, OSError)
 
 _Queue = Callable[[Pipeline], object]  # queues one command on a pipeline
+_SOCKET_TIMEOUT_S = 5.0
 
 
 def connect_redis(settings: Settings) -> aioredis.Redis:
     # A couple of quick retries ride over a dropped pooled connection (a Redis restart); longer
-    # outages surface as errors that callers turn into 503s or buffered publishing.
-    return aioredis.Redis.from_url(
+    # outages surface as errors that callers turn into 503s or buffered publishing. The pool blocks
+    # when all its connections are busy: redis-py's default pool raises at its 100th concurrent
+    # command, which a burst of requests on one gateway reaches with Redis perfectly healthy.
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=_SOCKET_TIMEOUT_S,
         password=settings.redis_password,
         decode_responses=True,
         socket_connect_timeout=2.0,
-        socket_timeout=5.0,
+        socket_timeout=_SOCKET_TIMEOUT_S,
         health_check_interval=10,
         retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 2),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 @dataclass

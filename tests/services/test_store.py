@@ -11,7 +11,8 @@ import redis.asyncio as aioredis
 
 from harness.servers import ServerProcess, start_redis
 from services.common import keys
-from services.common.store import Store
+from services.common.settings import Settings
+from services.common.store import Store, connect_redis
 from services.common.wire import DeltaEvent, DoneEvent, decode_event, encode_event
 
 pytestmark = pytest.mark.timeout(60)
@@ -138,3 +139,24 @@ async def test_scripts_survive_a_script_flush(store: Store) -> None:
     assert await _admit(store, _rid(), 5, 30)
     await store.client.script_flush()
     assert await _admit(store, _rid(), 5, 30)
+
+
+async def test_a_burst_past_the_pool_waits_its_turn(own_redis: ServerProcess) -> None:
+    """More concurrent commands than the pool has connections queue for one; none fails. redis-py's
+    default pool raised at its 100th concurrent command, and the gateway answered that burst with 503s
+    while Redis was healthy."""
+    client = connect_redis(Settings(redis_url=own_redis.url, redis_max_connections=4))
+    checker = aioredis.Redis.from_url(own_redis.url, decode_responses=True)
+    try:
+        await checker.flushall()
+        store = Store(client)
+        ids = [_rid() for _ in range(150)]
+        admitted = await asyncio.gather(*(_admit(store, i, 1000, ttl_s=30) for i in ids))
+        assert admitted == [True] * 150
+        assert await store.num_pending() == 150
+        me = await checker.client_id()
+        others = [c for c in await checker.client_list() if int(c["id"]) != me]
+        assert 1 <= len(others) <= 4, others
+    finally:
+        await client.aclose()
+        await checker.aclose()
