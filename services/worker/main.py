@@ -4,7 +4,9 @@ A worker whose engine core stalled (``engine/core/watchdog.py``: it had work and
 bound, and was killed) hands its requests back, leaves the group, and exits with ``EXIT_ENGINE_STALLED``
 once a readiness probe has seen it not ready (or after ``STALL_EXIT_WAIT_S``): a stall may be a wedged
 driver or device, which only a fresh process (a restarted container) can clear. The in-process engine
-(``INFLIGHT_ENGINE_PROCESS=false``) has no such watch: a thread cannot be killed.
+(``INFLIGHT_ENGINE_PROCESS=false``) has no such watch: a thread cannot be killed. A worker whose engine
+died and that cannot leave the consumer group within 20 s exits with ``EXIT_HAND_OVER``: its broker
+session ending is then what hands its partitions to live workers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 EXIT_ENGINE_STALLED = 3
+EXIT_HAND_OVER = 4  # the engine died and the consumer group could not be left
 # How long a stalled worker waits for a readiness probe to see it not ready before it exits anyway:
 # Kubernetes probes readiness every 10 s by default.
 STALL_EXIT_WAIT_S = 10.0
@@ -108,6 +112,12 @@ def _stalled(engine: EngineClient) -> bool:
 
 async def _exit_after_stall(worker: Worker, probes: Probes) -> None:
     await worker.handed_over.wait()  # a dead engine's requests are back in Kafka, the group left
+    if worker.hand_over_failed:
+        # Still a member of the group, holding partitions it will never serve: only the end of this
+        # process (its broker session) frees them. No clean shutdown: it would wait on the same stop.
+        log.error("the engine is dead and the group could not be left: exiting (code %d)", EXIT_HAND_OVER)
+        logging.shutdown()
+        os._exit(EXIT_HAND_OVER)
     if not _stalled(worker.engine):
         return  # a core that died (killed, crashed) leaves the worker up: /healthz 500 says so
     with contextlib.suppress(TimeoutError):

@@ -50,6 +50,7 @@ from services.worker.supervise import Supervisor, TaskFactory
 log = logging.getLogger(__name__)
 
 _MAX_ATTEMPTS = 3  # a request the worker fails this often (not Redis) is failed for good
+_HAND_OVER_TIMEOUT_S = 20.0  # a dead engine's worker leaving the group: normally well under a second
 
 
 class Worker:
@@ -74,6 +75,7 @@ class Worker:
         self.started = False
         # Set once a dead engine's requests are handed back and the group left (main.py may then exit).
         self.handed_over = asyncio.Event()
+        self.hand_over_failed = False  # a dead engine's worker could not leave the group (main exits)
         self._tasks: list[asyncio.Task[Any]] = []
         self._consumer_tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget, referenced until done
@@ -272,6 +274,17 @@ class Worker:
         pending = [r.task for r in self.runs.values() if r.task is not None]
         if pending:
             await asyncio.wait(pending, timeout=10)
+        try:
+            await asyncio.wait_for(self._leave_group(), _HAND_OVER_TIMEOUT_S)
+        except TimeoutError:
+            # aiokafka's stop() first waits for its coordination task, which a rebalance the broker
+            # never completes holds for good: the member would keep this worker's partitions, and
+            # their requests would wait, for as long as the process lives.
+            log.error("leaving the consumer group took over %.0fs: giving up on it", _HAND_OVER_TIMEOUT_S)
+            self.hand_over_failed = True
+        self.handed_over.set()
+
+    async def _leave_group(self) -> None:
         for task in self._consumer_tasks:
             task.cancel()
         await asyncio.gather(*self._consumer_tasks, return_exceptions=True)
@@ -284,7 +297,6 @@ class Worker:
                 log.info("left the consumer group: the engine is dead")
             except (KafkaError, OSError) as exc:
                 log.warning("leaving the consumer group failed: %r", exc)
-        self.handed_over.set()
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)

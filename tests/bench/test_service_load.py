@@ -24,11 +24,12 @@ def test_trace_figures_count_only_completed_requests() -> None:
     # first at 0.7 (TTFT 0.2 s); c: cut off before its last token (no "length"), left out.
     specs = [_spec("a", 0.0, 4), _spec("b", 0.5, 2), _spec("c", 0.6, 3)]
     streamed = [
-        Streamed("a", first=0.1, last=0.4, finish_reason="length"),
-        Streamed("b", first=0.7, last=0.8, finish_reason="length"),
+        Streamed("a", first=0.1, last=0.4, finish_reason="length", lag=0.001),
+        Streamed("b", first=0.7, last=0.8, finish_reason="length", lag=0.003),
         Streamed("c", first=0.9, last=1.5, finish_reason=None),
     ]
     f = service_load.trace_figures(specs, streamed)
+    assert f["send_lag"]["p50_ms"] == pytest.approx(2.0)  # over the requests that recorded one
     assert f["num_completed"] == 2 and f["num_requests"] == 3
     assert f["ttft"]["p50_ms"] == pytest.approx(150.0) and f["ttft"]["p99_ms"] == pytest.approx(199.0)
     assert f["tpot"]["p50_ms"] == pytest.approx(100.0)
