@@ -35,9 +35,7 @@ async def _burst(url: str) -> list[tuple[int, Any]]:
 def test_a_burst_past_the_redis_pool_completes(
     kafka: ServerProcess, redis_server: ServerProcess, model_path: Path, tmp_path: Path
 ) -> None:
-    stack = new_stack(
-        kafka, redis_server, model_path, tmp_path, INFLIGHT_REDIS_MAX_CONNECTIONS=str(POOL)
-    )
+    stack = new_stack(kafka, redis_server, model_path, tmp_path, INFLIGHT_REDIS_MAX_CONNECTIONS=str(POOL))
     try:
         answers = asyncio.run(_burst(stack.url))
         statuses = [status for status, _ in answers]
