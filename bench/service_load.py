@@ -12,7 +12,7 @@ Then the same seeded workloads run both ways:
     gamma     gamma gaps at the same mean rate, shape 0.25 (CV 2: bursts, then silences)
     burst     every request at t = 0: the throughput ratio stack / engine
 
-through the whole stack (gateway, Kafka, one worker, Redis pub/sub, SSE; streaming ``openai`` clients)
+through the whole stack (gateway, Kafka, one worker, Redis pub/sub, SSE; streaming HTTP clients)
 and through the engine alone (its streamed outputs): the same arrival schedule, prompt token ids and
 max_tokens, greedy, EOS ignored. TTFT = first text received - scheduled arrival; TPOT = (last text -
 first text) / (max_tokens - 1); a request completed when it finished with reason "length". The send lag
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.process_cpu import CpuMeter, stack_processes
-from bench.service_replay import Streamed, replay, warm_up
+from bench.service_replay import CompletionsStream, Streamed, quiet_collector, replay, warm_up
 from bench.stats import percentile
 from inflight.plan.workload import LengthMix, RequestSpec, describe, synthetic, warmup_specs
 
@@ -138,6 +138,7 @@ async def _engine_stream(engine: Any, spec: RequestSpec, t0: float) -> Streamed:
 
 async def engine_replay(engine: Any, specs: Sequence[RequestSpec]) -> list[Streamed]:
     """Every spec at its arrival time from now, into an ``AsyncLLMEngine``; results in spec order."""
+    quiet_collector()
     t0 = time.monotonic()
     return list(await asyncio.gather(*(_engine_stream(engine, s, t0) for s in specs)))
 
@@ -290,8 +291,6 @@ def _stack_runs(
     say: Callable[[str], None],
     log_dir: Path | None,
 ) -> dict[str, Any]:
-    import openai
-
     from harness.stack import build_stack
     from services.common import keys
 
@@ -312,9 +311,7 @@ def _stack_runs(
         redis = stack.redis_client()
 
         async def drive() -> dict[str, Any]:
-            client = openai.AsyncOpenAI(
-                base_url=f"{stack.url}/v1", api_key="bench", max_retries=0, timeout=600
-            )
+            client = CompletionsStream(stack.url)
             try:
                 await warm_up(client, warmup_specs(vocab_size, max_model_len) * 2, SERVED_NAME)
                 out: dict[str, Any] = {}

@@ -18,7 +18,8 @@ What the path adds to an in-process engine, and how the prediction accounts for 
 
 Token times come from the stream: TTFT is the first chunk with text, TPOT the span to the last chunk
 over max_tokens - 1 (every request generates exactly max_tokens: EOS is ignored). The streaming client
-(``stream_spec``, ``replay``) also drives the under-load measurement of ``python -m bench service``
+(``CompletionsStream``, ``stream_spec``, ``replay``) also drives the under-load measurement of
+``python -m bench service``
 (bench/service_load.py).
 """
 
@@ -29,7 +30,7 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,39 +55,94 @@ class Streamed:
     lag: float | None = None
 
 
-async def stream_spec(client: Any, spec: Any, t0: float, name: str) -> Streamed:
-    """Send ``spec`` at ``t0 + spec.arrival`` (monotonic) to an ``openai.AsyncOpenAI`` client, greedy with
-    EOS ignored and streaming, and note when its chunks arrive."""
-    await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
-    out = Streamed(sent_wall=time.time(), lag=time.monotonic() - t0 - spec.arrival)
-    stream = await client.completions.create(
-        model=name,
-        prompt=list(spec.prompt_token_ids),
-        max_tokens=spec.max_tokens,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
-        out.request_id = out.request_id or chunk.id
-        if not chunk.choices:
-            continue
-        choice = chunk.choices[0]
-        if choice.text:
-            out.last = time.monotonic() - t0
-            if out.first is None:
-                out.first, out.first_wall = out.last, time.time()
-        out.finish_reason = choice.finish_reason or out.finish_reason
+class CompletionsStream:
+    """The load generator's HTTP client: streaming ``POST /v1/completions`` on one ``httpx.AsyncClient``,
+    each server-sent event decoded as plain JSON. The ``openai`` package builds a typed model for every
+    chunk; at a few hundred streams that is most of this process's CPU, taken from the cores the stack
+    runs on, and it shows up as send lag in the stack's TTFT (as a load generator should not). The
+    tests drive the gateway with the ``openai`` package; this measures it."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+        import httpx
+
+        # No pool bound: a saturation burst opens a stream per request at once (httpx's default is 100).
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+            headers={"Authorization": "Bearer bench"},
+        )
+
+    async def chunks(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks as dicts, up to ``[DONE]``. A non-200 answer raises with its body."""
+        async with self._http.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:300]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    return
+                yield _decode(data)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+def _decode(data: str) -> dict[str, Any]:
+    import msgspec
+
+    out: dict[str, Any] = msgspec.json.decode(data)
     return out
 
 
-async def replay(client: Any, specs: Sequence[Any], name: str) -> list[Streamed]:
+async def stream_spec(client: CompletionsStream, spec: Any, t0: float, name: str) -> Streamed:
+    """Send ``spec`` at ``t0 + spec.arrival`` (monotonic), greedy with EOS ignored and streaming, and
+    note when its chunks arrive."""
+    await asyncio.sleep(max(0.0, t0 + spec.arrival - time.monotonic()))
+    out = Streamed(sent_wall=time.time(), lag=time.monotonic() - t0 - spec.arrival)
+    body = {
+        "model": name,
+        "prompt": list(spec.prompt_token_ids),
+        "max_tokens": spec.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    async for chunk in client.chunks(body):
+        out.request_id = out.request_id or chunk.get("id", "")
+        choices = chunk.get("choices") or ()
+        if not choices:
+            continue
+        choice = choices[0]
+        if choice.get("text"):
+            out.last = time.monotonic() - t0
+            if out.first is None:
+                out.first, out.first_wall = out.last, time.time()
+        out.finish_reason = choice.get("finish_reason") or out.finish_reason
+    return out
+
+
+def quiet_collector() -> None:
+    """Before a measured replay: out of the cyclic collector's sight whatever this process holds by now
+    (torch, an engine, earlier runs' results). A full collection over it takes tens to hundreds of
+    milliseconds, long enough to hold every stream's event loop (or the engine thread's step) still,
+    and it lands in some request's TTFT as if the path under test had been slow."""
+    from engine.platform import freeze_heap
+
+    freeze_heap()
+
+
+async def replay(client: CompletionsStream, specs: Sequence[Any], name: str) -> list[Streamed]:
     """Every spec at its arrival time from now, concurrently; results in the order of ``specs``."""
+    quiet_collector()
     t0 = time.monotonic()
     return list(await asyncio.gather(*(stream_spec(client, s, t0, name) for s in specs)))
 
 
-async def warm_up(client: Any, warmup: Sequence[Any], name: str) -> None:
+async def warm_up(client: CompletionsStream, warmup: Sequence[Any], name: str) -> None:
     """Unmeasured: every worker's engine warm and every partition assigned before a trace starts."""
     await asyncio.gather(*(stream_spec(client, s, time.monotonic(), name) for s in warmup))
     await asyncio.sleep(2.0)
@@ -95,9 +151,7 @@ async def warm_up(client: Any, warmup: Sequence[Any], name: str) -> None:
 async def _drive(
     url: str, specs: Sequence[Any], name: str, warmup: Sequence[Any]
 ) -> list[tuple[float | None, float | None]]:
-    import openai
-
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="validate", max_retries=0, timeout=600)
+    client = CompletionsStream(url)
     try:
         await warm_up(client, warmup, name)
         return [(s.first, s.last) for s in await replay(client, specs, name)]

@@ -306,3 +306,21 @@ def reuse_freed_memory() -> bool:
     ok = ok and bool(mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
     log.info("malloc: freed memory kept for reuse" if ok else "malloc: glibc refused the thresholds")
     return ok
+
+
+def freeze_heap() -> int:
+    """Take what a long-running process has built at start-up out of the cyclic collector's sight, and
+    return how many objects that is.
+
+    Python's full collection walks every tracked object. With torch and a model loaded that is about
+    190,000 objects and 40-50 ms on one core, and it runs whenever enough new objects have survived,
+    in the middle of whatever the process was doing: in the engine core, a stall of every running
+    request's step; in a worker or gateway, a stalled event loop with tokens and requests behind it.
+    Frozen objects are never collected and never walked again, so this runs once everything that lives
+    as long as the process exists, after a collection that clears the garbage start-up left behind.
+    """
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

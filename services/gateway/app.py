@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import hmac
 import logging
@@ -14,6 +13,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.platform import freeze_heap
 from services.common.http_tracing import TracingMiddleware, fastapi_native_tracing_off
 from services.common.kafka import ensure_topic
 from services.common.metrics import service_families
@@ -52,8 +52,7 @@ def create_app(settings: Settings) -> FastAPI:
         # What is loaded by now (the tokenizer, the app, the libraries) lives as long as the process: out
         # of the collector's sight, the full collections that traffic triggers no longer walk it (one
         # walk of the tokenizer's objects costs tens of milliseconds of CPU).
-        gc.collect()
-        gc.freeze()
+        freeze_heap()
         try:
             yield
         finally:

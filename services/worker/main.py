@@ -95,6 +95,10 @@ async def serve(settings: Settings) -> int:
         await stop_live(live_task)
         await engine.shutdown()
         raise
+    from engine.platform import freeze_heap  # torch-free
+
+    # Started: what is loaded now lives as long as the process (with an in-process engine, the model).
+    freeze_heap()
     stall_exit = asyncio.create_task(_exit_after_stall(worker, probes))
     await worker.wait_stopped()
     stall_exit.cancel()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -141,6 +142,35 @@ async def test_a_failing_step_reports_the_error(tiny_llama_path: Path) -> None:
             async for _ in client.generate(EngineRequest("f1", [1, 2, 3], GREEDY)):
                 pass
         assert "injected: the step fails" in str(client.dead_error)
+    finally:
+        await client.shutdown()
+
+
+def report_the_collector(engine: Any) -> None:
+    """The first step fails with what the cyclic collector tracks by then (spawn imports this by name)."""
+
+    def step() -> Any:
+        import gc
+
+        raise RuntimeError(f"collector: frozen={gc.get_freeze_count()} tracked={len(gc.get_objects())}")
+
+    engine.step = step
+
+
+async def test_the_core_serves_with_its_start_up_heap_frozen(tiny_llama_path: Path) -> None:
+    # A full collection walks every tracked object: with torch and a model loaded, a stall of tens of
+    # milliseconds in the middle of some step. What start-up built must be out of its sight.
+    client = EngineCoreClient(str(tiny_llama_path), ARGS, torch_threads=1, setup=report_the_collector)
+    await client.start()
+    try:
+        with pytest.raises(RuntimeError, match="engine loop has died"):
+            async for _ in client.generate(EngineRequest("gc1", [1, 2, 3], GREEDY)):
+                pass
+        found = re.search(r"collector: frozen=(\d+) tracked=(\d+)", str(client.dead_error))
+        assert found is not None, client.dead_error
+        frozen, tracked = int(found[1]), int(found[2])
+        assert frozen > 50_000  # torch, the model, the engine
+        assert tracked < frozen // 10  # a full collection now walks only what serving created
     finally:
         await client.shutdown()
 
