@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,16 +135,21 @@ def fail_after_three_steps(engine: Any) -> None:
     engine.step = failing
 
 
-async def test_a_failing_step_reports_the_error(tiny_llama_path: Path) -> None:
-    client = EngineCoreClient(str(tiny_llama_path), ARGS, torch_threads=1, setup=fail_after_three_steps)
+async def death_of_a_core(model: Path, setup: Callable[[Any], None]) -> str:
+    """Start a core with ``setup``, run one request into the step failure it injects; the error text."""
+    client = EngineCoreClient(str(model), ARGS, torch_threads=1, setup=setup)
     await client.start()
     try:
         with pytest.raises(RuntimeError, match="engine loop has died"):
             async for _ in client.generate(EngineRequest("f1", [1, 2, 3], GREEDY)):
                 pass
-        assert "injected: the step fails" in str(client.dead_error)
+        return str(client.dead_error)
     finally:
         await client.shutdown()
+
+
+async def test_a_failing_step_reports_the_error(tiny_llama_path: Path) -> None:
+    assert "injected: the step fails" in await death_of_a_core(tiny_llama_path, fail_after_three_steps)
 
 
 def report_the_collector(engine: Any) -> None:
@@ -160,19 +166,12 @@ def report_the_collector(engine: Any) -> None:
 async def test_the_core_serves_with_its_start_up_heap_frozen(tiny_llama_path: Path) -> None:
     # A full collection walks every tracked object: with torch and a model loaded, a stall of tens of
     # milliseconds in the middle of some step. What start-up built must be out of its sight.
-    client = EngineCoreClient(str(tiny_llama_path), ARGS, torch_threads=1, setup=report_the_collector)
-    await client.start()
-    try:
-        with pytest.raises(RuntimeError, match="engine loop has died"):
-            async for _ in client.generate(EngineRequest("gc1", [1, 2, 3], GREEDY)):
-                pass
-        found = re.search(r"collector: frozen=(\d+) tracked=(\d+)", str(client.dead_error))
-        assert found is not None, client.dead_error
-        frozen, tracked = int(found[1]), int(found[2])
-        assert frozen > 50_000  # torch, the model, the engine
-        assert tracked < frozen // 10  # a full collection now walks only what serving created
-    finally:
-        await client.shutdown()
+    error = await death_of_a_core(tiny_llama_path, report_the_collector)
+    found = re.search(r"collector: frozen=(\d+) tracked=(\d+)", error)
+    assert found is not None, error
+    frozen, tracked = int(found[1]), int(found[2])
+    assert frozen > 50_000  # torch, the model, the engine
+    assert tracked < frozen // 10  # a full collection now walks only what serving created
 
 
 async def test_start_up_errors_reach_the_caller(tmp_path: Path) -> None:
