@@ -19,8 +19,7 @@ What the path adds to an in-process engine, and how the prediction accounts for 
 Token times come from the stream: TTFT is the first chunk with text, TPOT the span to the last chunk
 over max_tokens - 1 (every request generates exactly max_tokens: EOS is ignored). The streaming client
 (``CompletionsStream``, ``stream_spec``, ``replay``) also drives the under-load measurement of
-``python -m bench service``
-(bench/service_load.py).
+``python -m bench service`` (bench/service_load.py).
 """
 
 from __future__ import annotations
@@ -34,6 +33,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from bench.stats import percentile as _pct
 
@@ -85,17 +86,11 @@ class CompletionsStream:
                 data = line[6:]
                 if data == "[DONE]":
                     return
-                yield _decode(data)
+                chunk: dict[str, Any] = msgspec.json.decode(data)
+                yield chunk
 
     async def close(self) -> None:
         await self._http.aclose()
-
-
-def _decode(data: str) -> dict[str, Any]:
-    import msgspec
-
-    out: dict[str, Any] = msgspec.json.decode(data)
-    return out
 
 
 async def stream_spec(client: CompletionsStream, spec: Any, t0: float, name: str) -> Streamed:
