@@ -74,6 +74,14 @@ CPU_MALLOC = EnvVar(
     "page-faulting fresh ones; `system` leaves malloc as configured (a preloaded tcmalloc or jemalloc, or "
     "your own `MALLOC_*` variables, which also keep it untouched).",
 )
+CPU_PREFILL_ATTENTION = EnvVar(
+    "INFLIGHT_CPU_PREFILL_ATTENTION",
+    "auto|kernel|sdpa",
+    "auto",
+    "The CPU engine's attention for prefill chunks of 32 or more tokens: `auto` times the C++ kernel and "
+    "torch's flash SDPA once per attention shape at start-up and takes SDPA only where it is clearly "
+    "faster; `kernel` or `sdpa` forces one.",
+)
 
 TP_TIMEOUT_S = EnvVar(
     "INFLIGHT_TP_TIMEOUT_S",
@@ -90,6 +98,7 @@ ENGINE_ENVS: tuple[EnvVar, ...] = (
     DISABLE_CPU_KERNELS,
     CPU_GEMM,
     CPU_MALLOC,
+    CPU_PREFILL_ATTENTION,
     TP_TIMEOUT_S,
 )
 
@@ -107,6 +116,14 @@ def cpu_malloc() -> str:
     value = os.environ.get(CPU_MALLOC.name, "").strip().lower() or CPU_MALLOC.default
     if value not in ("reuse", "system"):
         raise ValueError(f"{CPU_MALLOC.name} must be reuse or system, got {value!r}")
+    return value
+
+
+def cpu_prefill_attention() -> str:
+    """``INFLIGHT_CPU_PREFILL_ATTENTION``: ``auto`` (time both paths), ``kernel`` or ``sdpa``."""
+    value = os.environ.get(CPU_PREFILL_ATTENTION.name, "").strip().lower() or CPU_PREFILL_ATTENTION.default
+    if value not in ("auto", "kernel", "sdpa"):
+        raise ValueError(f"{CPU_PREFILL_ATTENTION.name} must be auto, kernel or sdpa, got {value!r}")
     return value
 
 

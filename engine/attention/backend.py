@@ -78,6 +78,11 @@ class AttentionBackend(Protocol):
 
     def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout: ...
 
+    def prepare(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
+        """Called once at start-up with the model's attention shape (per tensor-parallel rank): any
+        choice a backend makes by measuring the host is made here, not in a served step."""
+        ...
+
     def store_kv(
         self,
         key: torch.Tensor,  # [T, num_kv_heads, head_size]

@@ -1,14 +1,12 @@
 """Attention through the C++ CPU kernels: K/V read in place through the block tables.
 
-Decodes and short prefill chunks: no gather of whole contexts, no padding to a bucket, no masking
+Decodes and prefill chunks: no gather of whole contexts, no padding to a bucket, no masking
 pass; each (request, kv head, query tile) is one work item of
 ``torch.ops.inflight_cpu.paged_attention`` (engine/kernels/cpu), bandwidth-bound like decode itself.
 
-Long prefill chunks (>= ``PREFILL_SDPA_MIN`` query tokens) are compute-bound, O(L x context), where
-torch's flash-attention SDPA (blocked GEMMs, AMX for bf16) is 2-3x faster than the kernel's
-row-at-a-time loop: measured here for one 500-token prompt of SmolLM2's shape, 3.1 ms vs 8.5 ms in
-bf16. For those the request's context is gathered once (O(context), small next to the attention)
-and handed to SDPA with the bottom-right causal mask.
+Long prefill chunks (>= ``PREFILL_SDPA_MIN`` query tokens) are compute-bound, O(L x context). They
+go to the kernel too, or to torch's flash-attention SDPA where that is clearly faster on this host:
+``engine/attention/cpu_prefill.py`` times both once per attention shape and picks.
 
 The cache is head-major (``KVLayout.HEAD_MAJOR``: each block's K and V of one kv head contiguous,
 which the kernel streams) for the shapes the kernel takes. For the others (float16 caches, head sizes
@@ -19,14 +17,14 @@ this backend serves any model the engine loads and the fallback only ever sees t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from engine.attention import cpu_prefill
 from engine.attention.backend import AttentionMetadata, KVLayout
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels import cpu as cpu_kernels
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-PREFILL_SDPA_MIN = 32  # query tokens from which a request's chunk goes to SDPA
+PREFILL_SDPA_MIN = 32  # query tokens from which a request's chunk may go to SDPA
 
 
 def kernel_supports(dtype: torch.dtype, head_size: int, device: torch.device) -> bool:
@@ -45,6 +43,14 @@ class CpuAttentionBackend:
         if not cpu_kernels.load():
             raise RuntimeError("the CPU attention kernels could not be built; use attention_backend='torch'")
         self._fallback = TorchAttentionBackend()
+
+    def prepare(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
+        # At start-up, not in the first long prompt's step: the route's probe takes milliseconds.
+        if kernel_supports(dtype, head_size, torch.device("cpu")):
+            self._prefill_route(num_heads, num_kv_heads, head_size, dtype)
+
+    def _prefill_route(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> str:
+        return cpu_prefill.choose(cpu_prefill.PrefillShape(num_heads, num_kv_heads, head_size, dtype)).route
 
     def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout:
         return KVLayout.HEAD_MAJOR if kernel_supports(dtype, head_size, device) else KVLayout.TOKEN_MAJOR
@@ -74,8 +80,12 @@ class CpuAttentionBackend:
             return self._fallback.forward(query, kv_cache, metadata, scale)
         if query.dtype != kv_cache.dtype:  # not the engine's case: attend in the cache's dtype
             return self.forward(query.to(kv_cache.dtype), kv_cache, metadata, scale).to(query.dtype)
-        # Every token of the step belongs to a request: the kernel writes the rows of short ones,
-        # SDPA those of long chunks.
+        # Every token of the step belongs to a request: the kernel writes the rows of all of them, or
+        # of all but the long chunks, whose rows SDPA writes where it is the faster path here.
+        num_kv_heads, head_size = kv_cache.shape[2], kv_cache.shape[4]
+        sdpa = metadata.max_query_len >= PREFILL_SDPA_MIN and (
+            self._prefill_route(query.shape[1], num_kv_heads, head_size, kv_cache.dtype) == "sdpa"
+        )
         out = torch.empty(query.shape, dtype=query.dtype)
         torch.ops.inflight_cpu.paged_attention(
             out,
@@ -85,40 +95,14 @@ class CpuAttentionBackend:
             metadata.seq_lens,
             metadata.block_tables,
             scale,
-            PREFILL_SDPA_MIN - 1 if metadata.max_query_len >= PREFILL_SDPA_MIN else metadata.max_query_len,
+            PREFILL_SDPA_MIN - 1 if sdpa else metadata.max_query_len,
         )
-        if metadata.max_query_len >= PREFILL_SDPA_MIN:
+        if sdpa:
             starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
             for r in range(metadata.num_seqs):
                 q_start, q_end = starts[r], starts[r + 1]
                 if q_end - q_start >= PREFILL_SDPA_MIN:
-                    out[q_start:q_end] = _prefill_sdpa(
+                    out[q_start:q_end] = cpu_prefill.sdpa_prefill(
                         query[q_start:q_end], kv_cache, metadata.block_tables[r], lens[r], scale
                     )
         return out
-
-
-def _prefill_sdpa(
-    query: torch.Tensor,  # [L, Hq, D], the request's last L positions
-    kv_cache: torch.Tensor,  # [2, num_blocks, Hkv, block_size, D]
-    block_table: torch.Tensor,  # [max_blocks] int32
-    seq_len: int,
-    scale: float,
-) -> torch.Tensor:  # [L, Hq, D]
-    num_queries = query.shape[0]
-    block_size = kv_cache.shape[3]
-    blocks = block_table[: -(-seq_len // block_size)].long()
-    # One copy of the context, whole pages: [2, Hkv, nb, block_size, D] -> [2, Hkv, N, D].
-    kv = kv_cache.transpose(1, 2).index_select(2, blocks).flatten(2, 3)[:, :, :seq_len]
-    q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-    if num_queries == seq_len:  # a whole prompt: the usual causal mask
-        o = F.scaled_dot_product_attention(
-            q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True
-        )
-    else:  # a later chunk: query i sits at position N - L + i (bottom-right aligned)
-        q_pos = torch.arange(seq_len - num_queries, seq_len)
-        allowed = torch.arange(seq_len)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=allowed, scale=scale, enable_gqa=True
-        )
-    return o[0].transpose(0, 1)

@@ -35,6 +35,9 @@ def _decode_buckets(
 class TorchAttentionBackend:
     name = "torch"
 
+    def prepare(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
+        pass  # nothing measured: every choice here is fixed or made per step
+
     def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout:
         # A token's heads side by side: the store is one indexed copy per half, and the decode gather
         # keeps whole blocks.

@@ -19,6 +19,9 @@ class TritonAttentionBackend:
         # The decode variant's launch (BLOCK_N, warps, stages); None: the launcher's defaults.
         self.decode_config = decode_config
 
+    def prepare(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
+        pass  # nothing measured: every choice here is fixed or made per step
+
     def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout:
         return KVLayout.TOKEN_MAJOR  # what the Triton store and attention kernels index
 

@@ -102,6 +102,7 @@ class ModelRunner:
         self.num_blocks = tp.agree_min(self._decide_num_blocks())
         # The backend picks the layout its kernels read (engine/attention/backend.py, KVLayout).
         self.kv_layout = self.backend.kv_layout(config.dtype, mc.head_dim, self.device)
+        self.backend.prepare(self.model.num_heads, self.model.num_kv_heads, mc.head_dim, config.dtype)
         shape = self.kv_layout.shape(self.num_blocks, config.block_size, self.model.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             torch.zeros(shape, dtype=config.dtype, device=self.device) for _ in range(mc.num_hidden_layers)

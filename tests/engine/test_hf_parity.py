@@ -11,6 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.attention.backend import KVLayout
+from engine.attention.cpu_backend import PREFILL_SDPA_MIN
 from engine.kernels import cpu as cpu_kernels
 from engine.llm_engine import LLMEngine
 from engine.models.gguf import default_gguf_path
@@ -183,11 +184,18 @@ def test_smollm2_cpu_backend_decodes_as_the_torch_backend(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SmolLM2-135M's real weights and shape (9 query / 3 kv heads, head 64), the kernel's GQA-3 case,
-    with a prompt long enough (>= 32 tokens) for the SDPA prefill path over head-major pages."""
+    with prompts long enough (>= 32 tokens) for a long prefill chunk, through each of its two paths
+    over head-major pages: the kernel and SDPA."""
     monkeypatch.setenv("INFLIGHT_HOME", str(tmp_path))  # the GGUF's converted copy goes there
     batch = prompts(4, seed=13, lo=20, hi=60, shared_prefix=24)
-    runs = _greedy_by_backend(
-        str(SMOLLM2), batch, 12, max_model_len=256, max_num_seqs=4, enable_prefix_caching=True
-    )
+    assert max(len(p) for p in batch) >= PREFILL_SDPA_MIN
+    kwargs: dict[str, object] = {"max_model_len": 256, "max_num_seqs": 4, "enable_prefix_caching": True}
+    monkeypatch.setenv("INFLIGHT_CPU_PREFILL_ATTENTION", "kernel")
+    runs = _greedy_by_backend(str(SMOLLM2), batch, 12, **kwargs)
     _assert_cache_layouts(runs)
     assert runs["cpu"][0] == runs["torch"][0]
+    monkeypatch.setenv("INFLIGHT_CPU_PREFILL_ATTENTION", "sdpa")
+    via_sdpa = LLM(str(SMOLLM2), attention_backend="cpu", dtype="float32", **kwargs)
+    outs = via_sdpa.generate(batch, greedy(12))
+    via_sdpa.engine.kv.check_integrity()
+    assert [o.outputs[0].token_ids for o in outs] == runs["torch"][0]

@@ -9,7 +9,9 @@ import functools
 import pytest
 import torch
 
+from engine.attention import cpu_prefill
 from engine.attention.backend import KVLayout, get_attention_backend
+from engine.attention.cpu_backend import PREFILL_SDPA_MIN
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import reference
 from tests.kernels.test_attention_backends import CASES as BACKEND_CASES
@@ -157,7 +159,8 @@ def test_backend_declares_head_major_exactly_for_the_kernel_shapes(dtype, head_s
 
 
 LONG_CHUNK_CASES = [
-    # long chunks go through SDPA: a whole prompt (is_causal) and a later chunk (bottom-right mask)
+    # long chunks (>= PREFILL_SDPA_MIN tokens): a whole prompt (SDPA: is_causal) and a later chunk
+    # (SDPA: the bottom-right mask), next to short ones the kernel always takes
     ([1, 70, 1, 33], [90, 70, 5, 100], 9, 3, 64, 16, torch.float32),
     ([48, 1], [48, 200], 8, 2, 64, 16, torch.bfloat16),
 ]
@@ -165,9 +168,45 @@ LONG_CHUNK_CASES = [
 
 @pytest.mark.parametrize(
     ("query_lens", "seq_lens", "hq", "hkv", "head_size", "block_size", "dtype"),
-    BACKEND_CASES + LONG_CHUNK_CASES,
+    BACKEND_CASES,
 )
 def test_backend_store_then_attend_matches_dense(
+    paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype
+):
+    _store_then_attend_matches_dense(
+        paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype
+    )
+
+
+@pytest.mark.parametrize("route", ["kernel", "sdpa"])
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "hq", "hkv", "head_size", "block_size", "dtype"), LONG_CHUNK_CASES
+)
+def test_long_chunks_match_dense_through_either_prefill_route(
+    paged_batch,
+    dense_attention,
+    monkeypatch,
+    route,
+    query_lens,
+    seq_lens,
+    hq,
+    hkv,
+    head_size,
+    block_size,
+    dtype,
+):
+    calls = []
+    real = cpu_prefill.sdpa_prefill
+    monkeypatch.setattr(cpu_prefill, "sdpa_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    monkeypatch.setenv("INFLIGHT_CPU_PREFILL_ATTENTION", route)
+    _store_then_attend_matches_dense(
+        paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype
+    )
+    long_chunks = [n for n in query_lens if n >= PREFILL_SDPA_MIN]
+    assert calls == (long_chunks if route == "sdpa" else [])
+
+
+def _store_then_attend_matches_dense(
     paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype
 ):
     backend = _backend()
