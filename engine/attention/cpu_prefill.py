@@ -2,12 +2,12 @@
 
 A chunk of many query tokens is compute-bound (O(L x context)), and which of the two paths wins it
 depends on the CPU, not on the model. On a 2-core AMD EPYC with AVX-512 and AVX512_BF16 (no AMX), one
-SmolLM2-shaped prompt at one thread: the kernel took 0.66 ms at 256 tokens and 10.5 ms at 1,024 in
-float32 (115 GFLOP/s), SDPA 1.69 and 19.1 ms (45-63 GFLOP/s; its float32 GEMMs are MKL's, which take
-a slower path on AMD CPUs); bf16 alike (0.65 vs 1.80 ms, 9.3 vs 20.0 ms). Where SDPA's bf16 GEMMs
-run on AMX tiles it can be the faster one. So the engine times both, once per attention shape and
-thread count, on a probe prompt of ``PROBE_TOKENS`` tokens, and sends long chunks to SDPA only if it
-is clearly faster (``SDPA_MARGIN``): the kernel reads the cache in place, SDPA needs the context
+SmolLM2-shaped prompt of 256-4,096 tokens at one and two threads, float32 and bf16, took SDPA 1.4-2.8x
+the kernel's time (``python -m bench.cpu_prefill_bench``; docs/benchmarks.md): SDPA's float32 GEMMs
+are MKL's, which take a slower path on AMD CPUs, and its bf16 ones have no AMX there. Where SDPA's
+bf16 GEMMs run on AMX tiles it can be the faster one. So the engine times both, once per attention
+shape and thread count, on a probe prompt of ``PROBE_TOKENS`` tokens, and sends long chunks to SDPA
+only if it is clearly faster (``SDPA_MARGIN``): the kernel reads the cache in place, SDPA needs the context
 gathered first. ``INFLIGHT_CPU_PREFILL_ATTENTION`` forces either path.
 """
 
@@ -62,18 +62,7 @@ def choose(shape: PrefillShape) -> PrefillChoice:
 
 @functools.cache
 def _timed(shape: PrefillShape, threads: int) -> PrefillChoice:
-    kernel, sdpa = _probe(shape)
-    # One thread: the calling thread's CPU time, which other processes preempting it do not inflate.
-    clock = time.thread_time if threads == 1 else time.perf_counter
-    kernel_s, sdpa_s = float("inf"), float("inf")
-    kernel(), sdpa()  # first calls allocate and fault in their buffers
-    for _ in range(_REPEATS):  # interleaved: a slow moment of the host hits both
-        start = clock()
-        kernel()
-        kernel_s = min(kernel_s, clock() - start)
-        start = clock()
-        sdpa()
-        sdpa_s = min(sdpa_s, clock() - start)
+    kernel_s, sdpa_s = time_paths(*probe(shape), threads)
     choice = PrefillChoice(pick(kernel_s, sdpa_s), kernel_s, sdpa_s)
     log.info(
         "CPU prefill attention: %s (a %d-token prompt, heads %d/%d x %d, %s, %d threads: kernel %.2f ms, "
@@ -91,9 +80,29 @@ def _timed(shape: PrefillShape, threads: int) -> PrefillChoice:
     return choice
 
 
-def _probe(shape: PrefillShape) -> tuple[Callable[[], None], Callable[[], None]]:
-    """One whole prompt of PROBE_TOKENS tokens through each path, on a head-major cache."""
-    n = PROBE_TOKENS
+def time_paths(
+    kernel: Callable[[], None], sdpa: Callable[[], None], threads: int, repeats: int = _REPEATS
+) -> tuple[float, float]:
+    """The best of ``repeats`` timed calls of each, interleaved so that a slow moment of the host hits
+    both; one thread: the calling thread's CPU time, which other processes preempting it do not inflate."""
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    kernel_s, sdpa_s = float("inf"), float("inf")
+    kernel()  # first calls allocate and fault in their buffers
+    sdpa()
+    for _ in range(repeats):
+        start = clock()
+        kernel()
+        kernel_s = min(kernel_s, clock() - start)
+        start = clock()
+        sdpa()
+        sdpa_s = min(sdpa_s, clock() - start)
+    return kernel_s, sdpa_s
+
+
+def probe(shape: PrefillShape, tokens: int = PROBE_TOKENS) -> tuple[Callable[[], None], Callable[[], None]]:
+    """Calls that attend one whole prompt of ``tokens`` tokens through each path (kernel, SDPA), on
+    a head-major cache."""
+    n = tokens
     num_blocks = -(-n // PROBE_BLOCK_SIZE)
     gen = torch.Generator().manual_seed(0)
     query = torch.randn((n, shape.num_heads, shape.head_size), generator=gen).to(shape.dtype)
