@@ -1,8 +1,8 @@
 """Attention through the C++ CPU kernels: K/V read in place through the block tables.
 
-Decodes and prefill chunks: no gather of whole contexts, no padding to a bucket, no masking
-pass; each (request, kv head, query tile) is one work item of
-``torch.ops.inflight_cpu.paged_attention`` (engine/kernels/cpu), bandwidth-bound like decode itself.
+Decodes (bandwidth-bound) and prefill chunks (compute-bound): no gather of whole contexts, no padding
+to a bucket, no masking pass; each (request, kv head, query tile) is one work item of
+``torch.ops.inflight_cpu.paged_attention`` (engine/kernels/cpu).
 
 Long prefill chunks (>= ``PREFILL_SDPA_MIN`` query tokens) are compute-bound, O(L x context). They
 go to the kernel too, or to torch's flash-attention SDPA where that is clearly faster on this host:

@@ -18,8 +18,10 @@ Why padding costs nothing on AMX. AMX multiplies bf16 in tiles of 16 rows, so a 
 rows costs what 32 rows cost (measured, a layer's four linears: M=100 2.36 ms, M=112 1.92 ms;
 M=200 4.25 ms, M=208 3.22 ms; M=1 0.73 ms, M=16 0.73 ms). Rounding every row count up to a multiple
 of 16 bounds the shapes to a few dozen, which are all built at start-up (``warm_up``). Without AMX
-(AVX512_BF16 only) the cost grows more smoothly with M, so the rounding there is finer (8; not
-measured on such a host).
+(AVX512_BF16 or AVX-512 only, and float32 anywhere) the cost grows with every row: on a 2-core EPYC
+with AVX512_BF16, SmolLM2-135M's linear layers at one thread took 17.4-18.9 ms for 1-4 rows, 23.9 ms
+for 8 and 33.9 ms for 16 in float32. There the rounding is finer (8), and row counts up to 16, a
+decode step of a few sequences, are not rounded at all (engine/models/row_padding.py).
 
 Rows beyond the real ones are the model's own business: it pads the step's tokens once, never lets
 them reach the KV cache or attention, and drops them from the output (engine/models/llama.py).
@@ -36,10 +38,10 @@ from engine.platform import cpu_flags
 __all__ = ["RowPadding", "can_prepack", "linear", "pack", "row_grain", "warm_up"]
 
 
-def row_grain() -> int:
-    """The row multiple a packed GEMM costs nothing to round up to on this CPU (AMX's bf16 tiles
-    are 16 rows; elsewhere the rounding is finer)."""
-    return 16 if "amx_bf16" in cpu_flags() else 8
+def row_grain(dtype: torch.dtype) -> int:
+    """The row multiple a packed GEMM of ``dtype`` costs nothing to round up to on this CPU (AMX's
+    bf16 tiles are 16 rows; elsewhere, float32 on an AMX CPU included, the rounding is finer)."""
+    return 16 if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags() else 8
 
 
 # oneDNN refuses to pack bf16 weights on a CPU without one of these instruction sets (an AVX2-only

@@ -93,7 +93,7 @@ class ModelRunner:
                 use_triton=use_triton_ops,
                 use_cpu_kernels=use_cpu_kernels,
                 prepack_rows=config.max_num_seqs if prepack else 0,
-                row_padding=onednn.RowPadding(onednn.row_grain(), max_rows) if prepack else None,
+                row_padding=onednn.RowPadding(onednn.row_grain(config.dtype), max_rows) if prepack else None,
             ),
             config.max_model_len,
             tp,

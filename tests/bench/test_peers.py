@@ -44,7 +44,8 @@ def test_the_linear_baseline_runs_the_models_own_weights_and_ops(
     probe = ModelLinearsProbe(model, 20, engine.config.dtype)
     # Where the engine packs weights (oneDNN) it pads a step's rows to whole GEMM tiles.
     packs = onednn.can_prepack(engine.config.dtype)
-    assert probe.padded_rows == (onednn.RowPadding(onednn.row_grain(), 64).padded(20) if packs else 20)
+    grain = onednn.row_grain(engine.config.dtype)
+    assert probe.padded_rows == (onednn.RowPadding(grain, 64).padded(20) if packs else 20)
     assert probe.padded_rows == model.ops.padded_rows(20)
     # Every linear of every layer, then the LM head: the very tensors the model multiplies by.
     expected = [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")] + [model.lm_head]

@@ -14,6 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models import onednn
 from engine.models.onednn import RowPadding
+from engine.models.row_padding import EXACT_ROWS
 
 # Runs of the same prompts compared: a prefix-cache hit would change the steps, not the padding.
 _ARGS: dict[str, Any] = dict(
@@ -37,6 +38,24 @@ def test_padded_counts_cover_every_count_with_few_shapes(grain: int, limit: int)
     # Five weight shapes a count must fit oneDNN's cache of 1,024 primitives.
     assert 5 * len(sizes) <= 1024
     assert padding.padded(limit + 3) == limit + 3  # beyond the budget: as it is
+
+
+def test_a_few_rows_run_exact_where_each_row_costs_time() -> None:
+    # A grain finer than EXACT_ROWS (no AMX): decode steps of a few sequences are not padded.
+    fine = RowPadding(8, 300)
+    assert [fine.padded(n) for n in range(1, EXACT_ROWS + 1)] == list(range(1, EXACT_ROWS + 1))
+    assert fine.padded(EXACT_ROWS + 1) == 24
+    assert fine.padded(299) == 300
+    # AMX's tiles: 1 to 16 rows cost the same, so they still round up to a tile.
+    assert RowPadding(16, 512).padded(3) == 16
+    assert RowPadding(1, 64).padded(5) == 5
+
+
+def test_the_grain_is_a_tile_only_for_bf16_on_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    for flags, bf16_grain in ((frozenset({"avx512f", "amx_bf16"}), 16), (frozenset({"avx512f"}), 8)):
+        monkeypatch.setattr(onednn, "cpu_flags", lambda flags=flags: flags)
+        assert onednn.row_grain(torch.bfloat16) == bf16_grain
+        assert onednn.row_grain(torch.float32) == 8  # AMX multiplies no float32
 
 
 def _generate_both(llm: LLM) -> tuple[list[int], list, list]:  # type: ignore[type-arg]
