@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from bench.run_support import run_cpu_kernel_bench
 from engine.attention.backend import KVLayout
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels import cpu as cpu_kernels
@@ -170,16 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the cache layout the baseline kernel reads",
     )
     args = parser.parse_args(argv)
-    if not cpu_kernels.load():
-        print("cpu_attention_bench: the C++ CPU kernels could not be built here", file=sys.stderr)
-        return 2
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        report(args)
-    finally:
-        torch.set_num_threads(threads)  # main() may run inside another program (the tests)
-    return 0
+    return run_cpu_kernel_bench("cpu_attention_bench", args.threads, lambda: report(args))
 
 
 def report(args: argparse.Namespace) -> None:

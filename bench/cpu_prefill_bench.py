@@ -12,12 +12,11 @@ PROBE_TOKENS tokens) would pick from this row's times.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
+from bench.run_support import run_cpu_kernel_bench
 from engine.attention import cpu_prefill
-from engine.kernels import cpu as cpu_kernels
 
 
 def causal_flops(tokens: int, shape: cpu_prefill.PrefillShape) -> float:
@@ -36,16 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
     )
     args = parser.parse_args(argv)
-    if not cpu_kernels.load():
-        print("cpu_prefill_bench: the C++ CPU kernels could not be built here", file=sys.stderr)
-        return 2
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    try:
-        report(args)
-    finally:
-        torch.set_num_threads(threads)  # main() may run inside another program (the tests)
-    return 0
+    return run_cpu_kernel_bench("cpu_prefill_bench", args.threads, lambda: report(args))
 
 
 def report(args: argparse.Namespace) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,24 @@ def set_threads(threads: int) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def run_cpu_kernel_bench(name: str, threads: int, report: Callable[[], None]) -> int:
+    """``report()`` at ``threads`` torch threads, once the C++ CPU kernels load; exit status 2, said
+    on stderr, where they cannot be built. The caller's thread count comes back after: a bench's
+    main() may run inside another program (the tests)."""
+    from engine.kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.load():
+        print(f"{name}: the C++ CPU kernels could not be built here", file=sys.stderr)
+        return 2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        report()
+    finally:
+        torch.set_num_threads(before)
+    return 0
 
 
 def fmt_ms(summary: dict[str, Any], key: str, q: str) -> str:
