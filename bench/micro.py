@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from bench.results import RunResult
 from engine.config import ModelConfig
 from engine.llm_engine import LLMEngine
+from engine.models import cpu_gemm
 from engine.models.llama import LlamaForCausalLM
 from engine.sampling_params import SamplingParams
 from inflight.plan.workload import random_prompt
@@ -126,10 +127,10 @@ class ModelLinearsProbe:
             for key, bias in (("qkv", layer["qkv_bias"]), ("o", None), ("gate_up", None), ("down", None)):
                 w = layer[key]
                 assert w is not None
-                self.calls.append((x(w.shape[1]), w, bias))
-        self.calls.append((x(model.lm_head.shape[1]), model.lm_head, None))
+                self.calls.append((x(cpu_gemm.features(w)[1]), w, bias))
+        self.calls.append((x(cpu_gemm.features(model.lm_head)[1]), model.lm_head, None))
         self.ops = ops
-        self.flops = 2 * rows * sum(w.shape[0] * w.shape[1] for _, w, _ in self.calls)
+        self.flops = 2 * rows * sum(math.prod(cpu_gemm.features(w)) for _, w, _ in self.calls)
 
     @torch.inference_mode()
     def time_pass(self) -> float:

@@ -59,11 +59,14 @@ DISABLE_CPU_KERNELS = EnvVar(
 )
 CPU_GEMM = EnvVar(
     "INFLIGHT_CPU_GEMM",
-    "onednn|torch",
-    "onednn",
-    "The CPU engine's linear layers: `onednn` packs float32 and bf16 weights once into oneDNN's blocked "
-    "layout where torch and the CPU support it (on AMD CPUs torch's float32 matmul, MKL's sgemm, is 2-2.5x "
-    "slower); `torch` keeps plain weights and torch's own matmul.",
+    "auto|inflight|onednn|torch",
+    "auto",
+    "The CPU engine's linear layers. `inflight`: weights packed once into column panels for the "
+    "engine's own AVX-512 kernels (float32; bf16 with AVX512_BF16), faster than oneDNN's at decode "
+    "sizes; `onednn`: weights packed into oneDNN's blocked layout (on AMD CPUs torch's float32 matmul, "
+    "MKL's sgemm, is 2-2.5x slower); `torch`: plain weights and torch's own matmul. `auto`: `inflight` "
+    "where the CPU has the instructions and no AMX (whose bf16 tiles oneDNN uses), else `onednn` where "
+    "torch and the CPU can pack, else `torch`.",
 )
 CPU_MALLOC = EnvVar(
     "INFLIGHT_CPU_MALLOC",
@@ -104,10 +107,11 @@ ENGINE_ENVS: tuple[EnvVar, ...] = (
 
 
 def cpu_gemm() -> str:
-    """``INFLIGHT_CPU_GEMM``: who multiplies the CPU engine's linear layers (``onednn`` or ``torch``)."""
+    """``INFLIGHT_CPU_GEMM``: who multiplies the CPU engine's linear layers (``auto``, ``inflight``,
+    ``onednn`` or ``torch``; engine/models/cpu_gemm.py decides what ``auto`` means on this host)."""
     value = os.environ.get(CPU_GEMM.name, "").strip().lower() or CPU_GEMM.default
-    if value not in ("onednn", "torch"):
-        raise ValueError(f"{CPU_GEMM.name} must be onednn or torch, got {value!r}")
+    if value not in ("auto", "inflight", "onednn", "torch"):
+        raise ValueError(f"{CPU_GEMM.name} must be auto, inflight, onednn or torch, got {value!r}")
     return value
 
 

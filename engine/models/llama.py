@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.distributed.parallel_state import SINGLE, TensorParallel
-from engine.models import onednn
+from engine.models import cpu_gemm, onednn
 from engine.models.rotary import apply_rotary, cos_sin_cache
 
 _CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -38,21 +38,31 @@ class ModelOps:
 
     use_triton: bool = False
     use_cpu_kernels: bool = False
-    # On CPU: linear weights packed once into oneDNN's blocked layout (in bf16 a decode step's small
-    # GEMMs otherwise repack every weight on every call: 1.4-1.6x slower at 16-64 rows, measured on
-    # SmolLM2's shapes; float32: engine/models/onednn.py). 0 = off; else the batch size the packing
-    # targets.
+    # On CPU, who multiplies the linear layers (engine/models/cpu_gemm.py): the engine's own kernels on
+    # column-panel weights ("inflight"), oneDNN's packed weights ("onednn"), or torch's matmul.
+    gemm: str = "torch"
+    # oneDNN's packing (the engine's choice, or where its own kernels cannot take a weight): 0 = off;
+    # else the batch size it targets. In bf16 a decode step's small GEMMs otherwise repack every
+    # weight on every call: 1.4-1.6x slower at 16-64 rows, measured on SmolLM2's shapes.
     prepack_rows: int = 0
-    # With packed weights, a step's row count is rounded up to whole GEMM tiles (engine/models/
+    # With oneDNN's packed weights, a step's row count is rounded up to whole GEMM tiles (engine/models/
     # onednn.py) up to this many rows (the token budget); None: not padded.
     row_padding: onednn.RowPadding | None = None
 
+    @property
+    def packed(self) -> bool:
+        return self.gemm == "inflight" or self.prepack_rows > 0
+
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.gemm == "inflight" and cpu_gemm.packable(weight):
+            return cpu_gemm.pack(weight)
         if not self.prepack_rows:
             return weight
         return onednn.pack(weight, self.prepack_rows)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if weight.dim() == 3:  # column panels (cpu_gemm.pack)
+            return cpu_gemm.linear(x, weight, bias)
         if self.prepack_rows:
             return onednn.linear(x, weight, bias)
         return F.linear(x, weight, bias)
@@ -157,7 +167,7 @@ class LlamaForCausalLM:
         ).to(device)
         self.layers = [self._layer_weights(i) for i in range(config.num_hidden_layers)]
         self.lm_head = ops.pack(weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
-        if ops.prepack_rows:
+        if ops.packed:
             # The packed copies replace the originals (the embedding stays: lookups read it).
             for i, layer in enumerate(self.layers):
                 for key, name in _LINEARS.items():
@@ -165,8 +175,11 @@ class LlamaForCausalLM:
             self.w.pop("lm_head.weight", None)
             if ops.row_padding is not None:
                 limit = ops.row_padding.limit
-                packed = [(w, limit) for k in _LINEARS if (w := self.layers[0][k]) is not None]
-                onednn.warm_up([*packed, (self.lm_head, ops.prepack_rows)], ops.row_padding)
+                # oneDNN's own (2-D) weights; column panels build nothing per row count.
+                layer0 = [self.layers[0][k] for k in _LINEARS]
+                packed = [(w, limit) for w in layer0 if w is not None and w.dim() == 2]
+                heads = [(self.lm_head, ops.prepack_rows)] if self.lm_head.dim() == 2 else []
+                onednn.warm_up([*packed, *heads], ops.row_padding)
 
     def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
@@ -328,5 +341,5 @@ class LlamaForCausalLM:
         n, vocab = logits.shape
         buf = self._float_logits
         if buf is None or buf.shape[0] < n or buf.shape[1] != vocab:
-            buf = self._float_logits = torch.empty(max(n, self.ops.prepack_rows), vocab)
+            buf = self._float_logits = torch.empty(max(n, self.ops.prepack_rows, 1), vocab)
         return buf[:n].copy_(logits)

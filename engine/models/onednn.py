@@ -56,10 +56,11 @@ _PACK_FLAGS: dict[torch.dtype, tuple[tuple[str, ...], ...]] = {
 def can_prepack(dtype: torch.dtype) -> bool:
     """Weights of ``dtype`` pack into oneDNN's layout: torch was built with oneDNN (x86 CPU wheels),
     the CPU has the instructions its kernels for that dtype need, and ``INFLIGHT_CPU_GEMM`` does not
-    ask for torch's own matmul."""
+    ask for torch's own matmul (with ``inflight`` chosen, oneDNN still takes any weight the engine's
+    own kernels cannot: engine/models/cpu_gemm.py)."""
     flags = cpu_flags()
     return (
-        envs.cpu_gemm() == "onednn"
+        envs.cpu_gemm() != "torch"
         and dtype in _PACK_FLAGS
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

@@ -19,7 +19,7 @@ from engine.attention.backend import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.kv_cache.manager import cdiv
-from engine.models import onednn
+from engine.models import cpu_gemm, onednn
 from engine.models.llama import LlamaForCausalLM, ModelOps
 from engine.models.loader import load_weights
 from engine.sampling.sampler import Sampler, SamplingRow
@@ -80,7 +80,9 @@ class ModelRunner:
         if self.device.type == "cpu":
             # Before the weights: a step's activations then reuse pages instead of faulting new ones.
             platform.reuse_freed_memory()
-        prepack = use_cpu_kernels and onednn.can_prepack(config.dtype)
+        gemm = cpu_gemm.choose(config.dtype, cpu_kernels=True) if use_cpu_kernels else "torch"
+        # oneDNN packs what the engine's own kernels do not take (all of it when it is the choice).
+        prepack = gemm != "torch" and onednn.can_prepack(config.dtype)
         max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
         weights = load_weights(
             config.model_path, mc, config.dtype, self.device, config.load_format, config.seed, plan
@@ -92,8 +94,13 @@ class ModelRunner:
             ModelOps(
                 use_triton=use_triton_ops,
                 use_cpu_kernels=use_cpu_kernels,
+                gemm=gemm,
                 prepack_rows=config.max_num_seqs if prepack else 0,
-                row_padding=onednn.RowPadding(onednn.row_grain(config.dtype), max_rows) if prepack else None,
+                row_padding=(
+                    onednn.RowPadding(onednn.row_grain(config.dtype), max_rows)
+                    if prepack and gemm == "onednn"
+                    else None
+                ),
             ),
             config.max_model_len,
             tp,

@@ -15,7 +15,7 @@ from bench.cli import main
 from bench.micro import MatmulProbe, ModelLinearsProbe
 from bench.peers import parse_threads, table
 from engine.llm_engine import LLMEngine
-from engine.models import onednn
+from engine.models import cpu_gemm, onednn
 
 
 @pytest.fixture
@@ -42,16 +42,18 @@ def test_the_linear_baseline_runs_the_models_own_weights_and_ops(
     )
     model = engine.runner.model
     probe = ModelLinearsProbe(model, 20, engine.config.dtype)
-    # Where the engine packs weights (oneDNN) it pads a step's rows to whole GEMM tiles.
-    packs = onednn.can_prepack(engine.config.dtype)
+    # Where oneDNN multiplies the packed weights, the engine pads a step's rows to whole GEMM tiles;
+    # its own kernels (engine/models/cpu_gemm.py) and torch's take the rows as they are.
+    pads = model.ops.gemm == "onednn"
+    assert pads == (model.ops.row_padding is not None)
     grain = onednn.row_grain(engine.config.dtype)
-    assert probe.padded_rows == (onednn.RowPadding(grain, 64).padded(20) if packs else 20)
+    assert probe.padded_rows == (onednn.RowPadding(grain, 64).padded(20) if pads else 20)
     assert probe.padded_rows == model.ops.padded_rows(20)
     # Every linear of every layer, then the LM head: the very tensors the model multiplies by.
     expected = [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
     assert all(w is e for (_, w, _), e in zip(probe.calls, expected, strict=True))
     assert all(
-        x.shape == (probe.padded_rows, w.shape[1]) and x.dtype == engine.config.dtype
+        x.shape == (probe.padded_rows, cpu_gemm.features(w)[1]) and x.dtype == engine.config.dtype
         for x, w, _ in probe.calls
     )
     # Useful FLOPs at the real rows, the same count as the raw probe's shapes.

@@ -26,6 +26,13 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _onednn(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Padding is oneDNN's business: on a host where the engine's own kernels are the default
+    # (engine/models/cpu_gemm.py), nothing is padded.
+    monkeypatch.setenv("INFLIGHT_CPU_GEMM", "onednn")
+
+
 @pytest.mark.parametrize("grain,limit", [(16, 512), (8, 300), (16, 2048), (16, 8192)])
 def test_padded_counts_cover_every_count_with_few_shapes(grain: int, limit: int) -> None:
     padding = RowPadding(grain, limit)

@@ -23,7 +23,7 @@ from engine.paths import cpu_ext_root
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "pointwise.cpp"]
+_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "pointwise.cpp", _HERE / "gemm.cpp"]
 _HEADERS = [_HERE / "vec.h"]
 _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
 

@@ -1,0 +1,88 @@
+"""Linear layers on CPU through the engine's own packed kernels (engine/kernels/cpu/gemm.cpp), and
+which linear path a CPU engine takes.
+
+Why its own. A decode step multiplies each weight by a few to a few tens of rows, so it streams every
+weight from memory once; oneDNN's packed kernels read them well below what a core can stream there.
+Measured on a 2-core AMD EPYC (Zen 5, AVX512_BF16, no AMX), SmolLM2-135M's linear layers and LM head
+at one thread, bf16: oneDNN 11.4 / 15.5 / 20.9 / 49.0 ms at 1 / 8 / 16 / 64 rows, these kernels 8.2 /
+10.8 / 16.1 / 47.6 ms; float32 1.2-1.45x at 1-8 rows, 1.1-1.2x at 16; both within a few percent
+of each other at prefill sizes (256-1,024 rows), where the multiply units bound either
+(``python -m bench gemm``). No row padding either: nothing is built per row count.
+
+Which path (``INFLIGHT_CPU_GEMM``, default ``auto``): these kernels where the CPU has their
+instructions (AVX-512 for float32; AVX512_BF16 for bf16) and no AMX, whose bf16 tiles oneDNN
+multiplies much faster at prefill sizes; else oneDNN's packed weights where torch and the CPU can pack
+(engine/models/onednn.py); else torch's own matmul. A weight whose out features are not a multiple of
+16 stays with oneDNN (or torch) under any choice.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from engine import envs
+from engine.models import onednn
+from engine.platform import cpu_flags
+
+Gemm = Literal["inflight", "onednn", "torch"]
+
+_FLAGS: dict[torch.dtype, tuple[str, ...]] = {
+    torch.float32: ("avx512f",),
+    torch.bfloat16: ("avx512f", "avx512_bf16"),
+}
+
+
+def supported(dtype: torch.dtype) -> bool:
+    """The packed kernels run here for ``dtype``: the C++ ops are loaded and the CPU has the
+    instructions (asked of both /proc/cpuinfo and the compiled code's own CPU check)."""
+    if dtype not in _FLAGS or not all(f in cpu_flags() for f in _FLAGS[dtype]):
+        return False
+    return hasattr(torch.ops.inflight_cpu, "packed_linear_supported") and bool(
+        torch.ops.inflight_cpu.packed_linear_supported(dtype)
+    )
+
+
+def choose(dtype: torch.dtype, cpu_kernels: bool) -> Gemm:
+    """The linear path of a CPU engine of ``dtype``; ``cpu_kernels``: the C++ ops are loaded."""
+    wanted = envs.cpu_gemm()
+    if wanted == "torch":
+        return "torch"
+    own = cpu_kernels and supported(dtype)
+    if wanted == "inflight" and own:
+        return "inflight"
+    amx = dtype == torch.bfloat16 and "amx_bf16" in cpu_flags()
+    if wanted == "auto" and own and not amx:
+        return "inflight"
+    return "onednn" if onednn.can_prepack(dtype) else "torch"
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whole vectors of out features, and (bf16) whole pairs of in features, so that ``features``
+    reads both back from the panels."""
+    if weight.dim() != 2 or weight.dtype not in _FLAGS or weight.shape[0] % 16:
+        return False
+    return weight.dtype == torch.float32 or weight.shape[1] % 2 == 0
+
+
+def features(weight: torch.Tensor) -> tuple[int, int]:
+    """(out, in) features of a weight as a model holds it: plain, packed by oneDNN (which keeps the
+    shape) or in column panels."""
+    if weight.dim() == 3:
+        return weight.shape[0] * 16, weight.shape[1] * (2 if weight.dtype == torch.bfloat16 else 1)
+    return weight.shape[0], weight.shape[1]
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] in column panels: a 3-D carrier tensor (gemm.cpp says what it holds), which
+    is how ``ModelOps.linear`` tells it from a plain or oneDNN-packed weight."""
+    packed: torch.Tensor = torch.ops.inflight_cpu.pack_linear(weight)
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out: torch.Tensor = torch.ops.inflight_cpu.packed_linear(x, packed, bias)
+    return out

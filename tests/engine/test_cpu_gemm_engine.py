@@ -1,0 +1,46 @@
+"""A model served on the CPU engine's own packed linear kernels (engine/models/cpu_gemm.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.kernels import cpu as cpu_kernels
+from engine.models import cpu_gemm
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_kernels.load() and cpu_gemm.supported(torch.float32)),
+    reason="the C++ CPU kernels cannot be built here, or this CPU lacks AVX-512",
+)
+
+_ARGS: dict[str, Any] = dict(
+    block_size=8, max_num_seqs=8, max_num_batched_tokens=64, enable_prefix_caching=False
+)
+
+
+def _greedy(path: Path, dtype: str) -> tuple[LLM, list[list[int]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 160)), [7] * 21]
+    llm = LLM(str(path), dtype=dtype, **_ARGS)
+    return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def test_a_model_served_on_its_own_kernels(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32: the weights in column panels, no row padding, and the same greedy tokens as oneDNN's
+    packed weights and torch's matmul (a chunked prefill beside decodes, batches of 1-4 rows)."""
+    monkeypatch.setenv("INFLIGHT_CPU_GEMM", "inflight")
+    own, tokens = _greedy(tiny_llama_path, "float32")
+    model = own.engine.runner.model
+    assert model.ops.gemm == "inflight" and model.ops.row_padding is None
+    assert all(w is not None and w.dim() == 3 for w in (model.layers[0]["qkv"], model.layers[0]["down"]))
+    assert model.lm_head.dim() == 3
+    own.engine.kv.check_integrity()
+    for other in ("onednn", "torch"):
+        monkeypatch.setenv("INFLIGHT_CPU_GEMM", other)
+        llm, expected = _greedy(tiny_llama_path, "float32")
+        assert llm.engine.runner.model.ops.gemm in (other, "torch")
+        assert tokens == expected, other
