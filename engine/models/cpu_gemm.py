@@ -2,12 +2,12 @@
 which linear path a CPU engine takes.
 
 Why its own. A decode step multiplies each weight by a few to a few tens of rows, so it streams every
-weight from memory once; oneDNN's packed kernels read them well below what a core can stream there.
+weight from memory once; oneDNN's packed kernels read them slower than a core can stream them there.
 Measured on a 2-core AMD EPYC (Zen 5, AVX512_BF16, no AMX), SmolLM2-135M's linear layers and LM head
-at one thread, bf16: oneDNN 11.4 / 15.5 / 20.9 / 49.0 ms at 1 / 8 / 16 / 64 rows, these kernels 8.2 /
-10.8 / 16.1 / 47.6 ms; float32 1.2-1.45x at 1-8 rows, 1.1-1.2x at 16; both within a few percent
-of each other at prefill sizes (256-1,024 rows), where the multiply units bound either
-(``python -m bench gemm``). No row padding either: nothing is built per row count.
+at one thread (``python -m bench.cpu_gemm_bench``), bf16: oneDNN 10.1 / 14.6 / 19.4 / 46.6 ms at
+1 / 8 / 16 / 64 rows, these kernels 7.6 / 10.6 / 15.6 / 43.6 ms; float32: 17.9 / 25.4 / 32.6 / 86.4
+against 15.2 / 20.7 / 28.4 / 82.9. At prefill sizes (256-1,024 rows) the multiply units bound both,
+within 1-3% of each other. No row padding either: nothing is built per row count.
 
 Which path (``INFLIGHT_CPU_GEMM``, default ``auto``): these kernels where the CPU has their
 instructions (AVX-512 for float32; AVX512_BF16 for bf16) and no AMX, whose bf16 tiles oneDNN

@@ -1,5 +1,8 @@
 """Linear layers on CPU through oneDNN: weights packed once, row counts padded to whole tiles.
 
+Where the engine's own kernels run (AVX-512 without AMX: engine/models/cpu_gemm.py), oneDNN takes only
+the weights they cannot; elsewhere it takes them all.
+
 Why oneDNN for float32 too. torch's own float32 matmul is MKL's sgemm, which on a non-Intel x86 CPU
 takes a slower code path: on a 2-core AMD EPYC with AVX-512, SmolLM2-135M's four linear layers x 30
 at 64 rows took 172 ms through ``F.linear`` and 70 ms through oneDNN's packed weights (79 against

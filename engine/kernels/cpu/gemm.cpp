@@ -3,9 +3,10 @@
 //
 // Why not oneDNN for these. A decode step multiplies a few to a few tens of rows by every weight, so
 // its time is the weights' stream from memory: on a 2-core AMD EPYC (Zen 5) oneDNN's packed kernels
-// read SmolLM2-135M's weights at 15-19 GB/s in bf16 at 1-16 rows, where a plain panel walk reads them
-// at 30-33. At prefill sizes both are bound by the multiply units and run within a few percent of each
-// other. On AMX hosts oneDNN's tile kernels stay (engine/models/cpu_gemm.py decides).
+// read SmolLM2-135M's bf16 weights at 27 GB/s for one row and 14 GB/s for 16, where this plain walk
+// over panels reads them at 35 and 17. At prefill sizes both are bound by the multiply units and run
+// within a few percent of each other. On AMX hosts oneDNN's tile kernels stay (engine/models/
+// cpu_gemm.py decides).
 //
 // Layout. Columns (output features) go in groups of 48, three 16-lane vectors; a group's block holds,
 // for each k, its 48 weights side by side (float32), or for each pair of k, 48 pairs (bf16: what
