@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.kernels import cpu as cpu_kernels
-from engine.models import cpu_gemm
+from engine.models import cpu_gemm, onednn
 
 pytestmark = pytest.mark.skipif(
     not (cpu_kernels.load() and cpu_gemm.supported(torch.float32)),
@@ -44,3 +44,21 @@ def test_a_model_served_on_its_own_kernels(tiny_llama_path: Path, monkeypatch: p
         llm, expected = _greedy(tiny_llama_path, "float32")
         assert llm.engine.runner.model.ops.gemm in (other, "torch")
         assert tokens == expected, other
+
+
+def test_weights_the_kernels_cannot_take_stay_with_onednn(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight the panels cannot hold (here: every square one, as if its out features were not a
+    multiple of 16) is packed by oneDNN, or kept plain where oneDNN cannot pack, beside panels for
+    the rest; the greedy tokens stay those of the all-panel model."""
+    monkeypatch.setenv("INFLIGHT_CPU_GEMM", "inflight")
+    _, expected = _greedy(tiny_llama_path, "float32")
+    packable = cpu_gemm.packable
+    monkeypatch.setattr(cpu_gemm, "packable", lambda w: packable(w) and w.shape[0] != w.shape[1])
+    mixed, tokens = _greedy(tiny_llama_path, "float32")
+    layer = mixed.engine.runner.model.layers[0]
+    assert layer["o"] is not None and layer["o"].dim() == 2  # square: oneDNN's (or torch's)
+    assert layer["qkv"] is not None and layer["qkv"].dim() == 3
+    assert (mixed.engine.runner.model.ops.prepack_rows > 0) == onednn.can_prepack(torch.float32)
+    assert tokens == expected
