@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.run_support import run_cpu_kernel_bench
+from bench.run_support import cpu_kernel_parser, run_cpu_kernel_bench
 from engine.models import cpu_gemm, onednn
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -39,15 +39,8 @@ def best_pass(calls: list[tuple[Linear, torch.Tensor, torch.Tensor]]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cpu_kernel_parser(__doc__, 3, "passes per path")
     parser.add_argument("--rows", default="1,4,8,16,32,64,256,1024", help="comma list of row counts")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--repeats", type=int, default=3, help="passes per path (the best counts)")
-    parser.add_argument(
-        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
-    )
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--hidden", type=int, default=576)
     parser.add_argument("--intermediate", type=int, default=1536)

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from bench.run_support import run_cpu_kernel_bench
+from bench.run_support import cpu_kernel_parser, run_cpu_kernel_bench
 from engine.attention import cpu_prefill
 
 
@@ -25,15 +25,8 @@ def causal_flops(tokens: int, shape: cpu_prefill.PrefillShape) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = cpu_kernel_parser(__doc__, 5, "timed calls per path")
     parser.add_argument("--tokens", default="64,256,1024,4096", help="comma list of prompt lengths")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--repeats", type=int, default=5, help="timed calls per path (the best counts)")
-    parser.add_argument(
-        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
-    )
     args = parser.parse_args(argv)
     return run_cpu_kernel_bench("cpu_prefill_bench", args.threads, lambda: report(args))
 

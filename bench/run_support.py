@@ -6,6 +6,7 @@ workloads (inflight/plan/workload.py), which the planner's validation runs on to
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import sys
@@ -28,6 +29,17 @@ def set_threads(threads: int) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def cpu_kernel_parser(doc: str | None, repeats: int, repeats_help: str) -> argparse.ArgumentParser:
+    """The arguments every CPU kernel bench takes: --threads, --repeats (the best counts), --dtypes."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"{repeats_help} (the best counts)")
+    parser.add_argument(
+        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
+    )
+    return parser
 
 
 def run_cpu_kernel_bench(name: str, threads: int, report: Callable[[], None]) -> int:

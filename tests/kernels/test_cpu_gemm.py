@@ -107,3 +107,19 @@ def test_the_path_follows_the_host(
         expected = "torch"
     assert cpu_gemm.choose(dtype, cpu_kernels=True) == expected
     assert cpu_gemm.choose(dtype, cpu_kernels=False) in ("onednn", "torch")
+
+
+def test_the_gemm_bench_prints_every_path_per_row_count(capsys: pytest.CaptureFixture[str]) -> None:
+    _needs(torch.float32)
+    from bench import cpu_gemm_bench
+
+    argv = ["--rows", "1,9", "--repeats", "1", "--dtypes", "float32", "--layers", "2", "--hidden", "64"]
+    argv += ["--intermediate", "96", "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--vocab", "160"]
+    assert cpu_gemm_bench.main([*argv, "--torch"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32")]
+    assert [int(r[1]) for r in rows] == [1, 9]
+    for row in rows:
+        own_ms, rate, torch_ms = float(row[2]), float(row[3]), float(row[6])
+        assert own_ms > 0 and rate > 0 and torch_ms > 0
+        if onednn.can_prepack(torch.float32):  # times print to 0.01 ms: the ratio, from the unrounded
+            assert float(row[4]) > 0 and float(row[5]) > 0
