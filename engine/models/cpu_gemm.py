@@ -10,10 +10,11 @@ against 15.2 / 20.7 / 28.4 / 82.9. At prefill sizes (256-1,024 rows) the multipl
 within 1-3% of each other. No row padding either: nothing is built per row count.
 
 Which path (``INFLIGHT_CPU_GEMM``, default ``auto``): these kernels where the CPU has their
-instructions (AVX-512 for float32; AVX512_BF16 for bf16) and no AMX, whose bf16 tiles oneDNN
-multiplies much faster at prefill sizes; else oneDNN's packed weights where torch and the CPU can pack
-(engine/models/onednn.py); else torch's own matmul. A weight whose out features are not a multiple of
-16 stays with oneDNN (or torch) under any choice.
+instructions (AVX-512 for float32; AVX512_BF16 for bf16), except bf16 on an AMX CPU: there oneDNN
+multiplies bf16 on AMX's tiles, whose peak is several times what vdpbf16ps reaches (the two were not
+timed side by side: no AMX host ran these kernels); else oneDNN's packed weights where torch and the
+CPU can pack (engine/models/onednn.py); else torch's own matmul. A weight whose out features are not
+a multiple of 16 stays with oneDNN (or torch) under any choice.
 """
 
 from __future__ import annotations
