@@ -40,7 +40,7 @@ class ModelOps:
     use_cpu_kernels: bool = False
     # On CPU, who multiplies the linear layers (engine/models/cpu_gemm.py): the engine's own kernels on
     # column-panel weights ("inflight"), oneDNN's packed weights ("onednn"), or torch's matmul.
-    gemm: str = "torch"
+    gemm: cpu_gemm.Gemm = "torch"
     # oneDNN's packing (the engine's choice, or where its own kernels cannot take a weight): 0 = off;
     # else the batch size it targets. In bf16 a decode step's small GEMMs otherwise repack every
     # weight on every call: 1.4-1.6x slower at 16-64 rows, measured on SmolLM2's shapes.
@@ -341,5 +341,5 @@ class LlamaForCausalLM:
         n, vocab = logits.shape
         buf = self._float_logits
         if buf is None or buf.shape[0] < n or buf.shape[1] != vocab:
-            buf = self._float_logits = torch.empty(max(n, self.ops.prepack_rows, 1), vocab)
+            buf = self._float_logits = torch.empty(max(n, self.ops.prepack_rows), vocab)
         return buf[:n].copy_(logits)
