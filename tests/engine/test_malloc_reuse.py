@@ -4,6 +4,13 @@ prefill step allocates its activations on pages it already has instead of faulti
 Each case runs the engine in a subprocess: malloc's thresholds are process-wide and set once, so the
 test process cannot hold both settings. Minor page faults are counted by the kernel (getrusage), not
 timed, so the outcome does not depend on the host's speed.
+
+The linear layers run on oneDNN's packed weights here, whose start-up warm-up (every padded row count)
+leaves the heap at a step's size before the first request. On the engine's own kernels nothing runs at
+start-up, and with a model as small as this one a step's activations are a few MB each, so where the
+objects that outlive a step land can still make the heap grow by one activation's size in a few early
+rounds (0-1,600 faults a round, unkept 1,500-3,300). At SmolLM2-135M's size (1,920-token prefills)
+both paths fault 0-1 pages a warm round.
 """
 
 from __future__ import annotations
@@ -16,7 +23,6 @@ from pathlib import Path
 
 import pytest
 
-_ROUNDS = 6
 _SCRIPT = """
 import json, random, resource, sys
 import torch
@@ -33,7 +39,7 @@ rng = random.Random(0)
 vocab = engine.config.model.vocab_size
 params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 faults = []
-for round_ in range(int(sys.argv[2])):
+for round_ in range(3):
     for i in range(16):
         engine.add_request(f"{round_}-{i}", [rng.randrange(vocab) for _ in range(120)], params)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -48,12 +54,9 @@ print(json.dumps({"reused": platform.reuse_freed_memory(), "faults": faults}))
 def _prefill_faults(model: Path, setting: str) -> dict[str, object]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env["INFLIGHT_CPU_MALLOC"] = setting
+    env["INFLIGHT_CPU_GEMM"] = "onednn"  # the settled heap of the module's docstring
     out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(model), str(_ROUNDS)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", _SCRIPT, str(model)], env=env, capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr[-2000:]
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -65,13 +68,11 @@ def test_warm_prefill_steps_fault_no_pages_in(tiny_llama_path: Path) -> None:
     reuse = _prefill_faults(tiny_llama_path, "reuse")
     system = _prefill_faults(tiny_llama_path, "system")
     assert reuse["reused"] is True and system["reused"] is False
+    warm_reuse = max(reuse["faults"][1:])  # type: ignore[index]
+    warm_system = min(system["faults"][1:])  # type: ignore[index]
     # Left to itself glibc maps and unmaps a step's larger activations every step.
-    assert min(system["faults"][1:]) > 1000, system  # type: ignore[index]
-    # Kept, the heap stops growing once the objects that outlive a step have settled among the freed
-    # activations (the first rounds may still extend it by a few MB, depending on where they land):
-    # the last rounds fault a small fraction of what the same rounds fault unkept.
-    warm = slice(_ROUNDS // 2, None)
-    assert sum(reuse["faults"][warm]) < 0.1 * sum(system["faults"][warm]), (reuse, system)  # type: ignore[index]
+    assert warm_system > 1000, system
+    assert warm_reuse < 100, reuse
 
 
 def test_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
