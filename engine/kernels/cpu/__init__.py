@@ -1,5 +1,6 @@
 """The CPU engine's C++ kernels: paged attention and the KV store (read in place through block tables),
-and the layer's fused pointwise ops (RMSNorm with the residual add, rotary, SiLU-and-mul).
+the layer's fused pointwise ops (RMSNorm with the residual add, rotary, SiLU-and-mul), and the linear
+layers on weights packed into column panels (gemm.cpp, AVX-512 hosts).
 
 ``load()`` builds them on first use (a torch extension compiled with the host's g++, cached per source
 and torch version in ``engine.paths.cpu_ext_root()``; ``make setup`` builds it ahead of time, and a build
