@@ -66,12 +66,13 @@ class LLMEngine:
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config, self.kv, eos, cost=cost)
         logger.info(
-            "engine: %s on %s, dtype %s, attention %s, %d torch threads, %d KV blocks of %d tokens, "
-            "async scheduling %s (%s)",
+            "engine: %s on %s, dtype %s, attention %s, linear layers %s, %d torch threads, %d KV blocks of "
+            "%d tokens, async scheduling %s (%s)",
             config.model.architecture,
             config.device,
             str(config.dtype).removeprefix("torch."),
             config.attention_backend,
+            self.runner.model.ops.gemm,
             torch.get_num_threads(),
             self.runner.num_blocks,
             config.block_size,
