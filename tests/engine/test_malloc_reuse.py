@@ -5,12 +5,12 @@ Each case runs the engine in a subprocess: malloc's thresholds are process-wide 
 test process cannot hold both settings. Minor page faults are counted by the kernel (getrusage), not
 timed, so the outcome does not depend on the host's speed.
 
-The linear layers run on oneDNN's packed weights here, whose start-up warm-up (every padded row count)
-leaves the heap at a step's size before the first request. On the engine's own kernels nothing runs at
-start-up, and with a model as small as this one a step's activations are a few MB each, so where the
-objects that outlive a step land can still make the heap grow by one activation's size in a few early
-rounds (0-1,600 faults a round, unkept 1,500-3,300). At SmolLM2-135M's size (1,920-token prefills)
-both paths fault 0-1 pages a warm round.
+With a model as small as this one a step's activations are a few MB each, and where the objects that
+outlive a step land can still make the heap grow by one activation in an early round (about 660 faults;
+unkept, 1,500-3,300 a round). The linear layers run on oneDNN's packed weights here, whose start-up
+warm-up (every padded row count) leaves the heap near a step's size before the first request; on the
+engine's own kernels, which build nothing at start-up, such rounds are more frequent (0-1,600 faults
+in rounds 1-5). At SmolLM2-135M's size (1,920-token prefills) both paths fault 0-1 pages a warm round.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+_ROUNDS = 8
 _SCRIPT = """
 import json, random, resource, sys
 import torch
@@ -39,7 +40,7 @@ rng = random.Random(0)
 vocab = engine.config.model.vocab_size
 params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 faults = []
-for round_ in range(3):
+for round_ in range(int(sys.argv[2])):
     for i in range(16):
         engine.add_request(f"{round_}-{i}", [rng.randrange(vocab) for _ in range(120)], params)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -56,7 +57,11 @@ def _prefill_faults(model: Path, setting: str) -> dict[str, object]:
     env["INFLIGHT_CPU_MALLOC"] = setting
     env["INFLIGHT_CPU_GEMM"] = "onednn"  # the settled heap of the module's docstring
     out = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(model)], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _SCRIPT, str(model), str(_ROUNDS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -68,11 +73,13 @@ def test_warm_prefill_steps_fault_no_pages_in(tiny_llama_path: Path) -> None:
     reuse = _prefill_faults(tiny_llama_path, "reuse")
     system = _prefill_faults(tiny_llama_path, "system")
     assert reuse["reused"] is True and system["reused"] is False
-    warm_reuse = max(reuse["faults"][1:])  # type: ignore[index]
-    warm_system = min(system["faults"][1:])  # type: ignore[index]
     # Left to itself glibc maps and unmaps a step's larger activations every step.
-    assert warm_system > 1000, system
-    assert warm_reuse < 100, reuse
+    assert min(system["faults"][1:]) > 1000, system  # type: ignore[index]
+    # Kept, a settled heap faults nothing in; a round may still place one activation (~660 pages
+    # here) past the heap's end while the objects that outlive a step find their places, so the last
+    # rounds are compared, in total, with the same rounds unkept.
+    late = slice(_ROUNDS // 2, None)
+    assert sum(reuse["faults"][late]) < 0.1 * sum(system["faults"][late]), (reuse, system)  # type: ignore[index]
 
 
 def test_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
