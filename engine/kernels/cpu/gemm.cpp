@@ -159,11 +159,16 @@ void run(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const T
 
 #endif  // INFLIGHT_GEMM_X86
 
+#ifdef INFLIGHT_GEMM_X86
+// Asked of the CPU once, not on each of a step's several hundred calls.
+const bool kHasF32 = __builtin_cpu_supports("avx512f");
+const bool kHasBf16 = kHasF32 && __builtin_cpu_supports("avx512bf16");
+#endif
+
 bool supported(at::ScalarType dtype) {
 #ifdef INFLIGHT_GEMM_X86
-  __builtin_cpu_init();
-  if (dtype == at::kFloat) return __builtin_cpu_supports("avx512f");
-  if (dtype == at::kBFloat16) return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+  if (dtype == at::kFloat) return kHasF32;
+  if (dtype == at::kBFloat16) return kHasBf16;
 #endif
   return false;
 }
