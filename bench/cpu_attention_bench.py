@@ -13,7 +13,8 @@ preempting it (they still share the memory bus); with more threads, by the wall 
 
 ``--baseline REV`` also builds the kernel of git revision REV (engine/kernels/cpu/paged_attention.cpp
 and vec.h, under another op namespace; its cache laid out as --baseline-layout: head-major by default,
-the layout the kernel has read since 565be93; token-major for older revisions) and times it
+the layout the kernel read from 565be93 until its K pages were key-interleaved; head-major-kt for
+revisions since; token-major for older ones) and times it
 interleaved with the current one, sweep for sweep, in one process. On a busy host read the ratio,
 not either absolute figure.
 """
@@ -97,7 +98,7 @@ def make_caches(
         token_major = torch.randn((2, *dims), generator=gen).to(dtype)
         for i, layout in enumerate(layouts):
             cache = torch.empty(layout.shape(*dims), dtype=dtype)
-            layout.token_major_view(cache).copy_(token_major)
+            layout.fill_from_token_major(cache, token_major)
             caches[i].append(cache)
     return caches, tables.to(torch.int32)
 

@@ -36,19 +36,58 @@ class KVLayout(enum.Enum):
     writes one run per token; a reader of one kv head strides Hkv * D between keys.
     HEAD_MAJOR ``[2, num_blocks, Hkv, block_size, D]``: each (block, kv head) page is one contiguous
     run of block_size * D elements, which a reader of one kv head streams.
+    HEAD_MAJOR_KT: sized as HEAD_MAJOR, V pages as there, but each K page holds
+    ``[D / P, block_size, P]`` with P = 4 bytes / element size (float32 1, bf16 2): a dim (or a pair
+    of dims) of consecutive keys side by side, so a reader scores many keys at once lane by lane
+    instead of summing each key's D products. Its K pages are not a view of ``[block_size, D]``:
+    ``to_token_major`` / ``fill_from_token_major`` convert.
     """
 
     TOKEN_MAJOR = "token-major"
     HEAD_MAJOR = "head-major"
+    HEAD_MAJOR_KT = "head-major-kt"
 
     def shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
-        if self is KVLayout.HEAD_MAJOR:
-            return (2, num_blocks, num_kv_heads, block_size, head_size)
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        if self is KVLayout.TOKEN_MAJOR:
+            return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
 
     def token_major_view(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """``kv_cache`` seen as ``[2, num_blocks, block_size, Hkv, D]`` (a view: no copy, writes land)."""
+        """``kv_cache`` seen as ``[2, num_blocks, block_size, Hkv, D]`` (a view: no copy, writes land);
+        TOKEN_MAJOR and HEAD_MAJOR only."""
+        if self is KVLayout.HEAD_MAJOR_KT:
+            raise ValueError("head-major-kt K pages are not a view of [block_size, D]; use to_token_major")
         return kv_cache.transpose(2, 3) if self is KVLayout.HEAD_MAJOR else kv_cache
+
+    def to_token_major(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache's contents as ``[2, num_blocks, block_size, Hkv, D]`` (a new tensor)."""
+        if self is not KVLayout.HEAD_MAJOR_KT:
+            return self.token_major_view(kv_cache).clone()
+        return torch.stack((key_pages(kv_cache[0]).transpose(1, 2), kv_cache[1].transpose(1, 2)))
+
+    def fill_from_token_major(self, kv_cache: torch.Tensor, token_major: torch.Tensor) -> None:
+        """Writes ``token_major`` (``[2, num_blocks, block_size, Hkv, D]``) into ``kv_cache``."""
+        if self is not KVLayout.HEAD_MAJOR_KT:
+            self.token_major_view(kv_cache).copy_(token_major)
+            return
+        num_blocks, num_kv_heads, block_size, head_size = kv_cache.shape[1:]
+        pack = 4 // kv_cache.element_size()
+        k_pages = kv_cache[0].view(num_blocks, num_kv_heads, head_size // pack, block_size, pack)
+        k_pages.copy_(
+            token_major[0]
+            .view(num_blocks, block_size, num_kv_heads, head_size // pack, pack)
+            .permute(0, 2, 3, 1, 4)
+        )
+        kv_cache[1].transpose(1, 2).copy_(token_major[1])
+
+
+def key_pages(k_half: torch.Tensor) -> torch.Tensor:
+    """The K half of a HEAD_MAJOR_KT cache (``[num_blocks, Hkv, block_size, D]`` in size) as
+    ``[num_blocks, Hkv, block_size, D]`` pages of keys (a new tensor)."""
+    num_blocks, num_kv_heads, block_size, head_size = k_half.shape
+    pack = 4 // k_half.element_size()
+    lanes = k_half.view(num_blocks, num_kv_heads, head_size // pack, block_size, pack)
+    return lanes.permute(0, 1, 3, 2, 4).reshape(num_blocks, num_kv_heads, block_size, head_size)
 
 
 @dataclass

@@ -8,10 +8,12 @@ Long prefill chunks (>= ``PREFILL_SDPA_MIN`` query tokens) are compute-bound, O(
 go to the kernel too, or to torch's flash-attention SDPA where that is clearly faster on this host:
 ``engine/attention/cpu_prefill.py`` times both once per attention shape and picks.
 
-The cache is head-major (``KVLayout.HEAD_MAJOR``: each block's K and V of one kv head contiguous,
-which the kernel streams) for the shapes the kernel takes. For the others (float16 caches, head sizes
-that are not a multiple of 16) it is token-major and everything goes through the torch backend, so
-this backend serves any model the engine loads and the fallback only ever sees the layout it knows.
+The cache is head-major with key-interleaved K pages (``KVLayout.HEAD_MAJOR_KT``: each block's K and
+V of one kv head contiguous, which the kernel streams, and a K page's lines each hold one dim of
+consecutive keys, which it scores without horizontal sums) for the shapes the kernel takes. For the
+others (float16 caches, head sizes that are not a multiple of 16) it is token-major and everything
+goes through the torch backend, so this backend serves any model the engine loads and the fallback
+only ever sees the layout it knows.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ PREFILL_SDPA_MIN = 32  # query tokens from which a request's chunk may go to SDP
 
 
 def kernel_supports(dtype: torch.dtype, head_size: int, device: torch.device) -> bool:
-    """Whether the C++ kernels take a cache of this dtype and head size (head-major, then)."""
+    """Whether the C++ kernels take a cache of this dtype and head size (HEAD_MAJOR_KT, then)."""
     return device.type == "cpu" and dtype in _KERNEL_DTYPES and head_size % 16 == 0 and head_size <= 256
 
 
@@ -53,13 +55,13 @@ class CpuAttentionBackend:
         return cpu_prefill.choose(cpu_prefill.PrefillShape(num_heads, num_kv_heads, head_size, dtype)).route
 
     def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout:
-        return KVLayout.HEAD_MAJOR if kernel_supports(dtype, head_size, device) else KVLayout.TOKEN_MAJOR
+        return KVLayout.HEAD_MAJOR_KT if kernel_supports(dtype, head_size, device) else KVLayout.TOKEN_MAJOR
 
     def store_kv(
         self,
         key: torch.Tensor,  # [T, Hkv, D]
         value: torch.Tensor,  # [T, Hkv, D]
-        kv_cache: torch.Tensor,  # head-major [2, num_blocks, Hkv, block_size, D], else token-major
+        kv_cache: torch.Tensor,  # HEAD_MAJOR_KT, else token-major
         metadata: AttentionMetadata,
     ) -> None:
         if not _on_kernel(kv_cache):
@@ -72,7 +74,7 @@ class CpuAttentionBackend:
     def forward(
         self,
         query: torch.Tensor,  # [T, Hq, D]
-        kv_cache: torch.Tensor,  # head-major [2, num_blocks, Hkv, block_size, D], else token-major
+        kv_cache: torch.Tensor,  # HEAD_MAJOR_KT, else token-major
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]

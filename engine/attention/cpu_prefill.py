@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import envs
+from engine.attention.backend import key_pages
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def time_paths(
 
 def probe(shape: PrefillShape, tokens: int = PROBE_TOKENS) -> tuple[Callable[[], None], Callable[[], None]]:
     """Calls that attend one whole prompt of ``tokens`` tokens through each path (kernel, SDPA), on
-    a head-major cache."""
+    a cache of HEAD_MAJOR_KT's size (random contents: only the time counts)."""
     n = tokens
     num_blocks = -(-n // PROBE_BLOCK_SIZE)
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +127,7 @@ def probe(shape: PrefillShape, tokens: int = PROBE_TOKENS) -> tuple[Callable[[],
 
 def sdpa_prefill(
     query: torch.Tensor,  # [L, Hq, D], the request's last L positions
-    kv_cache: torch.Tensor,  # head-major [2, num_blocks, Hkv, block_size, D]
+    kv_cache: torch.Tensor,  # HEAD_MAJOR_KT, [2, num_blocks, Hkv, block_size, D] in size
     block_table: torch.Tensor,  # [max_blocks] int32
     seq_len: int,
     scale: float,
@@ -136,17 +137,15 @@ def sdpa_prefill(
     num_queries = query.shape[0]
     block_size = kv_cache.shape[3]
     blocks = block_table[: -(-seq_len // block_size)].long()
-    # One copy of the context, whole pages: [2, Hkv, nb, block_size, D] -> [2, Hkv, N, D].
-    kv = kv_cache.transpose(1, 2).index_select(2, blocks).flatten(2, 3)[:, :, :seq_len]
+    # One copy of the context, whole pages: [nb, Hkv, block_size, D] -> [1, Hkv, N, D], K's pages
+    # from their key-interleaved lines.
+    k = key_pages(kv_cache[0].index_select(0, blocks)).transpose(0, 1).flatten(1, 2)[None, :, :seq_len]
+    v = kv_cache[1].index_select(0, blocks).transpose(0, 1).flatten(1, 2)[None, :, :seq_len]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     if num_queries == seq_len:  # a whole prompt: the usual causal mask
-        o = F.scaled_dot_product_attention(
-            q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True
-        )
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:  # a later chunk: query i sits at position N - L + i (bottom-right aligned)
         q_pos = torch.arange(seq_len - num_queries, seq_len)
         allowed = torch.arange(seq_len)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q, kv[0].unsqueeze(0), kv[1].unsqueeze(0), attn_mask=allowed, scale=scale, enable_gqa=True
-        )
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)

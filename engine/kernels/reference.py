@@ -2,10 +2,9 @@
 
 Written for clarity, not speed (the CPU attention backend has its own faster paths). Shapes use
 T = tokens in the step, S = requests, Hq / Hkv = query / key-value heads, D = head size,
-I = MLP intermediate size. The paged cache is token-major, ``[2, num_blocks, block_size, Hkv, D]``; the
-readers (``gather_kv``, ``paged_attention``) also take a head-major cache through its token-major view
-(``KVLayout.HEAD_MAJOR.token_major_view``). The layouts and the packed-step metadata are described in
-``engine/attention/backend.py``.
+I = MLP intermediate size. The paged cache is token-major, ``[2, num_blocks, block_size, Hkv, D]``; a
+cache in another layout is read through its token-major contents (``KVLayout.to_token_major``). The
+layouts and the packed-step metadata are described in ``engine/attention/backend.py``.
 """
 
 from __future__ import annotations

@@ -149,8 +149,9 @@ def _greedy_by_backend(
 
 
 def _assert_cache_layouts(runs: dict[str, tuple[list[list[int]], LLM]]) -> None:
-    """The cpu backend's caches are head-major, [2, blocks, Hkv, block_size, D]; torch's token-major."""
-    for backend, layout in (("cpu", KVLayout.HEAD_MAJOR), ("torch", KVLayout.TOKEN_MAJOR)):
+    """The cpu backend's caches are head-major with key-interleaved K pages, [2, blocks, Hkv, block_size, D]
+    in size; torch's token-major."""
+    for backend, layout in (("cpu", KVLayout.HEAD_MAJOR_KT), ("torch", KVLayout.TOKEN_MAJOR)):
         runner = runs[backend][1].engine.runner
         config = runner.config
         dims = (runner.num_blocks, config.block_size, runner.model.num_kv_heads, config.model.head_dim)
@@ -185,7 +186,7 @@ def test_smollm2_cpu_backend_decodes_as_the_torch_backend(
 ) -> None:
     """SmolLM2-135M's real weights and shape (9 query / 3 kv heads, head 64), the kernel's GQA-3 case,
     with prompts long enough (>= 32 tokens) for a long prefill chunk, through each of its two paths
-    over head-major pages: the kernel and SDPA."""
+    over head-major, key-interleaved pages: the kernel and SDPA."""
     monkeypatch.setenv("INFLIGHT_HOME", str(tmp_path))  # the GGUF's converted copy goes there
     batch = prompts(4, seed=13, lo=20, hi=60, shared_prefix=24)
     assert max(len(p) for p in batch) >= PREFILL_SDPA_MIN

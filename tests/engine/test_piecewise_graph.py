@@ -134,7 +134,7 @@ def test_mixed_steps_match_eager(tiny_llama_path: Path, backend: str) -> None:
 
 def _written_slots(kv_cache: torch.Tensor, layout: KVLayout) -> set[int]:
     """Flat slots holding anything in K or V ([2, num_blocks, block_size, Hkv, D] -> slot ids)."""
-    cache = layout.token_major_view(kv_cache)
+    cache = layout.to_token_major(kv_cache)
     written = cache.reshape(2, cache.shape[1] * cache.shape[2], -1).ne(0).any(-1).any(0)
     return set(written.nonzero().flatten().tolist())
 

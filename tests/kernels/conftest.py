@@ -63,8 +63,8 @@ class PagedBatch:
     layout: KVLayout = KVLayout.TOKEN_MAJOR
 
     def token_major_cache(self) -> torch.Tensor:
-        """The cache as [2, num_blocks, block_size, Hkv, D]: a view, so writes land in the cache."""
-        return self.layout.token_major_view(self.kv_cache)
+        """The cache's contents as [2, num_blocks, block_size, Hkv, D] (a copy; ``layout`` writes back)."""
+        return self.layout.to_token_major(self.kv_cache)
 
     def metadata(self) -> AttentionMetadata:
         starts = self.query_start_loc.tolist()
@@ -122,7 +122,7 @@ def make_paged_batch(
     query = torch.randn((sum(query_lens), num_heads, head_size), generator=gen).to(dtype)
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     laid_out = torch.empty(layout.shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
-    layout.token_major_view(laid_out).copy_(kv_cache)
+    layout.fill_from_token_major(laid_out, kv_cache)
     return PagedBatch(
         query=query.to(device),
         keys=keys,

@@ -31,10 +31,11 @@ def _fresh_step(batch):
     new_v = torch.cat(
         [v[v.shape[0] - (b - a) :] for v, a, b in zip(batch.values, starts, starts[1:], strict=False)]
     )
-    cache = batch.token_major_cache()  # a view: the poison lands in the cache, whatever its layout
+    cache = batch.token_major_cache()
     block_size = cache.shape[2]
     for half in (0, 1):
         cache[half, batch.slot_mapping // block_size, batch.slot_mapping % block_size] = float("nan")
+    batch.layout.fill_from_token_major(batch.kv_cache, cache)  # the poison, in the cache's own layout
     return new_k, new_v
 
 

@@ -1,6 +1,6 @@
 """The C++ CPU attention kernels vs the torch reference over the Triton kernels' grid, and the
-backend through store_kv + forward vs dense attention. The kernels read head-major caches
-(KVLayout.HEAD_MAJOR); the reference reads the same cache through its token-major view."""
+backend through store_kv + forward vs dense attention. The kernels read head-major caches with
+key-interleaved K pages (KVLayout.HEAD_MAJOR_KT); the reference reads the same contents token-major."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ EXTRA_CASES = [
     ([1, 2], [19, 9], 4, 2, 64, 1, torch.float32),  # one key per page
 ]
 
-HEAD_MAJOR = KVLayout.HEAD_MAJOR
+KERNEL_LAYOUT = KVLayout.HEAD_MAJOR_KT
 CPU = torch.device("cpu")
 
 
 def _op(batch, scale, out=None, max_query_len=2**31):
-    assert batch.layout is HEAD_MAJOR
+    assert batch.layout is KERNEL_LAYOUT
     out = torch.empty_like(batch.query) if out is None else out
     torch.ops.inflight_cpu.paged_attention(
         out,
@@ -53,7 +53,9 @@ def _op(batch, scale, out=None, max_query_len=2**31):
 
 
 def test_kernel_leaves_longer_requests_to_the_caller(paged_batch):
-    batch = paged_batch([1, 40, 3], [50, 60, 3], 4, 2, 64, 16, torch.float32, device=CPU, layout=HEAD_MAJOR)
+    batch = paged_batch(
+        [1, 40, 3], [50, 60, 3], 4, 2, 64, 16, torch.float32, device=CPU, layout=KERNEL_LAYOUT
+    )
     out = torch.full_like(batch.query, 7.0)
     _op(batch, 0.125, out=out, max_query_len=31)
     assert torch.all(out[1:41] == 7.0)  # the 40-token chunk: untouched
@@ -67,7 +69,7 @@ def test_kernel_leaves_longer_requests_to_the_caller(paged_batch):
 )
 def test_kernel_matches_reference(paged_batch, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype):
     batch = paged_batch(
-        query_lens, seq_lens, hq, hkv, head_size, block_size, dtype, device=CPU, layout=HEAD_MAJOR
+        query_lens, seq_lens, hq, hkv, head_size, block_size, dtype, device=CPU, layout=KERNEL_LAYOUT
     )
     scale = head_size**-0.5
     got = _op(batch, scale)
@@ -87,7 +89,7 @@ def test_kernel_matches_reference(paged_batch, query_lens, seq_lens, hq, hkv, he
 
 def test_kernel_reads_strided_query(paged_batch):
     """The model hands attention a view of the fused qkv projection: rows strided, heads contiguous."""
-    batch = paged_batch([1, 5], [20, 5], 4, 2, 64, 16, torch.float32, device=CPU, layout=HEAD_MAJOR)
+    batch = paged_batch([1, 5], [20, 5], 4, 2, 64, 16, torch.float32, device=CPU, layout=KERNEL_LAYOUT)
     wide = torch.randn(batch.query.shape[0], 4 * 64 + 99)
     wide[:, : 4 * 64] = batch.query.reshape(-1, 4 * 64)
     strided = wide[:, : 4 * 64].view(-1, 4, 64)
@@ -97,7 +99,7 @@ def test_kernel_reads_strided_query(paged_batch):
 
 
 def test_kernel_rejects_bad_input(paged_batch):
-    batch = paged_batch([1], [9], 4, 2, 64, 16, torch.float32, device=CPU, layout=HEAD_MAJOR)
+    batch = paged_batch([1], [9], 4, 2, 64, 16, torch.float32, device=CPU, layout=KERNEL_LAYOUT)
     with pytest.raises(RuntimeError, match="share a dtype"):
         _op(batch, 0.125, out=torch.empty_like(batch.query, dtype=torch.bfloat16))
     bad = type(batch)(**{**batch.__dict__, "seq_lens": batch.seq_lens.long()})
@@ -124,16 +126,21 @@ def test_store_kv_writes_each_token_into_its_heads_pages(num_kv_heads, head_size
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[[2, 7]] = -1  # padding tokens
     token_major = torch.randn(2, num_blocks, block_size, num_kv_heads, head_size, generator=gen).to(dtype)
-    head_major = torch.empty(HEAD_MAJOR.shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
-    HEAD_MAJOR.token_major_view(head_major).copy_(token_major)  # the same contents, laid out head-major
+    cache = torch.empty(KERNEL_LAYOUT.shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
+    KERNEL_LAYOUT.fill_from_token_major(cache, token_major)  # the same contents, in the kernel's layout
+    assert torch.equal(KERNEL_LAYOUT.to_token_major(cache), token_major)
     reference.store_kvcache(key, value, token_major, slots)
-    torch.ops.inflight_cpu.store_kv(key, value, head_major, slots)
-    assert torch.equal(HEAD_MAJOR.token_major_view(head_major), token_major)
-    # Spelled out for one token: block slot // block_size, row slot % block_size of each head's page.
+    torch.ops.inflight_cpu.store_kv(key, value, cache, slots)
+    assert torch.equal(KERNEL_LAYOUT.to_token_major(cache), token_major)
+    # Spelled out for one token: in block slot // block_size, each head's V page holds it as row
+    # slot % block_size; its K page as element (pair) slot % block_size of each of its D / P lines.
     slot = int(slots[0])
+    block, row = slot // block_size, slot % block_size
+    pack = 4 // cache.element_size()
     for h in range(num_kv_heads):
-        assert torch.equal(head_major[0, slot // block_size, h, slot % block_size], key[0, h])
-        assert torch.equal(head_major[1, slot // block_size, h, slot % block_size], value[0, h])
+        lines = cache[0, block, h].reshape(head_size // pack, block_size, pack)
+        assert torch.equal(lines[:, row].flatten(), key[0, h])
+        assert torch.equal(cache[1, block, h, row], value[0, h])
 
 
 @functools.cache
@@ -144,16 +151,16 @@ def _backend():
 @pytest.mark.parametrize(
     ("dtype", "head_size", "layout"),
     [
-        (torch.float32, 64, HEAD_MAJOR),
-        (torch.bfloat16, 64, HEAD_MAJOR),
-        (torch.bfloat16, 256, HEAD_MAJOR),
-        (torch.float32, 16, HEAD_MAJOR),
+        (torch.float32, 64, KERNEL_LAYOUT),
+        (torch.bfloat16, 64, KERNEL_LAYOUT),
+        (torch.bfloat16, 256, KERNEL_LAYOUT),
+        (torch.float32, 16, KERNEL_LAYOUT),
         (torch.float16, 64, KVLayout.TOKEN_MAJOR),  # the torch fallback's dtype
         (torch.float32, 24, KVLayout.TOKEN_MAJOR),  # not a multiple of 16
         (torch.float32, 512, KVLayout.TOKEN_MAJOR),  # past the kernel's largest head
     ],
 )
-def test_backend_declares_head_major_exactly_for_the_kernel_shapes(dtype, head_size, layout):
+def test_backend_declares_its_layout_exactly_for_the_kernel_shapes(dtype, head_size, layout):
     assert _backend().kv_layout(dtype, head_size, CPU) is layout
     assert get_attention_backend("torch").kv_layout(dtype, head_size, CPU) is KVLayout.TOKEN_MAJOR
 
@@ -211,7 +218,7 @@ def _store_then_attend_matches_dense(
 ):
     backend = _backend()
     layout = backend.kv_layout(dtype, head_size, CPU)
-    assert layout is HEAD_MAJOR
+    assert layout is KERNEL_LAYOUT
     batch = paged_batch(
         query_lens, seq_lens, hq, hkv, head_size, block_size, dtype, device=CPU, layout=layout
     )
@@ -242,7 +249,7 @@ def test_backend_falls_back_for_shapes_the_kernel_does_not_take(
 
 
 def test_backend_attends_a_query_of_another_dtype_in_the_caches(paged_batch, dense_attention):
-    batch = paged_batch([1, 3], [40, 3], 4, 2, 64, 16, torch.bfloat16, device=CPU, layout=HEAD_MAJOR)
+    batch = paged_batch([1, 3], [40, 3], 4, 2, 64, 16, torch.bfloat16, device=CPU, layout=KERNEL_LAYOUT)
     want = dense_attention(batch, 0.125)
     new_k, new_v = _fresh_step(batch)
     metadata = batch.metadata()

@@ -13,12 +13,14 @@ from engine.kernels import cpu as cpu_kernels
 
 def test_caches_hold_the_same_values_in_each_layout():
     shape = bench.Shape(seqs=3, context=20, block_size=8)
-    (token, head), tables = bench.make_caches(
-        shape, torch.float32, 2, [KVLayout.TOKEN_MAJOR, KVLayout.HEAD_MAJOR]
-    )
-    assert len(token) == len(head) == 2
-    assert head[0].shape == (2, 3 * 3 + 1, 3, 8, 64) and head[0].is_contiguous()
+    layouts = [KVLayout.TOKEN_MAJOR, KVLayout.HEAD_MAJOR, KVLayout.HEAD_MAJOR_KT]
+    (token, head, kt), tables = bench.make_caches(shape, torch.float32, 2, layouts)
+    assert len(token) == len(head) == len(kt) == 2
+    assert head[0].shape == kt[0].shape == (2, 3 * 3 + 1, 3, 8, 64) and head[0].is_contiguous()
     assert torch.equal(KVLayout.HEAD_MAJOR.token_major_view(head[1]), token[1])
+    assert torch.equal(KVLayout.HEAD_MAJOR_KT.to_token_major(kt[1]), token[1])
+    assert torch.equal(kt[1][1], head[1][1])  # V pages alike; K pages key-interleaved
+    assert not torch.equal(kt[1][0], head[1][0])
     assert not torch.equal(token[0], token[1])  # a cache per layer, not one repeated
     assert tables.shape == (3, 3) and len(set(tables.flatten().tolist())) == 9
 
@@ -29,7 +31,7 @@ def test_smoke_prints_a_row_per_dtype(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith(("float32", "bfloat16"))]
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        ("float32", "current", "head-major"),
-        ("bfloat16", "current", "head-major"),
+        ("float32", "current", "head-major-kt"),
+        ("bfloat16", "current", "head-major-kt"),
     ]
     assert all(float(r[3]) > 0 for r in rows)

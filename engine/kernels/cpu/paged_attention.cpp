@@ -1,13 +1,14 @@
 // Paged attention and KV store for the CPU engine, read in place through the block tables.
 //
 // Registered as torch ops (torch.ops.inflight_cpu.*), built by engine/kernels/cpu/__init__.py. The
-// packed-step metadata is that of engine/attention/backend.py; the cache is head-major
-// (KVLayout.HEAD_MAJOR there):
-//   kv_cache [2, num_blocks, Hkv, block_size, D]   query/out [T, Hq, D]
+// packed-step metadata is that of engine/attention/backend.py; the cache is head-major with
+// key-interleaved K pages (KVLayout.HEAD_MAJOR_KT there):
+//   kv_cache [2, num_blocks, Hkv, block_size, D] in size   query/out [T, Hq, D]
 //   query_start_loc [S + 1] int32   seq_lens [S] int32   block_tables [S, max_blocks] int32
-// so the K (or V) of one kv head in one block, a page, is one run of block_size * D elements: an item
-// streams whole pages, and neither its cache lines nor its 4 KiB memory pages hold other heads' rows
-// (token-major, one kv head's keys are D-element rows at a stride of Hkv * D).
+// The K (or V) of one kv head in one block, a page, is one run of block_size * D elements: an item
+// streams whole pages, and neither its cache lines nor its 4 KiB memory pages hold other heads'
+// keys. A V page is [block_size][D] (a key's values side by side); a K page is [D / P][block_size][P],
+// P = 4 / sizeof(T), so that a score is computed for 16 keys at once (see kPack below).
 //
 // Work is split into items (request, kv head, tile of up to kTileQ query tokens); one item computes
 // the G = Hq / Hkv query heads that share its kv head for every query token of its tile, so each K and
@@ -43,60 +44,192 @@ using namespace inflight_cpu;
 
 constexpr int64_t kTileQ = 8;  // query tokens per work item in a prefill chunk
 
-// Shuffle masks of reduce16: lane i of the result takes lane mask[i] of the concatenation (a, b).
-constexpr vi32 kLo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-constexpr vi32 kHi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-constexpr vi32 kLo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-constexpr vi32 kHi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-constexpr vi32 kLo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-constexpr vi32 kHi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-constexpr vi32 kLo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-constexpr vi32 kHi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+// K pages are key-interleaved (KVLayout.HEAD_MAJOR_KT): the K page of one (block, kv head) is
+// [D / P][block_size][P] with P = 4 / sizeof(T) (float32 1, bf16 2), so one dim (float32) or one
+// pair of dims (bf16) of 16 consecutive keys fills one 64-byte line. The scores of 16 keys are then
+// sums of lines times a broadcast query element, lane by lane: no horizontal sum per key, which on
+// a token-major page (a key's D values side by side) cost more than the multiplications.
+template <typename T>
+constexpr int64_t kPack = 4 / static_cast<int64_t>(sizeof(T));
 
-__attribute__((always_inline)) inline vfloat fold(vfloat a, vfloat b, vi32 lo, vi32 hi) {
-  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
+// Scores are computed for NG groups of 16 keys (NG = 1 or 2) against NR rows at once: each line is
+// loaded once into a register for the NR rows, and each broadcast query element serves the NG
+// groups' lines, so loads stay below the multiply-adds. kChains: independent partial sums per
+// (row, group), enough chains to cover the multiply-add latency.
+template <int NR, int NG>
+constexpr int kChains = NR * NG >= 4 ? 2 : 8 / (NR * NG);
 
-// Lane j of the result is the sum of the lanes of x[j]: sixteen dot products finished with 45 vector
-// ops instead of sixteen serial horizontal sums. Each level adds partial sums of the same vector only,
-// so a NaN in one key's products stays in that key's lane. Level by level (a..p = x[0..15]):
-//   1: (a,b) -> [a 8 partials | b 8 partials]        8 folds
-//   2: (ab,cd) -> [a 4 | b 4 | c 4 | d 4]             4 folds
-//   3: (abcd,efgh) -> [a 2 | b 2 | ... | h 2]         2 folds
-//   4: (a..h,i..p) -> [a b c ... p]                   1 fold
-__attribute__((always_inline)) inline vfloat reduce16(const vfloat* x) {
-  vfloat l1[8], l2[4], l3[2];
-  for (int i = 0; i < 8; ++i) l1[i] = fold(x[2 * i], x[2 * i + 1], kLo1, kHi1);
-  for (int i = 0; i < 4; ++i) l2[i] = fold(l1[2 * i], l1[2 * i + 1], kLo2, kHi2);
-  for (int i = 0; i < 2; ++i) l3[i] = fold(l2[2 * i], l2[2 * i + 1], kLo3, kHi3);
-  return fold(l3[0], l3[1], kLo4, kHi4);
+// Raw scores (q . k; q as the caller scaled it) of NR rows against NG groups of 16 keys; group g's
+// line c sits at lines[g] + c * stride. q: NR rows of D floats at a stride of D. out[g * NR + r].
+template <typename T, int C, int NR, int NG>
+__attribute__((always_inline)) inline void group_scores(const T* const* lines, int64_t stride, const float* q,
+                                                        vfloat* out) {
+  constexpr int64_t D = C * kLanes;
+  constexpr int S = kChains<NR, NG>;
+  vfloat acc[NG][NR][S];
+  for (int g = 0; g < NG; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      for (int s = 0; s < S; ++s) acc[g][r][s] = vfloat{};
+    }
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    for (int64_t d0 = 0; d0 < D; d0 += S) {
+      for (int s = 0; s < S; ++s) {
+        vfloat x[NG];
+        for (int g = 0; g < NG; ++g) {
+          x[g] = load16(lines[g] + (d0 + s) * stride);
+        }
+        for (int r = 0; r < NR; ++r) {
+          const float qv = q[r * D + d0 + s];
+          for (int g = 0; g < NG; ++g) acc[g][r][s] += x[g] * qv;
+        }
+      }
+    }
+  } else {
+    // A bf16 line read as 16 32-bit lanes: the low half of lane j is dim 2c of key j, the high half
+    // dim 2c + 1; each widens to float with a shift or a mask.
+    for (int64_t c0 = 0; c0 < D / 2; c0 += S) {
+      for (int s = 0; s < S; ++s) {
+        vfloat lo[NG], hi[NG];
+        for (int g = 0; g < NG; ++g) {
+          vu32 w;
+          std::memcpy(&w, lines[g] + (c0 + s) * stride, sizeof(w));
+          const vu32 lo_bits = w << 16, hi_bits = w & 0xffff0000u;
+          std::memcpy(&lo[g], &lo_bits, sizeof(vfloat));
+          std::memcpy(&hi[g], &hi_bits, sizeof(vfloat));
+        }
+        for (int r = 0; r < NR; ++r) {
+          const float q0 = q[r * D + 2 * (c0 + s)], q1 = q[r * D + 2 * (c0 + s) + 1];
+          for (int g = 0; g < NG; ++g) acc[g][r][s] += lo[g] * q0 + hi[g] * q1;
+        }
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      vfloat sum = acc[g][r][0];
+      for (int s = 1; s < S; ++s) sum += acc[g][r][s];
+      out[g * NR + r] = sum;
+    }
+  }
 }
 
 #if defined(__x86_64__) && !defined(INFLIGHT_NO_CLONES)
-// bf16 caches on CPUs with AVX512_BF16: one query row against sixteen keys with VDPBF16PS (pairs of
-// exact bf16 products summed into float32 lanes), half the instructions of widening both sides
-// to float and no widened copy of K. ``pairs`` = D / 32. Writes the sixteen raw dot products.
-__attribute__((target("avx512f,avx512bf16"))) void dots16_bf16(const at::BFloat16* q,
-                                                               const at::BFloat16* const* keys, int64_t pairs,
-                                                               float* out) {
-  vfloat dots[kLanes];
-  for (int j = 0; j < kLanes; ++j) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < pairs; ++c) {
-      const __m512i a = _mm512_loadu_si512(q + 32 * c);
-      const __m512i b = _mm512_loadu_si512(keys[j] + 32 * c);
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+// bf16 caches on CPUs with AVX512_BF16: VDPBF16PS multiplies a line (a dim pair of 16 keys) by a
+// broadcast pair of query dims and adds both exact products into each key's float32 lane. q: NR
+// rows of the raw bf16 query, as dim pairs. Writes NG x NR x 16 raw scores.
+template <int C, int NR, int NG>
+__attribute__((target("avx512f,avx512bf16"))) void group_scores_dp(const at::BFloat16* const* lines, int64_t stride,
+                                                                   const uint32_t* const* q, float* out) {
+  constexpr int64_t kPairs = C * kLanes / 2;
+  constexpr int S = kChains<NR, NG>;
+  __m512 acc[NG][NR][S];
+  for (int g = 0; g < NG; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      for (int s = 0; s < S; ++s) acc[g][r][s] = _mm512_setzero_ps();
     }
-    std::memcpy(&dots[j], &acc, sizeof(acc));
   }
-  const vfloat s = reduce16(dots);
-  std::memcpy(out, &s, sizeof(s));
+  for (int64_t c0 = 0; c0 < kPairs; c0 += S) {
+    for (int s = 0; s < S; ++s) {
+      __m512i x[NG];
+      for (int g = 0; g < NG; ++g) {
+        x[g] = _mm512_loadu_si512(lines[g] + (c0 + s) * stride);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m512i qq = _mm512_set1_epi32(static_cast<int>(q[r][c0 + s]));
+        for (int g = 0; g < NG; ++g) acc[g][r][s] = _mm512_dpbf16_ps(acc[g][r][s], (__m512bh)x[g], (__m512bh)qq);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      __m512 sum = acc[g][r][0];
+      for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[g][r][s]);
+      _mm512_storeu_ps(out + (g * NR + r) * kLanes, sum);
+    }
+  }
 }
 const bool kHasDpBf16 = __builtin_cpu_supports("avx512bf16");
+
+// float32 caches on AVX-512 CPUs: group_scores with each line held in a register for the NR rows
+// (the compiler otherwise folds the line's load into every row's multiply-add, one load per FMA,
+// which made the load ports, not the FMAs, the bound). Same sums in the same order.
+template <int C, int NR, int NG>
+__attribute__((target("avx512f"))) void group_scores_f32(const float* const* lines, int64_t stride, const float* q,
+                                                         float* out) {
+  constexpr int64_t D = C * kLanes;
+  constexpr int S = kChains<NR, NG>;
+  __m512 acc[NG][NR][S];
+  for (int g = 0; g < NG; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      for (int s = 0; s < S; ++s) acc[g][r][s] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += S) {
+    for (int s = 0; s < S; ++s) {
+      __m512 x[NG];
+      for (int g = 0; g < NG; ++g) {
+        x[g] = _mm512_loadu_ps(lines[g] + (d0 + s) * stride);
+        __asm__("" : "+v"(x[g]));
+      }
+      for (int r = 0; r < NR; ++r) {
+        const __m512 qv = _mm512_set1_ps(q[r * D + d0 + s]);
+        for (int g = 0; g < NG; ++g) acc[g][r][s] = _mm512_fmadd_ps(x[g], qv, acc[g][r][s]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      __m512 sum = acc[g][r][0];
+      for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[g][r][s]);
+      _mm512_storeu_ps(out + (g * NR + r) * kLanes, sum);
+    }
+  }
+}
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 #else
-void dots16_bf16(const at::BFloat16*, const at::BFloat16* const*, int64_t, float*) {}
+template <int C, int NR, int NG>
+void group_scores_f32(const float* const*, int64_t, const float*, float*) {}
+const bool kHasAvx512 = false;
+template <int C, int NR, int NG>
+void group_scores_dp(const at::BFloat16* const*, int64_t, const uint32_t* const*, float*) {}
 const bool kHasDpBf16 = false;
 #endif
+
+// Scores of rows [r0, r0 + nr) (nr <= 4) against NG groups: NR a compile-time constant, so that the
+// accumulators stay in registers.
+template <typename T, int C, int NG>
+__attribute__((always_inline)) inline void rows_scores(bool dp, int64_t nr, const T* const* lines, int64_t stride,
+                                                       const uint32_t* const* q_pairs, const float* qf, vfloat* out) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (dp) {
+      float* raw = reinterpret_cast<float*>(out);
+      switch (nr) {
+        case 4: group_scores_dp<C, 4, NG>(lines, stride, q_pairs, raw); return;
+        case 3: group_scores_dp<C, 3, NG>(lines, stride, q_pairs, raw); return;
+        case 2: group_scores_dp<C, 2, NG>(lines, stride, q_pairs, raw); return;
+        default: group_scores_dp<C, 1, NG>(lines, stride, q_pairs, raw); return;
+      }
+    }
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (kHasAvx512) {
+      float* raw = reinterpret_cast<float*>(out);
+      switch (nr) {
+        case 4: group_scores_f32<C, 4, NG>(lines, stride, qf, raw); return;
+        case 3: group_scores_f32<C, 3, NG>(lines, stride, qf, raw); return;
+        case 2: group_scores_f32<C, 2, NG>(lines, stride, qf, raw); return;
+        default: group_scores_f32<C, 1, NG>(lines, stride, qf, raw); return;
+      }
+    }
+  }
+  switch (nr) {
+    case 4: group_scores<T, C, 4, NG>(lines, stride, qf, out); return;
+    case 3: group_scores<T, C, 3, NG>(lines, stride, qf, out); return;
+    case 2: group_scores<T, C, 2, NG>(lines, stride, qf, out); return;
+    default: group_scores<T, C, 1, NG>(lines, stride, qf, out); return;
+  }
+}
 
 // Where an item's keys live: the offset of each of its pages (one per block of its context) in the
 // K half of the cache; the V half is the same offsets past v_offset. Key position t is row t & mask
@@ -121,6 +254,21 @@ __attribute__((always_inline)) inline void prefetch_keys(const T* half, const Pa
     first = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63});
     for (; first < last; first += 64) __builtin_prefetch(first, 0, kLocality);
     begin = stop;
+  }
+}
+
+// Prefetch the K lines of the 16-key group starting at key t (a multiple of 16), if it exists. With
+// pages of 16 keys or more the group is one line per dim (pair) at a stride of block_size * P; smaller
+// pages hold whole groups' worth of keys side by side, so the group is its pages, whole.
+template <typename T, int64_t D, int kLocality = 3>
+__attribute__((always_inline)) inline void prefetch_group(const T* k_half, const Pages& pages, int64_t block_size,
+                                                          int64_t t, int64_t ctx) {
+  if (t >= ctx) return;
+  if (block_size >= kLanes) {
+    const T* line = k_half + pages.offsets[t >> pages.shift] + (t & pages.mask) * kPack<T>;
+    for (int64_t c = 0; c < D / kPack<T>; ++c) __builtin_prefetch(line + c * block_size * kPack<T>, 0, kLocality);
+  } else {
+    prefetch_keys<T, D, kLocality>(k_half, pages, t, std::min(t + kLanes, ctx));
   }
 }
 
@@ -229,68 +377,77 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
 
   const T* k_cache = cache;
   const T* v_cache = cache + g.v_offset;
-  constexpr bool kDpEligible = std::is_same_v<T, at::BFloat16> && C % 2 == 0;
-  const bool dp = kDpEligible && kHasDpBf16;
-  // Pass 1, scores: sixteen keys at a time. float32 keys are read in place (after the first row the
-  // group's rows sit in L1 for the others); bf16 ones, without VDPBF16PS, are widened to float once
-  // into an L1-resident buffer that every row of the item then reads.
-  alignas(64) float kbuf[std::is_same_v<T, float> ? 1 : kLanes * D];
-  // The L2 window in keys: a K or V row is D * sizeof(T) bytes.
-  const int64_t window = std::max<int64_t>(kKAhead + kLanes, kL2Bytes / (D * static_cast<int64_t>(sizeof(T))));
-  prefetch_keys<T, D>(k_cache, pages, 0, std::min(kKAhead, ctx));
-  prefetch_keys<T, D, 2>(k_cache, pages, kKAhead, std::min(window, ctx));
+  const bool dp = std::is_same_v<T, at::BFloat16> && kHasDpBf16;
+  // VDPBF16PS reads the query as it is, in bf16 dim pairs (the scale is applied to its scores).
+  const uint32_t* q_pairs[kTileQ * 16];
+  if (dp) {
+    for (int64_t r = 0; r < rows; ++r) {
+      q_pairs[r] = reinterpret_cast<const uint32_t*>(query + (q0 + it.q_begin + r / g.group) * g.q_stride_t +
+                                                     (it.kv_head * g.group + r % g.group) * g.q_stride_h);
+    }
+  }
+  // Pass 1, scores: two groups of sixteen keys at a time, against up to four rows at once. A group
+  // lies within one page when pages hold 16 keys or more; smaller pages' parts of a group are first
+  // copied side by side into kbuf, laid out as pages of 16 keys.
+  alignas(64) T kbuf[2 * kLanes * D];
+  const int64_t page_line = g.block_size * kPack<T>;  // elements between a K page's lines
+  // The L2 window in keys (a K or V row is D * sizeof(T) bytes), whole groups.
+  const int64_t window =
+      std::max<int64_t>(kKAhead + kLanes, kL2Bytes / (D * static_cast<int64_t>(sizeof(T)))) / kLanes * kLanes;
+  for (int64_t t = 0; t < std::min(kKAhead, ctx); t += kLanes) prefetch_group<T, D>(k_cache, pages, g.block_size, t, ctx);
+  for (int64_t t = kKAhead; t < std::min(window, ctx); t += kLanes) {
+    prefetch_group<T, D, 2>(k_cache, pages, g.block_size, t, ctx);
+  }
   prefetch_keys<T, D, 2>(v_cache, pages, 0, std::min(window, ctx));
-  for (int64_t t0 = 0; t0 < ctx_pad; t0 += kLanes) {
-    const int64_t ahead = t0 + kKAhead, far = t0 + window;
-    prefetch_keys<T, D>(k_cache, pages, std::min(ahead, ctx), std::min(ahead + kLanes, ctx));
-    prefetch_keys<T, D, 2>(k_cache, pages, std::min(far, ctx), std::min(far + kLanes, ctx));
-    // Positions past ctx repeat the last key, so the padded lanes of a partial group read valid
-    // memory (their scores are discarded).
-    const T* keys[kLanes];
-    for (int j = 0; j < kLanes; ++j) keys[j] = k_cache + pages.row(std::min(t0 + j, ctx - 1), D);
-    const float* kf[kLanes];
-    if constexpr (std::is_same_v<T, float>) {
-      for (int j = 0; j < kLanes; ++j) kf[j] = keys[j];
-    } else {
-      for (int j = 0; j < kLanes; ++j) kf[j] = kbuf + j * D;
-      if (!dp) {
-        for (int j = 0; j < kLanes; ++j) {
-          for (int c = 0; c < C; ++c) {
-            const vfloat x = load16(keys[j] + c * kLanes);
-            std::memcpy(kbuf + j * D + c * kLanes, &x, sizeof(x));
+  auto row_limit = [&](int64_t r) { return first_pos + it.q_begin + r / g.group + 1; };  // keys row r sees
+  for (int64_t t0 = 0; t0 < ctx_pad; t0 += 2 * kLanes) {
+    const int64_t ng = std::min<int64_t>(2, (ctx_pad - t0) / kLanes);
+    const T* lines[2];
+    int64_t stride = kLanes * kPack<T>;
+    for (int64_t j = 0; j < ng; ++j) {
+      const int64_t t = t0 + j * kLanes;
+      prefetch_group<T, D>(k_cache, pages, g.block_size, t + kKAhead, ctx);
+      prefetch_group<T, D, 2>(k_cache, pages, g.block_size, t + window, ctx);
+      if (g.block_size >= kLanes) {
+        // Lanes past ctx read the rest of the page (allocated; their scores are masked below).
+        lines[j] = k_cache + pages.offsets[t >> pages.shift] + (t & pages.mask) * kPack<T>;
+        stride = page_line;
+      } else {
+        T* tile = kbuf + j * kLanes * D;
+        lines[j] = tile;
+        const int64_t last_page = std::min(num_pages, (t + kLanes) >> pages.shift);
+        for (int64_t b = t >> pages.shift; b < last_page; ++b) {
+          const T* page = k_cache + pages.offsets[b];
+          T* dst = tile + (b * g.block_size - t) * kPack<T>;
+          for (int64_t c = 0; c < D / kPack<T>; ++c) {
+            std::memcpy(dst + c * kLanes * kPack<T>, page + c * page_line, sizeof(T) * page_line);
           }
         }
       }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t limit = first_pos + it.q_begin + r / g.group + 1;  // keys this row sees
-      if (t0 >= limit) continue;  // an earlier query token of a prefill tile
-      vfloat sv;
-      if constexpr (kDpEligible) {
-        if (dp) {
-          const T* q_row = query + (q0 + it.q_begin + r / g.group) * g.q_stride_t +
-                           (it.kv_head * g.group + r % g.group) * g.q_stride_h;
-          alignas(64) float raw[kLanes];
-          dots16_bf16(q_row, keys, C / 2, raw);
-          sv = load16(raw) * g.scale;
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, rows - r0);
+      if (t0 >= row_limit(r0 + nr - 1)) continue;  // earlier query tokens of a prefill tile
+      alignas(64) vfloat sv[8];
+      if (ng == 2) {
+        rows_scores<T, C, 2>(dp, nr, lines, stride, q_pairs + r0, qf + r0 * D, sv);
+      } else {
+        rows_scores<T, C, 1>(dp, nr, lines, stride, q_pairs + r0, qf + r0 * D, sv);
+      }
+      for (int64_t j = 0; j < ng; ++j) {
+        const int64_t t = t0 + j * kLanes;
+        for (int64_t i = 0; i < nr; ++i) {
+          vfloat v = sv[j * nr + i];
+          if (dp) v *= g.scale;
+          const int64_t limit = row_limit(r0 + i);
+          if (t + kLanes > limit) {  // keys past the row's limit do not exist for it
+            for (int k = 0; k < kLanes; ++k) {
+              if (t + k >= limit) v[k] = -std::numeric_limits<float>::infinity();
+            }
+          }
+          std::memcpy(scores + (r0 + i) * ctx_pad + t, &v, sizeof(vfloat));
         }
       }
-      if (!dp) {
-        const float* qr = qf + r * D;
-        vfloat dots[kLanes];
-        for (int j = 0; j < kLanes; ++j) {
-          vfloat acc = load16(qr) * load16(kf[j]);
-          for (int c = 1; c < C; ++c) acc += load16(qr + c * kLanes) * load16(kf[j] + c * kLanes);
-          dots[j] = acc;
-        }
-        sv = reduce16(dots);
-      }
-      if (t0 + kLanes > limit) {  // the row's last group: keys past its limit do not exist for it
-        for (int j = 0; j < kLanes; ++j) {
-          if (t0 + j >= limit) sv[j] = -std::numeric_limits<float>::infinity();
-        }
-      }
-      std::memcpy(scores + r * ctx_pad + t0, &sv, sizeof(sv));
     }
   }
   // V's first keys, from L2 (its first window) to L1 during the softmax.
@@ -465,16 +622,23 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
     const scalar_t* k = key.data_ptr<scalar_t>();
     const scalar_t* v = value.data_ptr<scalar_t>();
     const size_t row_bytes = sizeof(scalar_t) * head_size;
+    constexpr int64_t pack = kPack<scalar_t>;
+    constexpr size_t pair_bytes = sizeof(scalar_t) * pack;
+    const int64_t line = block_size * pack;  // elements between a K page's lines
     for (int64_t t = 0; t < num_tokens; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // a padding token
       TORCH_CHECK(slot < num_slots, "slot ", slot, " is outside the cache");
-      // Slot s is row s % block_size of block s / block_size's page of each kv head.
-      const int64_t page0 = (slot / block_size) * kv_cache.stride(1) + (slot % block_size) * head_size;
+      // Slot s is key s % block_size of block s / block_size's page of each kv head: a row of the V
+      // page, and in the K page one element (float32) or pair (bf16) in each of its D / P lines.
+      const int64_t row = slot % block_size;
+      const int64_t page0 = (slot / block_size) * kv_cache.stride(1);
       for (int64_t h = 0; h < num_kv_heads; ++h) {
-        const int64_t dst = page0 + h * kv_cache.stride(2);
-        std::memcpy(k_cache + dst, k + t * key.stride(0) + h * key.stride(1), row_bytes);
-        std::memcpy(v_cache + dst, v + t * value.stride(0) + h * value.stride(1), row_bytes);
+        const int64_t page = page0 + h * kv_cache.stride(2);
+        const scalar_t* src = k + t * key.stride(0) + h * key.stride(1);
+        scalar_t* dst = k_cache + page + row * pack;
+        for (int64_t c = 0; c < head_size / pack; ++c) std::memcpy(dst + c * line, src + c * pack, pair_bytes);
+        std::memcpy(v_cache + page + row * head_size, v + t * value.stride(0) + h * value.stride(1), row_bytes);
       }
     }
   });
