@@ -115,6 +115,28 @@ __attribute__((always_inline)) inline void group_scores(const T* const* lines, i
 }
 
 #if defined(__x86_64__) && !defined(INFLIGHT_NO_CLONES)
+// The AVX-512 scorers' partial sums: zeroed, and at the end each (group, row)'s S chains added and
+// written as out[g * NR + r].
+template <int NG, int NR, int S>
+__attribute__((target("avx512f"), always_inline)) inline void zero_sums(__m512 (&acc)[NG][NR][S]) {
+  for (int g = 0; g < NG; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      for (int s = 0; s < S; ++s) acc[g][r][s] = _mm512_setzero_ps();
+    }
+  }
+}
+
+template <int NG, int NR, int S>
+__attribute__((target("avx512f"), always_inline)) inline void store_sums(const __m512 (&acc)[NG][NR][S], float* out) {
+  for (int g = 0; g < NG; ++g) {
+    for (int r = 0; r < NR; ++r) {
+      __m512 sum = acc[g][r][0];
+      for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[g][r][s]);
+      _mm512_storeu_ps(out + (g * NR + r) * kLanes, sum);
+    }
+  }
+}
+
 // bf16 caches on CPUs with AVX512_BF16: VDPBF16PS multiplies a line (a dim pair of 16 keys) by a
 // broadcast pair of query dims and adds both exact products into each key's float32 lane. q: NR
 // rows of the raw bf16 query, as dim pairs. Writes NG x NR x 16 raw scores.
@@ -124,11 +146,7 @@ __attribute__((target("avx512f,avx512bf16"))) void group_scores_dp(const at::BFl
   constexpr int64_t kPairs = C * kLanes / 2;
   constexpr int S = kChains<NR, NG>;
   __m512 acc[NG][NR][S];
-  for (int g = 0; g < NG; ++g) {
-    for (int r = 0; r < NR; ++r) {
-      for (int s = 0; s < S; ++s) acc[g][r][s] = _mm512_setzero_ps();
-    }
-  }
+  zero_sums(acc);
   for (int64_t c0 = 0; c0 < kPairs; c0 += S) {
     for (int s = 0; s < S; ++s) {
       __m512i x[NG];
@@ -141,13 +159,7 @@ __attribute__((target("avx512f,avx512bf16"))) void group_scores_dp(const at::BFl
       }
     }
   }
-  for (int g = 0; g < NG; ++g) {
-    for (int r = 0; r < NR; ++r) {
-      __m512 sum = acc[g][r][0];
-      for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[g][r][s]);
-      _mm512_storeu_ps(out + (g * NR + r) * kLanes, sum);
-    }
-  }
+  store_sums(acc, out);
 }
 const bool kHasDpBf16 = __builtin_cpu_supports("avx512bf16");
 
@@ -160,11 +172,7 @@ __attribute__((target("avx512f"))) void group_scores_f32(const float* const* lin
   constexpr int64_t D = C * kLanes;
   constexpr int S = kChains<NR, NG>;
   __m512 acc[NG][NR][S];
-  for (int g = 0; g < NG; ++g) {
-    for (int r = 0; r < NR; ++r) {
-      for (int s = 0; s < S; ++s) acc[g][r][s] = _mm512_setzero_ps();
-    }
-  }
+  zero_sums(acc);
   for (int64_t d0 = 0; d0 < D; d0 += S) {
     for (int s = 0; s < S; ++s) {
       __m512 x[NG];
@@ -178,13 +186,7 @@ __attribute__((target("avx512f"))) void group_scores_f32(const float* const* lin
       }
     }
   }
-  for (int g = 0; g < NG; ++g) {
-    for (int r = 0; r < NR; ++r) {
-      __m512 sum = acc[g][r][0];
-      for (int s = 1; s < S; ++s) sum = _mm512_add_ps(sum, acc[g][r][s]);
-      _mm512_storeu_ps(out + (g * NR + r) * kLanes, sum);
-    }
-  }
+  store_sums(acc, out);
 }
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 #else
