@@ -317,6 +317,9 @@ __attribute__((always_inline)) inline void weighted_v(const T* v_cache, const Pa
                                                       int64_t window, const float* p, int64_t p_stride,
                                                       int64_t limit, float* out) {
   constexpr int64_t D = C * kLanes;
+  // bf16 with an even number of 16-value chunks: accumulator c (even) holds the even dims of chunks
+  // c and c + 1, accumulator c + 1 their odd dims. Each sum is still taken key by key, in order.
+  constexpr bool kPairs = std::is_same_v<T, at::BFloat16> && C % 2 == 0;
   vfloat acc[NR][C];
   for (int i = 0; i < NR; ++i) {
     for (int c = 0; c < C; ++c) acc[i][c] = vfloat{};
@@ -329,14 +332,40 @@ __attribute__((always_inline)) inline void weighted_v(const T* v_cache, const Pa
     const int64_t n = std::min(block_size, limit - t0);
     for (int64_t j = 0; j < n; ++j) {
       const T* v = page + j * D;
-      for (int c = 0; c < C; ++c) {
-        const vfloat x = load16(v + c * kLanes);
-        for (int i = 0; i < NR; ++i) acc[i][c] += p[i * p_stride + t0 + j] * x;
+      if constexpr (kPairs) {
+        // 32 bf16 values as 16 32-bit lanes: the low halves are the even dims, the high halves the
+        // odd ones, each widened by one shift or mask (a 16-value load widens with two ops).
+        for (int c = 0; c < C; c += 2) {
+          vu32 w;
+          std::memcpy(&w, v + c * kLanes, sizeof(w));
+          const vu32 lo_bits = w << 16, hi_bits = w & 0xffff0000u;
+          vfloat even, odd;
+          std::memcpy(&even, &lo_bits, sizeof(even));
+          std::memcpy(&odd, &hi_bits, sizeof(odd));
+          for (int i = 0; i < NR; ++i) {
+            const float pi = p[i * p_stride + t0 + j];
+            acc[i][c] += pi * even;
+            acc[i][c + 1] += pi * odd;
+          }
+        }
+      } else {
+        for (int c = 0; c < C; ++c) {
+          const vfloat x = load16(v + c * kLanes);
+          for (int i = 0; i < NR; ++i) acc[i][c] += p[i * p_stride + t0 + j] * x;
+        }
       }
     }
   }
   for (int i = 0; i < NR; ++i) {
-    for (int c = 0; c < C; ++c) std::memcpy(out + i * C * kLanes + c * kLanes, &acc[i][c], sizeof(vfloat));
+    float* row = out + i * D;
+    for (int c = 0; c < C; ++c) {
+      if constexpr (kPairs) {  // back from (even, odd) halves to dim order
+        const int half = c & 1;
+        for (int m = 0; m < kLanes; ++m) row[(c - half) * kLanes + 2 * m + half] = acc[i][c][m];
+      } else {
+        std::memcpy(row + c * kLanes, &acc[i][c], sizeof(vfloat));
+      }
+    }
   }
 }
 
