@@ -70,24 +70,26 @@ class KVLayout(enum.Enum):
         if self is not KVLayout.HEAD_MAJOR_KT:
             self.token_major_view(kv_cache).copy_(token_major)
             return
-        num_blocks, num_kv_heads, block_size, head_size = kv_cache.shape[1:]
-        pack = 4 // kv_cache.element_size()
-        k_pages = kv_cache[0].view(num_blocks, num_kv_heads, head_size // pack, block_size, pack)
-        k_pages.copy_(
-            token_major[0]
-            .view(num_blocks, block_size, num_kv_heads, head_size // pack, pack)
-            .permute(0, 2, 3, 1, 4)
-        )
+        lanes = _key_lanes(kv_cache[0])  # [num_blocks, Hkv, D / P, block_size, P]
+        keys = token_major[0].unflatten(
+            -1, (lanes.shape[2], lanes.shape[4])
+        )  # [.., block_size, Hkv, D / P, P]
+        lanes.copy_(keys.permute(0, 2, 3, 1, 4))
         kv_cache[1].transpose(1, 2).copy_(token_major[1])
+
+
+def _key_lanes(k_half: torch.Tensor) -> torch.Tensor:
+    """The K half of a HEAD_MAJOR_KT cache as what it holds, ``[num_blocks, Hkv, D / P, block_size, P]``
+    (a view)."""
+    num_blocks, num_kv_heads, block_size, head_size = k_half.shape
+    pack = 4 // k_half.element_size()
+    return k_half.view(num_blocks, num_kv_heads, head_size // pack, block_size, pack)
 
 
 def key_pages(k_half: torch.Tensor) -> torch.Tensor:
     """The K half of a HEAD_MAJOR_KT cache (``[num_blocks, Hkv, block_size, D]`` in size) as
     ``[num_blocks, Hkv, block_size, D]`` pages of keys (a new tensor)."""
-    num_blocks, num_kv_heads, block_size, head_size = k_half.shape
-    pack = 4 // k_half.element_size()
-    lanes = k_half.view(num_blocks, num_kv_heads, head_size // pack, block_size, pack)
-    return lanes.permute(0, 1, 3, 2, 4).reshape(num_blocks, num_kv_heads, block_size, head_size)
+    return _key_lanes(k_half).permute(0, 1, 3, 2, 4).flatten(3, 4)
 
 
 @dataclass
