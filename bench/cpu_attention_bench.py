@@ -15,8 +15,10 @@ preempting it (they still share the memory bus); with more threads, by the wall 
 and vec.h, under another op namespace; its cache laid out as --baseline-layout: head-major by default,
 the layout the kernel read from 565be93 until its K pages were key-interleaved; head-major-kt for
 revisions since; token-major for older ones) and times it
-interleaved with the current one, sweep for sweep, in one process. On a busy host read the ratio,
-not either absolute figure.
+interleaved with the current one, sweep for sweep, in one process. ``--small-pages`` does the same
+for the current kernel on a cache of 4 KiB pages: the caches are otherwise on transparent huge pages,
+as the engine allocates its own (engine.platform.huge_page_zeros). The last column is each row's
+speed over the first row's. On a busy host read the ratio, not either absolute figure.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 
 from bench.run_support import run_cpu_kernel_bench
+from engine import platform
 from engine.attention.backend import KVLayout
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels import cpu as cpu_kernels
@@ -85,9 +88,15 @@ def build_baseline(rev: str) -> Callable[..., None]:
 
 
 def make_caches(
-    shape: Shape, dtype: torch.dtype, layers: int, layouts: list[KVLayout], seed: int = 0
+    shape: Shape,
+    dtype: torch.dtype,
+    layers: int,
+    layouts: list[KVLayout],
+    seed: int = 0,
+    small_pages: list[bool] | None = None,
 ) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-    """Per layout, one cache per layer (the same values in each layout), and the shuffled block table."""
+    """Per layout, one cache per layer (the same values in each layout), and the shuffled block table.
+    Caches are on huge pages as the engine allocates them, except where ``small_pages`` says."""
     gen = torch.Generator().manual_seed(seed)
     per_seq = -(-shape.context // shape.block_size)
     num_blocks = shape.seqs * per_seq + 1
@@ -97,7 +106,10 @@ def make_caches(
     for _ in range(layers):
         token_major = torch.randn((2, *dims), generator=gen).to(dtype)
         for i, layout in enumerate(layouts):
-            cache = torch.empty(layout.shape(*dims), dtype=dtype)
+            if small_pages is not None and small_pages[i]:
+                cache = torch.empty(layout.shape(*dims), dtype=dtype)
+            else:
+                cache = platform.huge_page_zeros(layout.shape(*dims), dtype)
             layout.fill_from_token_major(cache, token_major)
             caches[i].append(cache)
     return caches, tables.to(torch.int32)
@@ -109,14 +121,22 @@ def run(
     layers: int,
     sweeps: int,
     baseline: tuple[Callable[..., None], KVLayout] | None,
+    small_pages: bool = False,
 ) -> list[Variant]:
     current_layout = CpuAttentionBackend().kv_layout(dtype, shape.head_size, torch.device("cpu"))
-    specs: list[tuple[str, KVLayout, Callable[..., None]]] = [
-        ("current", current_layout, torch.ops.inflight_cpu.paged_attention)
-    ]
+    current = torch.ops.inflight_cpu.paged_attention
+    specs: list[tuple[str, KVLayout, Callable[..., None]]] = [("current", current_layout, current)]
+    if small_pages:
+        specs.insert(0, ("4k-pages", current_layout, current))
     if baseline is not None:
         specs.insert(0, ("baseline", baseline[1], baseline[0]))
-    caches, tables = make_caches(shape, dtype, layers, [layout for _, layout, _ in specs])
+    caches, tables = make_caches(
+        shape,
+        dtype,
+        layers,
+        [layout for _, layout, _ in specs],
+        small_pages=[n == "4k-pages" for n, _, _ in specs],
+    )
     variants = [Variant(n, layout, op, c, []) for (n, layout, op), c in zip(specs, caches, strict=True)]
     gen = torch.Generator().manual_seed(1)
     query = torch.randn((shape.seqs, shape.num_heads, shape.head_size), generator=gen).to(dtype)
@@ -166,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--baseline", metavar="REV", help="also time the kernel of this git revision")
     parser.add_argument(
+        "--small-pages",
+        action="store_true",
+        help="also time the current kernel on a cache of 4 KiB pages (the engine's is on huge pages)",
+    )
+    parser.add_argument(
         "--baseline-layout",
         choices=[layout.value for layout in KVLayout],
         default=KVLayout.HEAD_MAJOR.value,
@@ -183,17 +208,17 @@ def report(args: argparse.Namespace) -> None:
         f"{shape.num_kv_heads}, head {shape.head_size}, block {shape.block_size}, {args.threads} thread(s), "
         f"{args.layers} layer caches per sweep, median of {args.sweeps} sweeps"
     )
-    print(f"{'dtype':<9} {'kernel':<9} {'layout':<12} {'us/layer':>9} {'GB/s':>6} {'vs baseline':>11}")
+    print(f"{'dtype':<9} {'kernel':<9} {'layout':<12} {'us/layer':>9} {'GB/s':>6} {'vs first':>11}")
     for name in args.dtypes:
         dtype = getattr(torch, name)
-        variants = run(shape, dtype, args.layers, args.sweeps, baseline)
+        variants = run(shape, dtype, args.layers, args.sweeps, baseline, args.small_pages)
         for v in variants:
             median = statistics.median(v.seconds)
             # The ratio of medians of paired sweeps: each pair ran back to back, under the same load.
             ratio = statistics.median(b / s for b, s in zip(variants[0].seconds, v.seconds, strict=True))
             print(
                 f"{name:<9} {v.name:<9} {v.layout.value:<12} {median * 1e6:>9.1f} "
-                f"{kv_bytes(shape, dtype) / median / 1e9:>6.1f} {ratio if baseline else 1.0:>10.2f}x"
+                f"{kv_bytes(shape, dtype) / median / 1e9:>6.1f} {ratio:>10.2f}x"
             )
 
 

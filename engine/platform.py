@@ -19,7 +19,6 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -328,53 +327,47 @@ def freeze_heap() -> int:
 
 
 _HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-_MADV_HUGEPAGE = 14  # <sys/mman.h>, Linux
 _THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory Linux is asked to back with 2 MiB pages (``madvise``).
+    """A zeroed CPU tensor in fresh memory that Linux is asked to back with 2 MiB pages (``madvise``).
 
     For the KV cache. A decode step reads each sequence's blocks, pages of a few KiB scattered over a
     cache of hundreds of MiB or more: on 4 KiB pages nearly every block is a TLB miss and a page walk,
-    and the attention kernel read K/V from memory 7-9% slower than from the same cache on huge pages
-    (SmolLM2's shape, 32-64 sequences of 300 tokens, both dtypes, on a Zen 5 host). Most distributions
-    and Kubernetes nodes ship transparent huge pages in ``madvise`` mode, which gives them only to
-    memory that asks. Elsewhere (mode ``never``, no glibc, a cache under 2 MiB) this is ``torch.zeros``.
+    and the attention kernel read K/V from memory 6-7% slower than from the same cache on huge pages at
+    64 sequences of 300 tokens and 10-13% slower at 16 of 3,000 (SmolLM2's shape, one thread, a Zen 5
+    host; ``python -m bench.cpu_attention_bench --small-pages``). Most
+    distributions and Kubernetes nodes ship transparent huge pages in ``madvise`` mode, which gives them
+    only to memory that asks before it is first touched: so the cache gets its own mapping, not memory
+    from malloc's heap that earlier allocations may have touched. Where the mode is ``never`` (or
+    there is no such setting, or the cache is under 2 MiB) this is ``torch.zeros``.
     """
-    import ctypes
+    import mmap
 
     import torch
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    madvise = _madvise() if nbytes >= _HUGE_PAGE else None
-    if madvise is None:
+    if nbytes < _HUGE_PAGE or not thp_available():
         return torch.zeros(shape, dtype=dtype)
-    # Over-allocate by one huge page to start on a huge page boundary; untouched, the slack costs
-    # address space, not memory.
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    # One huge page more than asked, to start on a huge page boundary; untouched, the slack costs
+    # address space, not memory. The tensor holds the mapping: it is unmapped when the tensor goes.
+    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
-    body = raw[start : start + nbytes]
-    whole = nbytes - nbytes % _HUGE_PAGE
-    if madvise(ctypes.c_void_p(body.data_ptr()), ctypes.c_size_t(whole), _MADV_HUGEPAGE) != 0:
-        log.debug("madvise(MADV_HUGEPAGE) refused: errno %d", ctypes.get_errno())
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % _HUGE_PAGE)
+    except OSError as exc:  # refused: the memory is still good, on 4 KiB pages
+        log.debug("madvise(MADV_HUGEPAGE) refused: %s", exc)
     # Zeroing touches every page now: the cache's memory is faulted in at start-up, not mid-step.
-    return body.view(dtype).view(shape).zero_()
+    return raw[start : start + nbytes].view(dtype).view(shape).zero_()
 
 
 @functools.cache
-def _madvise() -> Callable[..., int] | None:
-    """libc's madvise, when transparent huge pages can be asked for on this host."""
-    import ctypes
-    import platform
+def thp_available() -> bool:
+    """Whether this host's kernel gives transparent huge pages to memory that asks (mode ``always``
+    or ``madvise``)."""
+    import mmap
 
     mode = _read(_THP_MODE) or ""
-    if "[never]" in mode or "[" not in mode or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return hasattr(mmap, "MADV_HUGEPAGE") and ("[always]" in mode or "[madvise]" in mode)

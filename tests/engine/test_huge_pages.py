@@ -67,12 +67,12 @@ def test_small_or_thp_off_is_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     mode = tmp_path / "enabled"
     mode.write_text("always madvise [never]\n")
     monkeypatch.setattr(platform, "_THP_MODE", mode)
-    platform._madvise.cache_clear()
+    platform.thp_available.cache_clear()
     try:
         t = platform.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)
         assert torch.count_nonzero(t) == 0 and t.storage_offset() == 0  # torch.zeros' own
     finally:
-        platform._madvise.cache_clear()
+        platform.thp_available.cache_clear()
     small = platform.huge_page_zeros((4, 64), torch.float32)
     assert small.storage_offset() == 0 and torch.count_nonzero(small) == 0
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import cpu_attention_bench as bench
+from engine import platform
 from engine.attention.backend import KVLayout
 from engine.kernels import cpu as cpu_kernels
 
@@ -35,3 +36,22 @@ def test_smoke_prints_a_row_per_dtype(capsys):
         ("bfloat16", "current", "head-major-kt"),
     ]
     assert all(float(r[3]) > 0 for r in rows)
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels could not be built here")
+def test_small_pages_row_times_the_same_kernel_on_4k_pages(capsys):
+    args = ["--seqs", "2", "--context", "40", "--layers", "2", "--sweeps", "2", "--dtypes", "float32"]
+    assert bench.main([*args, "--small-pages"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("float32")]
+    assert [r[1] for r in rows] == ["4k-pages", "current"]
+    assert float(rows[0][5].rstrip("x")) == 1.0  # the first row is the reference
+
+
+def test_caches_on_huge_pages_unless_asked():
+    shape = bench.Shape(seqs=8, context=512)  # 3 MiB a cache: past one huge page
+    (huge, small), _ = bench.make_caches(
+        shape, torch.float32, 1, [KVLayout.HEAD_MAJOR_KT] * 2, small_pages=[False, True]
+    )
+    assert torch.equal(huge[0], small[0])
+    if platform.thp_available():
+        assert huge[0].data_ptr() % (2 << 20) == 0

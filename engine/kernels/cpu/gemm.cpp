@@ -4,7 +4,7 @@
 // Why not oneDNN for these. A decode step multiplies a few to a few tens of rows by every weight, so
 // its time is the weights' stream from memory: on a 2-core AMD EPYC (Zen 5) oneDNN's packed kernels
 // read SmolLM2-135M's bf16 weights at 27 GB/s for one row and 14 GB/s for 16, where this plain walk
-// over panels reads them at 35 and 17. At prefill sizes both are bound by the multiply units and run
+// over panels reads them at 35 and 21. At prefill sizes both are bound by the multiply units and run
 // within a few percent of each other. On AMX hosts oneDNN's tile kernels stay (engine/models/
 // cpu_gemm.py decides).
 //
