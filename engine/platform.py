@@ -337,19 +337,37 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     cache of hundreds of MiB or more: on 4 KiB pages nearly every block is a TLB miss and a page walk,
     and the attention kernel read K/V from memory 6-7% slower than from the same cache on huge pages at
     64 sequences of 300 tokens and 10-13% slower at 16 of 3,000 (SmolLM2's shape, one thread, a Zen 5
-    host; ``python -m bench.cpu_attention_bench --small-pages``). Most
-    distributions and Kubernetes nodes ship transparent huge pages in ``madvise`` mode, which gives them
-    only to memory that asks before it is first touched: so the cache gets its own mapping, not memory
-    from malloc's heap that earlier allocations may have touched. Where the mode is ``never`` (or
-    there is no such setting, or the cache is under 2 MiB) this is ``torch.zeros``.
+    host; ``python -m bench.cpu_attention_bench --small-pages``). Most distributions and Kubernetes
+    nodes ship transparent huge pages in ``madvise`` mode, which gives them only to memory that asks
+    before it is first touched: so the tensor gets its own mapping, not memory from malloc's heap that
+    earlier allocations may have touched. Where the mode is ``never`` (or there is no such setting, or
+    the tensor is under 2 MiB) this is ``torch.zeros``.
     """
+    import torch
+
+    fresh = _huge_page_tensor(shape, dtype)
+    if fresh is None:
+        return torch.zeros(shape, dtype=dtype)
+    # Zeroing touches every page now: the memory is faulted in at start-up, not mid-step.
+    return fresh.zero_()
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of CPU tensor ``t`` on memory advised as ``huge_page_zeros``'s is; ``t`` itself
+    where that cannot be (under 2 MiB, or no transparent huge pages here)."""
+    fresh = _huge_page_tensor(tuple(t.shape), t.dtype)
+    return t if fresh is None else fresh.copy_(t)
+
+
+def _huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An untouched tensor on its own huge-page-advised mapping, or None where that cannot be."""
     import mmap
 
     import torch
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < _HUGE_PAGE or not thp_available():
-        return torch.zeros(shape, dtype=dtype)
+        return None
     # One huge page more than asked, to start on a huge page boundary; untouched, the slack costs
     # address space, not memory. The tensor holds the mapping: it is unmapped when the tensor goes.
     buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -359,8 +377,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes - nbytes % _HUGE_PAGE)
     except OSError as exc:  # refused: the memory is still good, on 4 KiB pages
         log.debug("madvise(MADV_HUGEPAGE) refused: %s", exc)
-    # Zeroing touches every page now: the cache's memory is faulted in at start-up, not mid-step.
-    return raw[start : start + nbytes].view(dtype).view(shape).zero_()
+    return raw[start : start + nbytes].view(dtype).view(shape)
 
 
 @functools.cache

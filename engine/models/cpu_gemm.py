@@ -23,7 +23,7 @@ from typing import Literal
 
 import torch
 
-from engine import envs
+from engine import envs, platform
 from engine.models import onednn
 from engine.platform import cpu_flags
 
@@ -79,7 +79,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] in column panels: a 3-D carrier tensor (gemm.cpp says what it holds), which
     is how ``ModelOps.linear`` tells it from a plain or oneDNN-packed weight."""
     packed: torch.Tensor = torch.ops.inflight_cpu.pack_linear(weight)
-    return packed
+    # Every step streams each weight front to back: on 2 MiB pages (where the host gives them) that
+    # stream runs 1-10% faster at 1-16 rows (SmolLM2's layers, Zen 5), one TLB miss per 2 MiB, not 4 KiB.
+    return platform.on_huge_pages(packed)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

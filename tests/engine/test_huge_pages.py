@@ -84,3 +84,30 @@ def test_model_runner_kv_cache_on_huge_pages(tiny_llama_path: Path) -> None:
     for cache in runner.kv_caches:
         assert cache.data_ptr() % (2 * MIB) == 0 and _eligible(cache.data_ptr())
         assert torch.count_nonzero(cache) == 0
+
+
+def test_on_huge_pages_copies_large_and_keeps_small() -> None:
+    big = torch.randn(1024, 1024)  # 4 MiB
+    moved = platform.on_huge_pages(big)
+    assert torch.equal(moved, big) and moved.shape == big.shape
+    small = torch.randn(16, 16)
+    assert platform.on_huge_pages(small) is small
+    if platform.thp_available():
+        assert moved.data_ptr() != big.data_ptr() and moved.data_ptr() % (2 * MIB) == 0
+        assert _eligible(moved.data_ptr())
+    else:
+        assert moved is big
+
+
+def test_packed_weights_on_huge_pages() -> None:
+    from engine.kernels import cpu as cpu_kernels
+    from engine.models import cpu_gemm
+
+    if not (cpu_kernels.load() and cpu_gemm.supported(torch.float32)):
+        pytest.skip("the engine's own linear kernels do not run on this CPU")
+    w = torch.randn(1024, 576)  # 2.25 MiB packed
+    packed = cpu_gemm.pack(w)
+    x = torch.randn(5, 576)
+    torch.testing.assert_close(cpu_gemm.linear(x, packed), x @ w.T, rtol=1e-4, atol=1e-4)
+    if platform.thp_available():
+        assert packed.data_ptr() % (2 * MIB) == 0 and _eligible(packed.data_ptr())
