@@ -77,6 +77,16 @@ CPU_MALLOC = EnvVar(
     "page-faulting fresh ones; `system` leaves malloc as configured (a preloaded tcmalloc or jemalloc, or "
     "your own `MALLOC_*` variables, which also keep it untouched).",
 )
+CPU_HUGE_PAGES = EnvVar(
+    "INFLIGHT_CPU_HUGE_PAGES",
+    "madvise|off",
+    "madvise",
+    "The CPU engine's KV cache and packed linear weights: `madvise` puts each in its own mapping advised "
+    "for transparent huge pages (2 MiB; the KV cache's scattered blocks then cost no TLB miss each, and "
+    "decode attention read them 5-13% faster on a Zen 5 host), which the kernel honours in THP mode "
+    "`always` or `madvise` (`/sys/kernel/mm/transparent_hugepage/enabled`); `off` keeps torch's own "
+    "allocations on 4 KiB pages.",
+)
 CPU_PREFILL_ATTENTION = EnvVar(
     "INFLIGHT_CPU_PREFILL_ATTENTION",
     "auto|kernel|sdpa",
@@ -101,6 +111,7 @@ ENGINE_ENVS: tuple[EnvVar, ...] = (
     DISABLE_CPU_KERNELS,
     CPU_GEMM,
     CPU_MALLOC,
+    CPU_HUGE_PAGES,
     CPU_PREFILL_ATTENTION,
     TP_TIMEOUT_S,
 )
@@ -121,6 +132,14 @@ def cpu_malloc() -> str:
     if value not in ("reuse", "system"):
         raise ValueError(f"{CPU_MALLOC.name} must be reuse or system, got {value!r}")
     return value
+
+
+def cpu_huge_pages() -> bool:
+    """``INFLIGHT_CPU_HUGE_PAGES``: whether the CPU engine asks for transparent huge pages."""
+    value = os.environ.get(CPU_HUGE_PAGES.name, "").strip().lower() or CPU_HUGE_PAGES.default
+    if value not in ("madvise", "off"):
+        raise ValueError(f"{CPU_HUGE_PAGES.name} must be madvise or off, got {value!r}")
+    return value == "madvise"
 
 
 def cpu_prefill_attention() -> str:

@@ -341,7 +341,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nodes ship transparent huge pages in ``madvise`` mode, which gives them only to memory that asks
     before it is first touched: so the tensor gets its own mapping, not memory from malloc's heap that
     earlier allocations may have touched. Where the mode is ``never`` (or there is no such setting, or
-    the tensor is under 2 MiB) this is ``torch.zeros``.
+    the tensor is under 2 MiB, or ``INFLIGHT_CPU_HUGE_PAGES=off``) this is ``torch.zeros``.
     """
     import torch
 
@@ -366,7 +366,7 @@ def _huge_page_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     import torch
 
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < _HUGE_PAGE or not thp_available():
+    if nbytes < _HUGE_PAGE or not envs.cpu_huge_pages() or not thp_available():
         return None
     # One huge page more than asked, to start on a huge page boundary; untouched, the slack costs
     # address space, not memory. The tensor holds the mapping: it is unmapped when the tensor goes.

@@ -70,11 +70,11 @@ def test_small_or_thp_off_is_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     platform.thp_available.cache_clear()
     try:
         t = platform.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)
-        assert torch.count_nonzero(t) == 0 and t.storage_offset() == 0  # torch.zeros' own
+        assert torch.count_nonzero(t) == 0 and t.untyped_storage().nbytes() == t.numel() * 4  # torch's
     finally:
         platform.thp_available.cache_clear()
     small = platform.huge_page_zeros((4, 64), torch.float32)
-    assert small.storage_offset() == 0 and torch.count_nonzero(small) == 0
+    assert small.untyped_storage().nbytes() == 4 * 64 * 4 and torch.count_nonzero(small) == 0
 
 
 @needs_thp
@@ -111,3 +111,14 @@ def test_packed_weights_on_huge_pages() -> None:
     torch.testing.assert_close(cpu_gemm.linear(x, packed), x @ w.T, rtol=1e-4, atol=1e-4)
     if platform.thp_available():
         assert packed.data_ptr() % (2 * MIB) == 0 and _eligible(packed.data_ptr())
+
+
+def test_off_keeps_torch_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFLIGHT_CPU_HUGE_PAGES", "off")
+    t = platform.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)
+    assert t.untyped_storage().nbytes() == t.numel() * 4 and torch.count_nonzero(t) == 0  # torch's own
+    big = torch.randn(1024, 1024)
+    assert platform.on_huge_pages(big) is big
+    monkeypatch.setenv("INFLIGHT_CPU_HUGE_PAGES", "always")
+    with pytest.raises(ValueError, match="madvise or off"):
+        platform.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)
