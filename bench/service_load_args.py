@@ -54,6 +54,13 @@ def add_arguments(p: Any) -> None:
     )
     g.add_argument("--load", type=float, default=0.8, help="trace rate, share of capacity (default 0.8)")
     g.add_argument(
+        "--load-rate",
+        type=float,
+        default=0.0,
+        help="trace rate in requests/s, instead of --load x the measured capacity: the same arrivals in "
+        "runs whose capacity differs (A/B of a change on a noisy host)",
+    )
+    g.add_argument(
         "--load-gamma-shape", type=float, default=0.25, help="gamma arrivals' shape (default 0.25)"
     )
     g.add_argument("--load-max-num-seqs", type=int, default=32, help="the engine's batch bound (default 32)")
@@ -81,6 +88,7 @@ def config_from_args(args: Any) -> LoadConfig:
         num_requests=args.load_requests,
         burst_requests=args.load_burst,
         load=args.load,
+        rate=args.load_rate,
         gamma_shape=args.load_gamma_shape,
         seed=args.load_seed,
     )

@@ -108,3 +108,19 @@ def test_under_load_through_a_real_stack(tiny_model: Path, tmp_path: Path) -> No
     assert set(load["added_ttft_p99_ms"]) == set(service_load.TRACES)
     assert len(load["targets"]) == 3 and all(isinstance(t["passed"], bool) for t in load["targets"].values())
     assert load["workloads"]["poisson"]["num_requests"] == 8
+
+
+def test_load_rate_fixes_the_trace_rate() -> None:
+    import argparse
+
+    from bench import service_load_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--torch-threads", type=int, default=1)
+    service_load_args.add_arguments(parser)
+    with_rate = service_load_args.config_from_args(
+        parser.parse_args(["--load-model", "tiny", "--load-rate", "12.5"])
+    )
+    assert with_rate.rate == 12.5 and with_rate.load == 0.8
+    default = service_load_args.config_from_args(parser.parse_args(["--load-model", "tiny"]))
+    assert default.rate == 0.0  # then load x capacity
