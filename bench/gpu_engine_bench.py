@@ -121,7 +121,7 @@ def decode_bound_bytes(
 def decode_bound(engine: LLMEngine, batch: int, context: int, bandwidth: float) -> tuple[float, float]:
     mc = engine.config.model
     elem = torch.empty((), dtype=engine.config.dtype).element_size()
-    sizes = {name: t.numel() * t.element_size() for name, t in engine.runner.model.w.items()}
+    sizes = engine.runner.model.weight_bytes()
     # No separate LM head: the head reads the whole embedding table every step.
     w = streamed_weight_bytes(sizes, tied="lm_head.weight" not in sizes)
     total = decode_bound_bytes(

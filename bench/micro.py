@@ -7,7 +7,7 @@ each request's context; its useful FLOPs are
 
 (2 per multiply-add; attention is Q.K^T and P.V). Its linear layers alone are timed two ways:
 
-  packed  the loaded model's own weights through its own ``ops.linear`` (engine/models/llama.py):
+  packed  the loaded model's own weights through the engine's own ``matmul`` (engine/layers/linear.py):
           oneDNN-packed bf16 weights where the engine packs them, at the row count the engine pads
           a step to (engine/models/onednn.py), the LM head on the rows that sample. This is what the
           step itself runs, so step time / packed time is what the step adds around its matmuls.
@@ -36,9 +36,10 @@ import torch.nn.functional as F
 
 from bench.results import RunResult
 from engine.config import ModelConfig
+from engine.layers.linear import matmul
 from engine.llm_engine import LLMEngine
 from engine.models import cpu_gemm
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderModel
 from engine.sampling_params import SamplingParams
 from inflight.plan.workload import random_prompt
 
@@ -105,16 +106,16 @@ class MatmulProbe:
 
 class ModelLinearsProbe:
     """Every linear layer of a loaded model (qkv with its bias where the model has one, o, gate_up
-    and down per layer, then the LM head) through the model's own ``ops.linear`` on its own weights,
+    and down per layer, then the LM head) through the engine's ``matmul`` on the model's own weights,
     packed as the engine packed them, for a decode step of ``rows`` sequences: at the row count the
     model pads that step to, the LM head at the rows that sample (one per sequence, padded alike).
     ``flops`` counts the useful FLOPs at ``rows``: padding costs time, not work."""
 
-    def __init__(self, model: LlamaForCausalLM, rows: int, dtype: torch.dtype) -> None:
+    def __init__(self, model: DecoderModel, rows: int, dtype: torch.dtype) -> None:
         gen = torch.Generator().manual_seed(0)
-        ops = model.ops
+        kernels = model.kernels
         self.rows = rows
-        self.padded_rows = ops.padded_rows(rows)
+        self.padded_rows = kernels.padded_rows(rows)
         inputs: dict[int, torch.Tensor] = {}
 
         def x(features: int) -> torch.Tensor:
@@ -123,21 +124,17 @@ class ModelLinearsProbe:
             return inputs[features]
 
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
-        for layer in model.layers:
-            for key, bias in (("qkv", layer["qkv_bias"]), ("o", None), ("gate_up", None), ("down", None)):
-                w = layer[key]
-                assert w is not None
-                self.calls.append((x(cpu_gemm.features(w)[1]), w, bias))
-        self.calls.append((x(cpu_gemm.features(model.lm_head)[1]), model.lm_head, None))
-        self.ops = ops
+        for w, bias in model.linear_weights():
+            self.calls.append((x(cpu_gemm.features(w)[1]), w, bias))
+        self.kernels = kernels
         self.flops = 2 * rows * sum(math.prod(cpu_gemm.features(w)) for _, w, _ in self.calls)
 
     @torch.inference_mode()
     def time_pass(self) -> float:
-        linear = self.ops.linear
+        kernels = self.kernels
         start = time.perf_counter()
         for x, w, b in self.calls:
-            linear(x, w, b)
+            matmul(x, w, b, kernels)
         return time.perf_counter() - start
 
 

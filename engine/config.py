@@ -22,12 +22,12 @@ _DTYPES = {
     "half": torch.float16,
 }
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The parts of an HF ``config.json`` that the Llama family needs."""
+    """What the engine reads of an HF ``config.json``: the shape every family shares, then each
+    family's choices (engine/models/registry.py reads them; docs/models.md lists them per family).
+    A field a family does not support is refused when the config is read, never ignored."""
 
     architecture: str
     vocab_size: int
@@ -42,21 +42,59 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict[str, Any] | None
     tie_word_embeddings: bool
-    attention_bias: bool  # Qwen2 has q/k/v biases
+    attention_bias: bool  # q/k/v biases (Qwen2; Llama's attention_bias also biases o_proj)
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None
     sliding_window: int | None = None
+    # ---- the family's choices (defaults: Llama's) ----
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (gated MLP)
+    norm_placement: str = "pre"  # pre | sandwich (Gemma) | post (OLMo 2): engine/models/decoder.py
+    norm_offset: float = 0.0  # 1.0: Gemma's RMSNorm scales by 1 + w
+    qk_norm: str | None = None  # head: RMSNorm per head (Qwen3, Gemma 3); full: over the projection (OLMo 2)
+    embedding_scale: float | None = None  # Gemma: sqrt(hidden); Granite: embedding_multiplier
+    residual_multiplier: float = 1.0  # Granite: each sublayer's output scaled before its residual add
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2: the same on the logits
+    logits_scaling: float = 1.0  # Granite: logits divided by it
+    partial_rotary_factor: float = 1.0  # the fraction of each head that rotary turns
+    # Per layer: the sliding window (None: full attention); empty: no layer has one.
+    layer_windows: tuple[int | None, ...] = ()
+    # Per layer: (rope_theta, rope_scaling), or None for a layer without rotary (SmolLM3's NoPE
+    # layers); empty: every layer uses rope_theta and rope_scaling.
+    layer_rope: tuple[tuple[float, dict[str, Any] | None] | None, ...] = ()
+    # Mixture of experts (0 experts: dense).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()  # per layer: sparse (True) or dense MLP
+
+    def window_for_layer(self, i: int) -> int | None:
+        return self.layer_windows[i] if self.layer_windows else None
+
+    def rope_for_layer(self, i: int) -> tuple[float, dict[str, Any] | None] | None:
+        return self.layer_rope[i] if self.layer_rope else (self.rope_theta, self.rope_scaling)
+
+    def is_moe_layer(self, i: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[i]
+
+    @property
+    def kv_free_window(self) -> int | None:
+        """The window, when every layer attends within the same one: KV blocks wholly before it can
+        be freed (a family that mixes local and global layers keeps every block)."""
+        windows = set(self.layer_windows)
+        if len(windows) == 1 and None not in windows and len(self.layer_windows) == self.num_hidden_layers:
+            return next(iter(windows))
+        return None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        from engine.models.registry import family_for
+
         archs = raw.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or raw.get('model_type')!r}; "
-                f"inflight serves {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        family, arch = family_for(archs, raw.get("model_type"))
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         eos = raw.get("eos_token_id")
@@ -67,11 +105,11 @@ class ModelConfig:
         rope_params = raw.get("rope_parameters")
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta", rope_theta)
-        return cls(
+        common: dict[str, Any] = dict(
             architecture=arch,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=int(raw.get("intermediate_size") or 0),
             num_hidden_layers=int(raw["num_hidden_layers"]),
             num_attention_heads=num_heads,
             num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
@@ -81,12 +119,14 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=context.rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
             eos_token_ids=eos_ids,
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             sliding_window=context.sliding_window,
         )
+        common.update(family.parse(raw, common))
+        return cls(**common)
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:

@@ -72,7 +72,7 @@ class LLMEngine:
             config.device,
             str(config.dtype).removeprefix("torch."),
             config.attention_backend,
-            self.runner.model.ops.gemm,
+            self.runner.model.kernels.gemm,
             torch.get_num_threads(),
             self.runner.num_blocks,
             config.block_size,

@@ -14,6 +14,7 @@ leaves half done (gloo: the peer closed); a rank that hangs makes the collective
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import socket
@@ -71,6 +72,15 @@ def join_group(
     """
     import torch.distributed as dist
     from torch._C._distributed_c10d import TCPStore
+
+    if dist.is_initialized():
+        # The group of an engine that was dropped but not yet collected (a reference cycle): its
+        # finaliser (ModelRunner) ends its ranks and leaves the group.
+        gc.collect()
+        if dist.is_initialized():
+            raise RuntimeError(
+                "another tensor-parallel engine is running in this process; close it (or delete it) first"
+            )
 
     if sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this host

@@ -1,4 +1,4 @@
-"""Which slice of each checkpoint tensor a rank holds (Megatron-style sharding of the Llama family).
+"""Which slice of each checkpoint tensor a rank holds (Megatron-style sharding, every family).
 
     q/k/v, gate/up      column-parallel: output rows split; each rank computes its heads / its part
                         of the MLP's intermediate size with no communication
@@ -6,7 +6,9 @@
                         all-reduce each per layer
     embed, lm_head      vocabulary-parallel: rows split (the last shard zero-padded to equal size);
                         the embedding sums over ranks, the logits are gathered where the sampler runs
-    norms               replicated
+    experts             each expert split as a dense MLP (gate/up rows, down columns over
+                        moe_intermediate_size); the router replicated
+    norms, o bias       replicated (a row-parallel bias is added once, after the all-reduce)
 
 KV heads split across ranks; with fewer KV heads than ranks each is replicated to the ranks whose
 query heads read it. Example, 4 query heads, 2 KV heads (GQA group of 2):
@@ -42,6 +44,15 @@ def check_divisible(config: ModelConfig, size: int) -> None:
         raise ValueError(
             f"tensor_parallel_size {size} must divide intermediate_size {config.intermediate_size}"
         )
+    if config.num_experts and config.moe_intermediate_size % size:
+        raise ValueError(
+            f"tensor_parallel_size {size} must divide moe_intermediate_size {config.moe_intermediate_size}"
+        )
+    from engine.models.registry import family_of
+
+    family = family_of(config.architecture)
+    if size > 1 and not family.tensor_parallel:
+        raise ValueError(f"{config.architecture} does not run tensor-parallel: {family.tp_refusal}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,10 @@ class ShardPlan:
             return (0, *mlp)
         if name.endswith("mlp.down_proj.weight"):
             return (1, *mlp)
+        if ".mlp.experts." in name:  # each expert split as a dense MLP, over moe_intermediate_size
+            moe = c.moe_intermediate_size // self.size
+            expert = (self.rank * moe, (self.rank + 1) * moe)
+            return (1, *expert) if name.endswith("down_proj.weight") else (0, *expert)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             start = min(self.vocab_start, c.vocab_size)
             return (0, start, min(start + self.vocab_shard, c.vocab_size))

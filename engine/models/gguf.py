@@ -44,7 +44,18 @@ from engine.paths import models_dir
 # Bump when the converted layout changes: old cache entries are then ignored, not misread.
 _CONVERTER_VERSION = 1
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# general.architecture -> the HF architecture its converted config names.
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# llama.cpp stores Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight as stored).
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+# Only llama.cpp's Llama converter permutes q/k rows for its interleaved rotary.
+_PERMUTED_QK = ("llama",)
 
 # llama.cpp's pre-tokenizer names whose regex splits every digit on its own (SmolLM's original
 # tokenizer.json has a Digits(individual_digits) step for the same reason).
@@ -59,10 +70,19 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's sandwich norms: ffn_norm is the pre-MLP norm, and each sublayer's output has its own.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -221,9 +241,13 @@ def config_from_metadata(meta: dict[str, Any], tie_word_embeddings: bool) -> dic
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
-    if get("rope.scaling.type") not in (None, "none") or get("rope.freq_scale") not in (None, 1.0):
+    scaling_type = get("rope.scaling.type")
+    rope_scaling: dict[str, Any] | None = None
+    if scaling_type == "linear" and get("rope.scaling.factor") is not None:
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none") or get("rope.freq_scale") not in (None, 1.0):
         # Silently dropping a scaling would give a different model past the original context.
-        raise ValueError("GGUF rope scaling is not supported by this converter")
+        raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported by this converter (linear is)")
     num_heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
@@ -243,6 +267,25 @@ def config_from_metadata(meta: dict[str, Any], tie_word_embeddings: bool) -> dic
         "tie_word_embeddings": tie_word_embeddings,
         "torch_dtype": "float32",
     }
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    if arch in ("gemma2", "gemma3"):
+        window = get("attention.sliding_window")
+        config["sliding_window"] = int(window) if window is not None else None
+        config["query_pre_attn_scalar"] = config["head_dim"]
+        config["hidden_activation"] = "gelu_pytorch_tanh"
+    if arch == "gemma2":
+        config["attn_logit_softcapping"] = get("attn_logit_softcapping")
+        config["final_logit_softcapping"] = get("final_logit_softcapping")
+        # llama.cpp's Gemma 2: local (sliding) and global layers alternate, the first local.
+        config["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention"
+            for i in range(config["num_hidden_layers"])
+        ]
+    if arch == "gemma3":
+        # llama.cpp's Gemma 3: every sixth layer global, the local ones on base 10,000.
+        config["rope_local_base_freq"] = 10000.0
+        config["sliding_window_pattern"] = 6
     for key in ("bos", "eos"):
         token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
         if token_id is not None:
@@ -318,29 +361,33 @@ def _dequantized_weights(reader: Any, config: dict[str, Any]) -> dict[str, np.nd
     from tqdm import tqdm
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    arch = config["model_type"]
     weights: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", file=sys.stderr, mininterval=0.5):
-        name = _hf_name(tensor.name)
+        name = _hf_name(tensor.name, arch)
         if name is None:
             continue  # e.g. rope_freqs, recomputed by the engine
         # ggml shapes are fastest-dimension first; numpy's are slowest first.
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         array = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         array = array.reshape(shape)
-        if name.endswith("q_proj.weight"):
+        if arch in _PERMUTED_QK and name.endswith("q_proj.weight"):
             array = _unpermute(array, heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch in _PERMUTED_QK and name.endswith("k_proj.weight"):
             array = _unpermute(array, kv_heads)
+        elif arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+            array = array - 1.0
         weights[name] = array
     return weights
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _GEMMA_LAYER_NAMES if arch in _NORM_PLUS_ONE else _LAYER_NAMES
     parts = gguf_name.split(".")  # blk.<i>.<name>.<weight|bias>
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
     return None
 
 

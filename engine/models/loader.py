@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,7 @@ from engine.models.gguf import local_checkpoint
 
 if TYPE_CHECKING:
     from engine.distributed.sharding import ShardPlan
+    from engine.models.family import Family
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -29,19 +30,32 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
-def read_safetensors(path: Path, plan: ShardPlan | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint; with a tensor-parallel ``plan``, only this rank's slice of
-    each (a sliced read: the rest of the file is never copied)."""
+def read_safetensors(
+    path: Path,
+    plan: ShardPlan | None = None,
+    family: Family | None = None,
+    raw_config: dict[str, Any] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint under its canonical name (``family.canonical``); with a
+    tensor-parallel ``plan``, only this rank's slice of each (a sliced read: the rest of the file is
+    never copied), except tensors the family fuses in its checkpoint, which are read whole and split."""
     from safetensors import safe_open  # not needed for dummy weights (GPU benchmarks)
 
     tensors: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if plan is None:
-                    tensors[name] = f.get_tensor(name)
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = family.canonical(stored) if family is not None else stored
+                parts = family.fused(name, raw_config or {}) if family is not None and family.fused else None
+                if parts is not None:
+                    whole = f.get_tensor(stored)
+                    for (part, _), tensor in zip(parts, whole.split([n for _, n in parts]), strict=True):
+                        tensors[part] = _take(plan, part, tensor)
                     continue
-                view = f.get_slice(name)
+                if plan is None:
+                    tensors[name] = f.get_tensor(stored)
+                    continue
+                view = f.get_slice(stored)
 
                 def read(region: tuple[int, int, int] | None, view: object = view) -> torch.Tensor:
                     if region is None:
@@ -53,6 +67,15 @@ def read_safetensors(path: Path, plan: ShardPlan | None = None) -> dict[str, tor
     return tensors
 
 
+def _take(plan: ShardPlan | None, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if plan is None:
+        return tensor.clone()
+    from engine.distributed.sharding import slice_region
+
+    # A copy of the slice: a view would keep the whole tensor's storage alive.
+    return plan.take(name, lambda region: slice_region(tensor, region).clone())
+
+
 def dummy_weights(
     config: ModelConfig,
     seed: int,
@@ -60,7 +83,8 @@ def dummy_weights(
     device: torch.device | None = None,
     plan: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Random weights with the checkpoint's names and shapes, for benchmarks of a shape, not a model.
+    """Random weights with the engine's canonical names and the checkpoint's shapes, for benchmarks
+    of a shape, not a model.
 
     Drawn directly on the target device in the target dtype: an 8B model never passes through host
     memory in float32. With a tensor-parallel ``plan`` every rank draws the same full tensors in the
@@ -81,29 +105,38 @@ def dummy_weights(
     w: dict[str, torch.Tensor] = {}
 
     def put(name: str, tensor: torch.Tensor) -> None:
-        if plan is None:
-            w[name] = tensor
-            return
-        from engine.distributed.sharding import slice_region
-
-        # A copy of the slice: a view would keep the whole tensor's storage alive.
-        w[name] = plan.take(name, lambda region: slice_region(tensor, region).clone())
+        w[name] = tensor if plan is None else _take(plan, name, tensor)
 
     put("model.embed_tokens.weight", rand(config.vocab_size, h))
     put("model.norm.weight", ones(h))
     if not config.tie_word_embeddings:
         put("lm_head.weight", rand(config.vocab_size, h))
+    norms = {"pre": ("input_norm", "mlp_norm"), "post": ("attn_out_norm", "mlp_out_norm")}.get(
+        config.norm_placement, ("input_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm")
+    )
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        put(p + "input_layernorm.weight", ones(h))
-        put(p + "post_attention_layernorm.weight", ones(h))
+        for norm in norms:
+            put(p + f"{norm}.weight", ones(h))
         put(p + "self_attn.q_proj.weight", rand(q, h))
         put(p + "self_attn.k_proj.weight", rand(kv, h))
         put(p + "self_attn.v_proj.weight", rand(kv, h))
         if config.attention_bias:
             for name, size in (("q", q), ("k", kv), ("v", kv)):
                 put(p + f"self_attn.{name}_proj.bias", rand(size))
+        if config.qk_norm is not None:
+            width = (q, kv) if config.qk_norm == "full" else (d, d)
+            put(p + "self_attn.q_norm.weight", ones(width[0]))
+            put(p + "self_attn.k_norm.weight", ones(width[1]))
         put(p + "self_attn.o_proj.weight", rand(h, q))
+        if config.is_moe_layer(i):
+            moe = config.moe_intermediate_size
+            put(p + "mlp.gate.weight", rand(config.num_experts, h))
+            for e in range(config.num_experts):
+                put(p + f"mlp.experts.{e}.gate_proj.weight", rand(moe, h))
+                put(p + f"mlp.experts.{e}.up_proj.weight", rand(moe, h))
+                put(p + f"mlp.experts.{e}.down_proj.weight", rand(h, moe))
+            continue
         put(p + "mlp.gate_proj.weight", rand(inter, h))
         put(p + "mlp.up_proj.weight", rand(inter, h))
         put(p + "mlp.down_proj.weight", rand(h, inter))
@@ -113,7 +146,8 @@ def dummy_weights(
 def merge_weights(
     config: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """Cast, move, and fuse q/k/v and gate/up so each layer runs two fewer matmuls."""
+    """Cast, move, fuse q/k/v and gate/up (two fewer matmuls a layer), and stack each MoE layer's
+    experts into ``mlp.experts.w13`` [E, 2I, H] (gate rows, then up) and ``mlp.experts.w2`` [E, H, I]."""
 
     def take(name: str) -> torch.Tensor:
         if name not in raw:
@@ -132,10 +166,27 @@ def merge_weights(
                 [take(a + "q_proj.bias"), take(a + "k_proj.bias"), take(a + "v_proj.bias")]
             )
         out[a + "o_proj.weight"] = take(a + "o_proj.weight")
+        for name in (a + "o_proj.bias", a + "q_norm.weight", a + "k_norm.weight"):
+            if name in raw:
+                out[name] = take(name)
+        for norm in ("input_norm", "attn_out_norm", "mlp_norm", "mlp_out_norm"):
+            if f"{p}{norm}.weight" in raw:
+                out[f"{p}{norm}.weight"] = take(f"{p}{norm}.weight")
+        if config.is_moe_layer(i):
+            experts = range(config.num_experts)
+            out[m + "gate.weight"] = take(m + "gate.weight")
+            out[m + "experts.w13"] = torch.stack(
+                [
+                    torch.cat(
+                        [take(f"{m}experts.{e}.gate_proj.weight"), take(f"{m}experts.{e}.up_proj.weight")]
+                    )
+                    for e in experts
+                ]
+            )
+            out[m + "experts.w2"] = torch.stack([take(f"{m}experts.{e}.down_proj.weight") for e in experts])
+            continue
         out[m + "gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
         out[m + "down_proj.weight"] = take(m + "down_proj.weight")
-        out[p + "input_layernorm.weight"] = take(p + "input_layernorm.weight")
-        out[p + "post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
     out["model.embed_tokens.weight"] = take("model.embed_tokens.weight")
     out["model.norm.weight"] = take("model.norm.weight")
     if not config.tie_word_embeddings and "lm_head.weight" in raw:
@@ -158,8 +209,12 @@ def load_weights(
     plan: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     """The merged weights; with a tensor-parallel ``plan``, this rank's shard of them."""
+    from engine.models.registry import family_of
+
     if load_format == "dummy":
         raw = dummy_weights(config, seed, dtype, device, plan)
     else:
-        raw = read_safetensors(local_checkpoint(path), plan)
+        local = local_checkpoint(path)
+        raw_config = json.loads((local / "config.json").read_text())
+        raw = read_safetensors(local, plan, family_of(config.architecture), raw_config)
     return merge_weights(config, raw, dtype, device)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionMetadata
-from engine.models.llama import LlamaForCausalLM
+from engine.models.decoder import DecoderModel
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -38,7 +38,7 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 class GraphedDecode:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderModel,
         kv_caches: list[torch.Tensor],
         max_num_seqs: int,
         max_blocks_per_req: int,

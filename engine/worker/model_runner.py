@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,8 +20,9 @@ from engine.attention.backend import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.kv_cache.manager import cdiv
+from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
-from engine.models.llama import LlamaForCausalLM, ModelOps
+from engine.models.decoder import DecoderModel
 from engine.models.loader import load_weights
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sched.output import SchedulerOutput
@@ -54,6 +56,9 @@ class ModelRunner:
             from engine.distributed.launcher import RankSet
 
             self.ranks = RankSet(config, envs.tp_timeout_s())
+            # An engine dropped without close() still ends its ranks and leaves the process group,
+            # so that another tensor-parallel engine can start in this process.
+            weakref.finalize(self, self.ranks.close)
             tp = self.ranks.tp
         self.tp = tp or SINGLE
         try:
@@ -87,13 +92,13 @@ class ModelRunner:
         weights = load_weights(
             config.model_path, mc, config.dtype, self.device, config.load_format, config.seed, plan
         )
-        self.model = LlamaForCausalLM(
+        self.model = DecoderModel(
             mc,
             weights,
             self.backend,
-            ModelOps(
-                use_triton=use_triton_ops,
-                use_cpu_kernels=use_cpu_kernels,
+            Kernels(
+                triton=use_triton_ops,
+                cpu=use_cpu_kernels,
                 gemm=gemm,
                 prepack_rows=config.max_num_seqs if prepack else 0,
                 row_padding=(

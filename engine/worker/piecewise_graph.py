@@ -4,7 +4,7 @@ A mixed step (chunked prefills next to decodes) changes its token count T and it
 metadata every step, so one graph cannot hold it. Everything but attention is token-wise, though:
 T is padded to a captured size Tb >= T, the token-wise parts replay from graphs captured at Tb rows,
 and attention, whose launch follows the step's requests, runs eagerly between them on the real T
-rows. L layers make L + 1 graphs per size (the segments of LlamaForCausalLM.forward):
+rows. L layers make L + 1 graphs per size (the segments of DecoderModel.forward):
 
     graph 0     embed, pre_attention(0)                       -> qkv, residual
     eager       attention(0): KV store + paged attention      -> attn            rows < T only
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionMetadata
-from engine.models.llama import PAD_POSITION, PAD_TOKEN_ID, LlamaForCausalLM
+from engine.models.decoder import PAD_POSITION, PAD_TOKEN_ID, DecoderModel
 
 
 def piecewise_buckets(max_tokens: int, fine_step: int = 8, fine_limit: int = 256) -> list[int]:
@@ -73,7 +73,7 @@ def _gc_frozen() -> Iterator[None]:
 class PiecewiseGraphs:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: DecoderModel,
         kv_caches: list[torch.Tensor],
         buckets: Sequence[int],
         capture: bool = True,
@@ -86,8 +86,7 @@ class PiecewiseGraphs:
         self.buckets = sorted(set(buckets))
         self.num_layers = len(model.layers)
         self.use_graphs = capture
-        embed = model.w["model.embed_tokens.weight"]
-        device, dtype = embed.device, embed.dtype
+        device, dtype = model.device, model.dtype
         n, hidden = self.buckets[-1], model.config.hidden_size
         self.input_ids = torch.full((n,), PAD_TOKEN_ID, dtype=torch.int64, device=device)
         self.positions = torch.full((n,), PAD_POSITION, dtype=torch.int64, device=device)
@@ -161,7 +160,7 @@ class PiecewiseGraphs:
             self.attn[num_tokens:b].zero_()  # the earlier steps' attention rows
         for i, kv_cache in enumerate(self.kv_caches):
             self._run_segment(i, b)
-            self.model.attention(self.qkv[:b], kv_cache, metadata, out=self.attn[:b])
+            self.model.attention(i, self.qkv[:b], kv_cache, metadata, out=self.attn[:b])
         self._run_segment(self.num_layers, b)
         return self.out[:num_tokens]
 

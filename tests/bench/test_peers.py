@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import micro
 from bench.cli import main
 from bench.micro import MatmulProbe, ModelLinearsProbe
 from bench.peers import parse_threads, table
+from engine.layers.kernels import Kernels
 from engine.llm_engine import LLMEngine
 from engine.models import cpu_gemm, onednn
 
@@ -44,13 +46,22 @@ def test_the_linear_baseline_runs_the_models_own_weights_and_ops(
     probe = ModelLinearsProbe(model, 20, engine.config.dtype)
     # Where oneDNN multiplies the packed weights, the engine pads a step's rows to whole GEMM tiles;
     # its own kernels (engine/models/cpu_gemm.py) and torch's take the rows as they are.
-    pads = model.ops.gemm == "onednn"
-    assert pads == (model.ops.row_padding is not None)
+    pads = model.kernels.gemm == "onednn"
+    assert pads == (model.kernels.row_padding is not None)
     grain = onednn.row_grain(engine.config.dtype)
     assert probe.padded_rows == (onednn.RowPadding(grain, 64).padded(20) if pads else 20)
-    assert probe.padded_rows == model.ops.padded_rows(20)
+    assert probe.padded_rows == model.kernels.padded_rows(20)
     # Every linear of every layer, then the LM head: the very tensors the model multiplies by.
-    expected = [layer[k] for layer in model.layers for k in ("qkv", "o", "gate_up", "down")] + [model.lm_head]
+    expected = [
+        w
+        for layer in model.layers
+        for w in (
+            layer.qkv_proj.weight,
+            layer.o_proj.weight,
+            layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight,
+        )
+    ] + [model.lm_head.weight]
     assert all(w is e for (_, w, _), e in zip(probe.calls, expected, strict=True))
     assert all(
         x.shape == (probe.padded_rows, cpu_gemm.features(w)[1]) and x.dtype == engine.config.dtype
@@ -59,13 +70,13 @@ def test_the_linear_baseline_runs_the_models_own_weights_and_ops(
     # Useful FLOPs at the real rows, the same count as the raw probe's shapes.
     assert probe.flops == MatmulProbe(engine.config.model, 20).flops
     seen: list[tuple[int, ...]] = []
-    real = model.ops.linear
+    real = micro.matmul
 
-    def counting(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def counting(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, kernels: Kernels) -> torch.Tensor:
         seen.append(tuple(x.shape))
-        return real(x, w, b)
+        return real(x, w, b, kernels)
 
-    monkeypatch.setattr(model.ops, "linear", counting)
+    monkeypatch.setattr(micro, "matmul", counting)
     assert probe.time_pass() > 0
     assert len(seen) == len(expected)
 

@@ -12,7 +12,8 @@ import torch
 def _load(path: str):  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    # Eager attention: the plain reference (soft-capping and sliding windows included).
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     return model
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.layers.linear import matmul
 from engine.models.tiny import write_tiny_checkpoint
 from engine.platform import AUTO_DTYPE_ENV, cpu_auto_dtype, cpu_flags
 from tests.engine.hf_reference import hf_greedy
@@ -125,11 +126,18 @@ def test_float_logits_reuse_one_buffer_and_are_exact(llama: Path) -> None:
     first = model.compute_logits(hidden)
     assert first.dtype == torch.float32 and first.shape == (5, model.config.vocab_size)
     expected_first = first.clone()
-    rows = model.ops.padded_rows(5)
-    bf16 = model.ops.linear(torch.nn.functional.pad(hidden, (0, 0, 0, rows - 5)), model.lm_head)[:5]
+    rows = model.kernels.padded_rows(5)
+    bf16 = matmul(
+        torch.nn.functional.pad(hidden, (0, 0, 0, rows - 5)), model.lm_head.weight, None, model.kernels
+    )[:5]
     assert torch.equal(expected_first, bf16.float())
     second = model.compute_logits(hidden[:3] * 2)
     assert second.data_ptr() == first.data_ptr(), "the second step's logits reuse the first's memory"
-    rows = model.ops.padded_rows(3)
-    bf16 = model.ops.linear(torch.nn.functional.pad(hidden[:3] * 2, (0, 0, 0, rows - 3)), model.lm_head)[:3]
+    rows = model.kernels.padded_rows(3)
+    bf16 = matmul(
+        torch.nn.functional.pad(hidden[:3] * 2, (0, 0, 0, rows - 3)),
+        model.lm_head.weight,
+        None,
+        model.kernels,
+    )[:3]
     assert torch.equal(second, bf16.float()) and not torch.equal(second, expected_first[:3])

@@ -35,14 +35,17 @@ def test_a_model_served_on_its_own_kernels(tiny_llama_path: Path, monkeypatch: p
     monkeypatch.setenv("INFLIGHT_CPU_GEMM", "inflight")
     own, tokens = _greedy(tiny_llama_path, "float32")
     model = own.engine.runner.model
-    assert model.ops.gemm == "inflight" and model.ops.row_padding is None
-    assert all(w is not None and w.dim() == 3 for w in (model.layers[0]["qkv"], model.layers[0]["down"]))
-    assert model.lm_head.dim() == 3
+    assert model.kernels.gemm == "inflight" and model.kernels.row_padding is None
+    assert all(
+        w is not None and w.dim() == 3
+        for w in (model.layers[0].qkv_proj.weight, model.layers[0].mlp.down_proj.weight)
+    )
+    assert model.lm_head.weight.dim() == 3
     own.engine.kv.check_integrity()
     for other in ("onednn", "torch"):
         monkeypatch.setenv("INFLIGHT_CPU_GEMM", other)
         llm, expected = _greedy(tiny_llama_path, "float32")
-        assert llm.engine.runner.model.ops.gemm in (other, "torch")
+        assert llm.engine.runner.model.kernels.gemm in (other, "torch")
         assert tokens == expected, other
 
 
@@ -58,7 +61,7 @@ def test_weights_the_kernels_cannot_take_stay_with_onednn(
     monkeypatch.setattr(cpu_gemm, "packable", lambda w: packable(w) and w.shape[0] != w.shape[1])
     mixed, tokens = _greedy(tiny_llama_path, "float32")
     layer = mixed.engine.runner.model.layers[0]
-    assert layer["o"] is not None and layer["o"].dim() == 2  # square: oneDNN's (or torch's)
-    assert layer["qkv"] is not None and layer["qkv"].dim() == 3
-    assert (mixed.engine.runner.model.ops.prepack_rows > 0) == onednn.can_prepack(torch.float32)
+    assert layer.o_proj.weight.dim() == 2  # square: oneDNN's (or torch's)
+    assert layer.qkv_proj.weight.dim() == 3
+    assert (mixed.engine.runner.model.kernels.prepack_rows > 0) == onednn.can_prepack(torch.float32)
     assert tokens == expected

@@ -82,9 +82,9 @@ def _generate_both(llm: LLM) -> tuple[list[int], list, list]:  # type: ignore[ty
     model.forward = recording  # type: ignore[method-assign,assignment]
     padded = llm.generate(prompts, params)
     llm.engine.kv.check_integrity()  # raises on a leaked or double-owned block
-    padding, model.ops.row_padding = model.ops.row_padding, None
+    padding, model.kernels.row_padding = model.kernels.row_padding, None
     plain = llm.generate(prompts, params)
-    model.ops.row_padding = padding
+    model.kernels.row_padding = padding
     assert padding is not None and any(padding.padded(n) != n for n in counts), sorted(set(counts))
     return counts, padded, plain
 
@@ -94,7 +94,7 @@ def test_padded_rows_leak_into_nothing(tiny_llama_path: Path) -> None:
     GEMM's own row-count rounding, so a padded row reaching attention, the cache or a real row would
     show."""
     llm = LLM(str(tiny_llama_path), dtype="float32", **_ARGS)
-    ops = llm.engine.runner.model.ops
+    ops = llm.engine.runner.model.kernels
     assert (ops.row_padding is not None) == onednn.can_prepack(torch.float32) == (ops.prepack_rows > 0)
     ops.row_padding = RowPadding(16, 64)
     _, padded, plain = _generate_both(llm)
@@ -112,10 +112,10 @@ def test_bf16_padding_content_reaches_no_real_row(
     log-probability is the same bit for bit; and against the unpadded run, within bf16's noise (on
     an AMX host they are identical: oneDNN's rows do not depend on the row count there, which another
     CPU's kernels need not promise)."""
-    import engine.models.llama as llama
+    import engine.models.decoder as llama
 
     llm = LLM(str(tiny_llama_path), dtype="bfloat16", **_ARGS)
-    assert llm.engine.runner.model.ops.row_padding is not None, "bf16 on a oneDNN build pads rows"
+    assert llm.engine.runner.model.kernels.row_padding is not None, "bf16 on a oneDNN build pads rows"
     _, zeros, plain = _generate_both(llm)
     for a, b in zip(zeros, plain, strict=True):
         x, y = a.outputs[0].logprobs[0], b.outputs[0].logprobs[0]
@@ -143,13 +143,13 @@ def test_torch_gemm_keeps_plain_weights(tiny_llama_path: Path, monkeypatch: pyte
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42]]
     packed = LLM(str(tiny_llama_path), dtype="float32", **_ARGS)
-    assert packed.engine.runner.model.ops.prepack_rows > 0, "float32 packs where oneDNN can"
+    assert packed.engine.runner.model.kernels.prepack_rows > 0, "float32 packs where oneDNN can"
     expected = [o.outputs[0].token_ids for o in packed.generate(prompts, params)]
     monkeypatch.setenv("INFLIGHT_CPU_GEMM", "torch")
     plain = LLM(str(tiny_llama_path), dtype="float32", **_ARGS)
-    ops, layer = plain.engine.runner.model.ops, plain.engine.runner.model.layers[0]
+    ops, layer = plain.engine.runner.model.kernels, plain.engine.runner.model.layers[0]
     assert ops.prepack_rows == 0 and ops.row_padding is None
-    assert layer["gate_up"] is not None and layer["gate_up"].layout == torch.strided
+    assert layer.mlp.gate_up_proj.weight.layout == torch.strided
     assert not onednn.can_prepack(torch.bfloat16)
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, params)] == expected
     monkeypatch.setenv("INFLIGHT_CPU_GEMM", "blas")

@@ -221,3 +221,20 @@ async def test_the_engine_core_serves_with_two_ranks_and_dies_with_one(tiny_llam
     assert (
         not Path(f"/proc/{rank_pid}").exists() or "Z" in Path(f"/proc/{rank_pid}/stat").read_text().split()[2]
     )
+
+
+def test_a_second_engine_starts_after_the_first_is_deleted(tmp_path: Path) -> None:
+    """Deleting a tensor-parallel engine without close() ends its ranks and leaves the process group,
+    so a second one starts in the same process (not "initialize the default process group twice")."""
+    path = write_tiny_checkpoint(tmp_path, arch="llama", seed=3)
+    batch = prompts(3, seed=4)
+    first = engine(path, tensor_parallel_size=2)
+    pids = first.runner.ranks.pids if first.runner.ranks is not None else []
+    expected = run(first, batch)
+    del first
+    second = engine(path, tensor_parallel_size=2)
+    try:
+        assert run(second, batch) == expected
+        assert second.runner.ranks is not None and set(second.runner.ranks.pids).isdisjoint(pids)
+    finally:
+        second.runner.close()

@@ -8,7 +8,7 @@ import torch
 
 from engine.kernels import cpu as cpu_kernels
 from engine.kernels import reference
-from engine.models.rotary import cos_sin_cache
+from engine.layers.rope_scaling import cos_sin_cache
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels could not be built here")
 

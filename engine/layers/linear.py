@@ -1,0 +1,55 @@
+"""Linear layers: ``y = x W^T (+ b)`` on whatever layout the engine's kernel reads.
+
+The weight kind decides the kernel, in ``Linear.__call__`` and nowhere else: column panels (3-D, the
+engine's own CPU kernels: engine/models/cpu_gemm.py), oneDNN's packed weights (CPU), or a plain
+[out, in] tensor (torch's matmul; cuBLAS on a GPU).
+
+Tensor parallelism (Megatron): the loader hands each layer its rank's shard
+(engine/distributed/sharding.py). A column-parallel layer (q/k/v, gate/up: output features split)
+needs no communication; a row-parallel one (o, down: input features split) returns partial sums that
+``reduce=True`` all-reduces, and adds its bias once, after the sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.distributed.parallel_state import SINGLE, TensorParallel
+from engine.layers.kernels import Kernels
+from engine.models import cpu_gemm, onednn
+
+
+class Linear:
+    def __init__(
+        self,
+        weight: torch.Tensor,  # [out, in] (this rank's shard)
+        kernels: Kernels,
+        bias: torch.Tensor | None = None,  # [out]
+        *,
+        reduce: bool = False,  # row-parallel: all-reduce the partial products over ``tp``
+        tp: TensorParallel = SINGLE,
+    ) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.weight = kernels.pack(weight)
+        self.bias = bias
+        self.kernels = kernels
+        self.reduce = reduce and tp.enabled
+        self.tp = tp
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if not self.reduce:
+            return matmul(x, self.weight, self.bias, self.kernels)
+        out = self.tp.all_reduce(matmul(x, self.weight, None, self.kernels))
+        return out if self.bias is None else out + self.bias
+
+
+def matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Kernels
+) -> torch.Tensor:
+    """One linear product on any weight layout ``Kernels.pack`` returns."""
+    if weight.dim() == 3:  # column panels (cpu_gemm.pack)
+        return cpu_gemm.linear(x, weight, bias)
+    if kernels.prepack_rows:
+        return onednn.linear(x, weight, bias)
+    return F.linear(x, weight, bias)
