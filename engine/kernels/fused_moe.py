@@ -26,7 +26,6 @@ from engine.kernels.moe_reference import check_moe_args
 
 _ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
 _ACT_BLOCK = 1024  # elements of one output row per program of the activation kernel
-_SQRT_2_OVER_PI = 0.7978845608028654
 
 
 def moe_align_block_size(
@@ -156,8 +155,9 @@ def _act_and_mul_kernel(  # type: ignore[no-untyped-def]
     if ACTIVATION == 0:
         act = gate * tl.sigmoid(gate)
     else:
-        # 0.5 * (1 + tanh(z)) == sigmoid(2z), so GELU-tanh(x) = x * sigmoid(2 * sqrt(2/pi) * (x + 0.044715 x^3)).
-        act = gate * tl.sigmoid(2.0 * _SQRT_2_OVER_PI * (gate + 0.044715 * gate * gate * gate))
+        # 0.5 * (1 + tanh(z)) == sigmoid(2z), so GELU-tanh(x) = x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3));
+        # 1.5957691216057308 is 2 sqrt(2/pi).
+        act = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate))
     # Rounded to the model dtype before the product, as HF's act_fn(gate) * up is.
     act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + row * inter + offs, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
@@ -251,7 +251,9 @@ def fused_moe(
 
     gate_up = torch.empty((num_pairs, 2 * inter), dtype=hidden.dtype, device=hidden.device)
     align = (sorted_pair_ids, block_expert_ids, num_post_padded)
-    _grouped_gemm(hidden, w13, gate_up, weights, *align, pairs_per_a_row=top_k, mul_weight=False, block_m=block_m)
+    _grouped_gemm(
+        hidden, w13, gate_up, weights, *align, pairs_per_a_row=top_k, mul_weight=False, block_m=block_m
+    )
     act = _act_and_mul(gate_up, activation)  # [T * k, I]
     down = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _grouped_gemm(act, w2, down, weights, *align, pairs_per_a_row=1, mul_weight=True, block_m=block_m)

@@ -32,9 +32,10 @@ def route_topk(
     """Each token's k experts by softmax probability, highest first, and their weights.
 
     The softmax is over all E experts in float32; ``renormalize`` divides the k chosen probabilities by
-    their sum (Mixtral always; Qwen3-MoE when its config's ``norm_topk_prob`` is set). Ties go to the
-    lower expert id, as ``torch.topk`` breaks them in HF. ``weights_dtype`` rounds the weights through
-    that dtype and back: Qwen3-MoE's HF router casts them to the model dtype, Mixtral's keeps float32.
+    their sum (Mixtral always; Qwen3-MoE when its config's ``norm_topk_prob`` is set). These are the
+    torch ops of HF's routers, so weights and ids are bit-identical to theirs. ``weights_dtype`` rounds
+    the weights through that dtype and back: Qwen3-MoE's HF router casts them to the model dtype,
+    Mixtral's keeps float32.
     """
     if scoring != "softmax":
         raise ValueError(f"unsupported MoE scoring function {scoring!r}; supported: 'softmax'")
@@ -71,7 +72,9 @@ def fused_moe(
     """
     chosen = default_impl(hidden.device) if impl == "auto" else impl
     if chosen not in _MODULES:
-        raise ValueError(f"unknown MoE implementation {impl!r}; one of 'auto', {', '.join(map(repr, _MODULES))}")
+        raise ValueError(
+            f"unknown MoE implementation {impl!r}; one of 'auto', {', '.join(map(repr, _MODULES))}"
+        )
     module = importlib.import_module(_MODULES[chosen])  # lazy: the CPU engine may run without triton
     out: torch.Tensor = module.fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation)
     return out
