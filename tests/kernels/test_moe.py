@@ -4,6 +4,7 @@ experts are never read, and the Triton path launches each GEMM once whatever the
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -240,3 +241,16 @@ def test_moe_kernels_compile_for_sm90(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok   ") == 4, proc.stdout
+
+
+def test_moe_bench_runs_and_writes_its_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import moe_bench
+
+    out = tmp_path / "moe.json"
+    argv = ["--experts", "4,16", "--tokens", "1,3", "--hidden", "32", "--intermediate", "16"]
+    assert moe_bench.main([*argv, "--repeats", "1", "--iters", "1", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["num_experts"], r["num_tokens"]) for r in rows] == [(4, 1), (4, 3), (16, 1), (16, 3)]
+    # One token with k = 2 touches exactly 2 experts, whatever E is.
+    assert [r["experts_touched"] for r in rows if r["num_tokens"] == 1] == [2, 2]
+    assert "dense/grouped" in capsys.readouterr().out
