@@ -29,11 +29,11 @@ _ACT_BLOCK = 1024  # elements of one output row per program of the activation ke
 
 
 def moe_align_block_size(
-    topk_ids: torch.Tensor,  # [T, k] int32/int64, every id in [0, E)
+    topk_ids: torch.Tensor,  # [T, k] int32/int64, in [0, E) or -1 (not this rank's expert)
     block_m: int,
     num_experts: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Pairs sorted by expert, each expert's run padded to a multiple of ``block_m``.
+    """Pairs sorted by expert, each expert's run padded to a multiple of ``block_m``; -1 pairs left out.
 
     Returns ``sorted_pair_ids`` [max_padded] int32 (pair indices t * k + j; padding holds T * k, one past
     the last pair), ``block_expert_ids`` [max_padded / block_m] int32 (the expert of each block; -1 past
@@ -55,24 +55,29 @@ def moe_align_block_size(
     num_pairs = flat_ids.numel()
     max_padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
     max_padded = triton.cdiv(max_padded, block_m) * block_m
+    # Bucket E collects the -1 pairs; it is counted so the sort places it last, and never padded.
+    buckets = torch.where(flat_ids < 0, num_experts, flat_ids)  # [N] in [0, E]
     # scatter_add_ rather than bincount: bincount sizes its output from the data (a host sync).
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    padded_end = padded.cumsum(0)  # [E] where each expert's padded run ends
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
+    counts.scatter_add_(0, buckets, torch.ones_like(buckets))  # [E + 1]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
+    padded_end = padded.cumsum(0)  # [E + 1] where each expert's padded run ends
     padded_start = padded_end - padded
-    unpadded_start = counts.cumsum(0) - counts  # [E] where each run starts in the unpadded sort
-    sorted_ids, order = torch.sort(flat_ids, stable=True)  # [N] each
+    padded_start[num_experts] = max_padded  # -1 pairs land past the end, in the slack cut off below
+    unpadded_start = counts.cumsum(0) - counts  # [E + 1] where each run starts in the unpadded sort
+    sorted_buckets, order = torch.sort(buckets, stable=True)  # [N] each
     # Sorted position i holds the (i - unpadded_start)-th pair of its expert: shift it to the padded run.
-    rank = torch.arange(num_pairs, device=device) - unpadded_start[sorted_ids]
-    sorted_pair_ids = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pair_ids[padded_start[sorted_ids] + rank] = order.to(torch.int32)
+    rank = torch.arange(num_pairs, device=device) - unpadded_start[sorted_buckets]
+    sorted_pair_ids = torch.full((max_padded + num_pairs,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pair_ids[padded_start[sorted_buckets] + rank] = order.to(torch.int32)
     # Block b belongs to the first expert whose cumulative block count exceeds b.
-    block_ends = padded_end // block_m  # [E]
+    block_ends = padded_end[:num_experts] // block_m  # [E]
     blocks = torch.arange(max_padded // block_m, device=device)
     block_expert_ids = torch.searchsorted(block_ends, blocks, right=True)
     block_expert_ids = torch.where(block_expert_ids < num_experts, block_expert_ids, -1).to(torch.int32)
-    return sorted_pair_ids, block_expert_ids, padded_end[-1:].to(torch.int32)
+    num_post_padded = padded_end[num_experts - 1 : num_experts].to(torch.int32)
+    return sorted_pair_ids[:max_padded], block_expert_ids, num_post_padded
 
 
 @triton.jit
@@ -232,7 +237,7 @@ def fused_moe(
     w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
-    topk_ids: torch.Tensor,  # [T, k] int32/int64, every id in [0, E)
+    topk_ids: torch.Tensor,  # [T, k] int32/int64, in [0, E) or -1 (see moe_reference)
     activation: str = "silu",
 ) -> torch.Tensor:  # [T, H], hidden's dtype
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]): two grouped GEMM launches in all."""
@@ -254,8 +259,9 @@ def fused_moe(
     _grouped_gemm(
         hidden, w13, gate_up, weights, *align, pairs_per_a_row=top_k, mul_weight=False, block_m=block_m
     )
-    act = _act_and_mul(gate_up, activation)  # [T * k, I]
-    down = torch.empty((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
+    act = _act_and_mul(gate_up, activation)  # [T * k, I]; rows of -1 pairs are garbage, never read
+    # Zeros: the rows of -1 pairs are in no block, so nothing else writes them.
+    down = torch.zeros((num_pairs, hidden_size), dtype=torch.float32, device=hidden.device)
     _grouped_gemm(act, w2, down, weights, *align, pairs_per_a_row=1, mul_weight=True, block_m=block_m)
     # The k weighted contributions of each token, summed in float32 and rounded once.
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)

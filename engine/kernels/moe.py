@@ -61,14 +61,18 @@ def fused_moe(
     w13: torch.Tensor,  # [E, 2I, H]: per expert, the gate rows then the up rows
     w2: torch.Tensor,  # [E, H, I]: per expert, the down projection
     topk_weights: torch.Tensor,  # [T, k] float32, from route_topk
-    topk_ids: torch.Tensor,  # [T, k] int32/int64, every id in [0, E)
+    topk_ids: torch.Tensor,  # [T, k] int32/int64, in [0, E), or -1: an expert another rank holds
     activation: str = "silu",  # "silu": SiLU(gate) * up; "gelu_tanh": GELU-tanh(gate) * up
     impl: MoEImpl = "auto",  # "auto": default_impl(hidden.device); the others force one path (tests)
 ) -> torch.Tensor:  # [T, H], hidden's dtype
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) for every token t.
 
     An expert is down(act(gate(x)) * up(x)) with gate and up the two halves of ``w13[e]``. The grouped
-    paths touch only the experts some token chose.
+    paths touch only the experts some token chose. A pair whose id is -1 contributes nothing: under
+    expert parallelism each rank passes its own experts' weights and ids (shifted to its first expert,
+    -1 for the others), and the ranks' outputs sum to the layer's. Under tensor parallelism each rank
+    passes its slice of the intermediate size, ``w13[e]`` as [gate slice; up slice], and the outputs
+    sum likewise.
     """
     chosen = default_impl(hidden.device) if impl == "auto" else impl
     if chosen not in _MODULES:

@@ -27,7 +27,7 @@ def fused_moe(
     w13: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
-    topk_ids: torch.Tensor,  # [T, k] int32/int64
+    topk_ids: torch.Tensor,  # [T, k] int32/int64, in [0, E) or -1 (see moe_reference)
     activation: str = "silu",
 ) -> torch.Tensor:  # [T, H], hidden's dtype
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]), one GEMM pair per chosen expert."""
@@ -44,10 +44,13 @@ def fused_moe(
     weights = topk_weights.reshape(-1)[order]  # [T * k] float32
     # The runs of equal ids: only experts that received a row appear, so nothing here is O(E).
     experts, counts = torch.unique_consecutive(sorted_ids, return_counts=True)
-    assert int(experts[0]) >= 0 and int(experts[-1]) < num_experts, f"expert ids outside [0, {num_experts})"
-    rows = hidden.index_select(0, tokens)  # [T * k, H], sorted by expert
+    assert int(experts[0]) >= -1 and int(experts[-1]) < num_experts, f"expert ids outside [-1, {num_experts})"
+    if int(experts[0]) == -1:  # pairs of experts another rank holds sort first: dropped
+        skip = int(counts[0])
+        experts, counts, tokens, weights = experts[1:], counts[1:], tokens[skip:], weights[skip:]
+    rows = hidden.index_select(0, tokens)  # [pairs kept, H], sorted by expert
     act_fn = ACTIVATIONS[activation]
-    y = torch.empty(rows.shape, dtype=hidden.dtype, device=hidden.device)  # [T * k, H]
+    y = torch.empty(rows.shape, dtype=hidden.dtype, device=hidden.device)  # [pairs kept, H]
     start = 0
     for expert, count in zip(experts.tolist(), counts.tolist(), strict=True):
         end = start + count

@@ -7,6 +7,10 @@ k = experts per token. Expert e's weights follow HF's merged layout (``MixtralEx
 
 Rounding mirrors HF's experts: each projection's output and the activation are in the model dtype, the
 routing weight multiplies in float32; the k contributions are summed in float32 and rounded once.
+
+An id of -1 contributes nothing: with expert parallelism a rank holds experts [first, first + E) and
+passes ``w13``/``w2`` of those only, the ids shifted by ``first`` and -1 for every other expert; the
+ranks' outputs then sum to the whole layer's.
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ def fused_moe(
     w13: torch.Tensor,  # [E, 2I, H]
     w2: torch.Tensor,  # [E, H, I]
     topk_weights: torch.Tensor,  # [T, k] float32
-    topk_ids: torch.Tensor,  # [T, k] int32/int64
+    topk_ids: torch.Tensor,  # [T, k] int32/int64, in [0, E) or -1: not this rank's expert
     activation: str = "silu",
 ) -> torch.Tensor:  # [T, H], hidden's dtype
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) for every token t."""
@@ -73,6 +77,8 @@ def fused_moe(
     ids = topk_ids.tolist()
     for t, row in enumerate(ids):
         for j, expert in enumerate(row):
+            if expert < 0:  # an expert another rank holds (expert parallelism)
+                continue
             y = expert_mlp(hidden[t : t + 1], w13[expert], w2[expert], activation)  # [1, H]
             out[t] += y[0].float() * topk_weights[t, j]
     return out.to(hidden.dtype)

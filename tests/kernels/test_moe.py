@@ -110,10 +110,15 @@ def test_align_block_size_worked_example():
     assert sorted_pair_ids.dtype == block_expert_ids.dtype == num_post_padded.dtype == torch.int32
 
 
-@pytest.mark.parametrize(("num_tokens", "num_experts", "top_k", "block_m"), [(1, 64, 2, 16), (40, 8, 2, 16)])
-def test_align_block_size_invariants(num_tokens, num_experts, top_k, block_m):
+@pytest.mark.parametrize(
+    ("num_tokens", "num_experts", "top_k", "block_m", "other_rank"),
+    [(1, 64, 2, 16, 0), (40, 8, 2, 16, 0), (40, 8, 2, 16, 4)],
+)
+def test_align_block_size_invariants(num_tokens, num_experts, top_k, block_m, other_rank):
     gen = torch.Generator().manual_seed(5)
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    # other_rank > 0: experts [E - other_rank, E) are another rank's, passed as -1.
+    ids = torch.where(ids >= num_experts - other_rank, -1, ids)
     sorted_pair_ids, block_expert_ids, num_post_padded = triton_moe.moe_align_block_size(
         ids, block_m, num_experts
     )
@@ -121,7 +126,9 @@ def test_align_block_size_invariants(num_tokens, num_experts, top_k, block_m):
     used = int(num_post_padded)
     assert used % block_m == 0 and used <= sorted_pair_ids.numel()
     real = sorted_pair_ids[sorted_pair_ids < num_pairs]
-    assert sorted(real.tolist()) == list(range(num_pairs))  # every pair exactly once
+    kept = (ids.reshape(-1) >= 0).nonzero().reshape(-1).tolist()
+    assert len(kept) > 0 and (len(kept) < num_pairs) == (other_rank > 0)
+    assert sorted(real.tolist()) == kept  # every pair of this rank's experts exactly once, no other
     assert bool((sorted_pair_ids[used:] == num_pairs).all())
     flat = ids.reshape(-1)
     for block in range(used // block_m):
@@ -155,6 +162,38 @@ def test_grouped_paths_never_read_unused_experts(device, path):
     got = moe.fused_moe(hidden, *poisoned, weights, ids, impl=path)  # type: ignore[arg-type]
     assert bool(torch.isfinite(got).all())
     torch.testing.assert_close(got, want, **F32_TOL)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu", "triton"])
+def test_sharded_experts_sum_to_the_layer(device, impl):
+    # Two ranks of expert parallelism (experts 0-3 | 4-7, other ranks' ids as -1) and two of tensor
+    # parallelism (each rank half of every expert's intermediate size): each pair of outputs sums to the
+    # whole layer's, which is what the layer's all-reduce relies on.
+    hidden, w13, w2, weights, ids = _moe_inputs(13, 8, 2, 64, seed=6, device=device)
+    want = moe_reference.fused_moe(hidden, w13, w2, weights, ids)
+    expert_parallel = []
+    for first in (0, 4):
+        mine = (ids >= first) & (ids < first + 4)
+        local_ids = torch.where(mine, ids - first, -1)
+        local = (w13[first : first + 4], w2[first : first + 4])
+        expert_parallel.append(moe.fused_moe(hidden, *local, weights, local_ids, impl=impl))
+    assert bool((expert_parallel[0] != 0).any() and (expert_parallel[1] != 0).any())
+    torch.testing.assert_close(expert_parallel[0] + expert_parallel[1], want, **F32_TOL)
+    gate, up = w13.chunk(2, dim=1)  # [E, I, H] each
+    tensor_parallel = [
+        moe.fused_moe(
+            hidden,
+            torch.cat([gate[:, part], up[:, part]], dim=1).contiguous(),  # [E, 2 * I/2, H]
+            w2[:, :, part].contiguous(),  # [E, H, I/2]
+            weights,
+            ids,
+            impl=impl,
+        )
+        for part in (slice(0, 32), slice(32, 64))
+    ]
+    torch.testing.assert_close(tensor_parallel[0] + tensor_parallel[1], want, **F32_TOL)
+    nobody = moe.fused_moe(hidden, w13, w2, weights, torch.full_like(ids, -1), impl=impl)
+    assert torch.equal(nobody, torch.zeros_like(hidden))
 
 
 class _CountingKernel:
