@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # float32: the paths differ from the reference only in summation order (one matmul over many rows vs
 # one row at a time; tl.dot's K blocking), measured at most ~1e-6 on these shapes.
-F32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+F32_TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
 # bf16: projections and activation rounded to bf16 as in the reference, but a different summation order
 # can flip a rounding, and the interpreter truncates float32 -> bf16 instead of rounding.
-BF16_TOL = {"atol": 3e-2, "rtol": 3e-2}
+BF16_TOL: dict[str, Any] = {"atol": 3e-2, "rtol": 3e-2}
 HIDDEN = 64
 
 

@@ -3,6 +3,8 @@ configs with random weights: the same weights and ids bit for bit, the same bloc
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from engine.kernels import moe
 
 # float32 throughout: HF adds each expert's contribution in expert order, the paths in their own order.
-F32_TOL = {"atol": 1e-5, "rtol": 1e-5}
+F32_TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
 NUM_TOKENS = 11
 
 
@@ -84,7 +86,7 @@ def test_route_topk_is_qwen3_moes_router(norm_topk_prob, dtype):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen3_moe_unnormalized"])
 def test_fused_moe_equals_hf_block(device, family, impl):
     if family == "mixtral":
-        block: torch.nn.Module = _mixtral_block(seed=2)
+        block: Any = _mixtral_block(seed=2)
         renormalize = True
     else:
         renormalize = family == "qwen3_moe"
