@@ -35,7 +35,8 @@ class FusedMoE:
         self.w2 = w2
         self.top_k = top_k
         self.renormalize = renormalize
-        self.activation = activation
+        # engine/kernels/moe.py's names for the gated activations.
+        self.activation = {"gelu_pytorch_tanh": "gelu_tanh"}.get(activation, activation)
         self.tp = tp
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
