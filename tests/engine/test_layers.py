@@ -103,7 +103,8 @@ def test_rms_norm_and_its_fused_add(kernels: Kernels, offset: float) -> None:
     x, res, w = (torch.randn(5, 64, generator=gen) for _ in range(3))
     norm = RMSNorm(w[0].clone(), 1e-6, kernels, offset)
     scale = w[0] + offset
-    want = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * scale.double()).float()
+    xd = x.double()
+    want = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * scale.double()).float()
     torch.testing.assert_close(norm(x), want, rtol=1e-5, atol=1e-5)
     normed, summed = norm.add(x.clone(), res.clone())
     torch.testing.assert_close(summed, x + res)
