@@ -109,7 +109,8 @@ def test_two_ranks_match_one(family: str, checkpoints: dict[str, Path]) -> None:
     path = checkpoints[family]
     batch = _prompts(seed=7)[:4]
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
-    args: dict[str, object] = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 4, "block_size": 8}
+    args: dict[str, object] = {"dtype": "float32", "max_num_batched_tokens": 32, "max_num_seqs": 4}
+    args["block_size"] = 8
     one = [o.outputs[0].token_ids for o in LLM(str(path), **args).generate(batch, greedy)]
     two_llm = LLM(str(path), tensor_parallel_size=2, **args)
     try:
