@@ -47,6 +47,9 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: str | None
     sliding_window: int | None = None
+    # The window when EVERY layer attends only its last kv_free_window positions (None otherwise, e.g.
+    # when local and global layers alternate): the KV cache frees blocks wholly before it.
+    kv_free_window: int | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -86,6 +89,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
             sliding_window=context.sliding_window,
+            kv_free_window=_kv_free_window(arch, raw, context.sliding_window),
         )
 
     @classmethod
@@ -96,6 +100,27 @@ class ModelConfig:
         if not cfg.is_file():
             raise FileNotFoundError(f"no model at {path!s}: {cfg.name} not found")
         return cls.from_dict(json.loads(cfg.read_text()))
+
+
+def _kv_free_window(arch: str, raw: dict[str, Any], window: int | None) -> int | None:
+    """The sliding window if every layer uses it, as HF's config classes assign windows to layers.
+
+    Mistral: every layer, unless ``layer_types`` says otherwise. Qwen2 (``use_sliding_window``): layer i
+    slides when i >= ``max_window_layers`` (HF's default 28), so all of them only when it is 0, or when
+    ``layer_types`` lists every layer as sliding.
+    """
+    if window is None:
+        return None
+    num_layers = int(raw["num_hidden_layers"])
+    layer_types = raw.get("layer_types")
+    if layer_types is None and arch == "MistralForCausalLM":
+        layer_types = ["sliding_attention"] * num_layers
+    elif layer_types is None and arch == "Qwen2ForCausalLM":
+        first = 28 if raw.get("max_window_layers") is None else int(raw["max_window_layers"])
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if layer_types is None or any(t != "sliding_attention" for t in layer_types):
+        return None
+    return int(window)
 
 
 @dataclass(frozen=True)
