@@ -77,18 +77,12 @@ class ModelContext:
     def max_model_len(self, requested: int | None = None) -> int:
         """The context this engine serves: ``requested`` (None: the model's own), checked.
 
-        Example: a Mistral checkpoint with 32768 positions and a 4096 window serves 4096 when nothing is
-        asked for, and refuses 8192 (attention here is full-context, the same as the window's only
-        within it); a Llama with 2048 positions and no rope scaling refuses 4096.
+        A sliding window bounds what each position attends, not the context: a Mistral checkpoint with
+        32768 positions and a 4096 window serves 32768 when nothing is asked for (each token attends
+        its last 4096 positions, as HF does); a Llama with 2048 positions and no rope scaling refuses
+        4096.
         """
         max_len = requested or self.max_position_embeddings
-        if self.sliding_window is not None and max_len > self.sliding_window:
-            if requested is not None:
-                raise ValueError(
-                    f"max_model_len {max_len} exceeds the model's sliding window "
-                    f"{self.sliding_window}, which inflight does not implement"
-                )
-            max_len = self.sliding_window
         if max_len > self.max_position_embeddings and self.rope_scaling is None:
             raise ValueError(
                 f"max_model_len {max_len} exceeds the model's max_position_embeddings "

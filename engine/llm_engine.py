@@ -61,7 +61,12 @@ class LLMEngine:
             eos.update(self.tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.runner = ModelRunner(config)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            free_window=config.model.kv_free_window,
+        )
         cost = StepCostModel.load(config.slo_cost_model) if config.slo_cost_model else None
         scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(config, self.kv, eos, cost=cost)

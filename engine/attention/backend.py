@@ -14,7 +14,15 @@ A step packs every scheduled token of every request flat. Worked example, block_
     block_tables      [[7, 2], [4, 0]]                    (padded with 0; never read past seq_len)
 
 Query token i of request r sits at position seq_lens[r] - query_len[r] + i and attends causally to
-every cached position <= its own.
+every cached position <= its own; with a sliding window W, only to the last W of them (its own
+included: HF's ``kv_idx > q_idx - W``). Worked example, W 3, block_size 4, a decode at position 9:
+
+    positions   0 1 2 3 | 4 5 6 7 | 8 9
+    attended                  . 7 | 8 9      keys 7, 8, 9 (> 9 - 3)
+    block 0 and keys 4..6 are never read: block 0 may already be freed (engine/kv_cache/manager.py),
+    its table entry stale.
+
+A logit soft cap c (Gemma 2) maps each scaled score s to ``c * tanh(s / c)`` before the softmax.
 
 Slot s is position s % block_size of block s // block_size whatever the layout; the layout (chosen
 by the backend, ``KVLayout``) only says how a block's K (or V) is laid out in memory.
@@ -138,11 +146,60 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,  # None: full causal context; W: the last W positions
+        logits_soft_cap: float | None = None,  # None: off; c: scores -> c * tanh(scores / c)
     ) -> torch.Tensor:  # [T, num_heads, head_size]
+        """Attention of the step's queries over their cached context. Keys before a query's window are
+        never read, so their blocks may hold anything (another request's K/V, or NaN)."""
         ...
 
 
-def get_attention_backend(name: str) -> AttentionBackend:
+class ModelWindowBackend:
+    """A backend that attends within ``sliding_window`` whenever its caller passes no window: how a
+    model whose every layer shares one window (``ModelConfig.kv_free_window``) gets it without passing
+    it per layer. Its KV cache frees blocks outside that window, so attention must never read them."""
+
+    def __init__(self, inner: AttentionBackend, sliding_window: int) -> None:
+        self.inner = inner
+        self.sliding_window = sliding_window
+        self.name = inner.name
+
+    def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout:
+        return self.inner.kv_layout(dtype, head_size, device)
+
+    def prepare(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
+        self.inner.prepare(num_heads, num_kv_heads, head_size, dtype)
+
+    def store_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> None:
+        self.inner.store_kv(key, value, kv_cache, metadata)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        window = self.sliding_window if sliding_window is None else sliding_window
+        return self.inner.forward(
+            query, kv_cache, metadata, scale, sliding_window=window, logits_soft_cap=logits_soft_cap
+        )
+
+
+def get_attention_backend(name: str, model_window: int | None = None) -> AttentionBackend:
+    """The backend ``name``; ``model_window``: the window every layer of the model uses (its KV cache
+    frees blocks outside it), applied to calls that pass none."""
+    backend = _backend(name)
+    return backend if model_window is None else ModelWindowBackend(backend, model_window)
+
+
+def _backend(name: str) -> AttentionBackend:
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
 

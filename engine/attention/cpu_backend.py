@@ -77,11 +77,29 @@ class CpuAttentionBackend:
         kv_cache: torch.Tensor,  # HEAD_MAJOR_KT, else token-major
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         if not _on_kernel(kv_cache):
-            return self._fallback.forward(query, kv_cache, metadata, scale)
+            return self._fallback.forward(
+                query,
+                kv_cache,
+                metadata,
+                scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
         if query.dtype != kv_cache.dtype:  # not the engine's case: attend in the cache's dtype
-            return self.forward(query.to(kv_cache.dtype), kv_cache, metadata, scale).to(query.dtype)
+            out = self.forward(
+                query.to(kv_cache.dtype),
+                kv_cache,
+                metadata,
+                scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
+            return out.to(query.dtype)
         # Every token of the step belongs to a request: the kernel writes the rows of all of them, or
         # of all but the long chunks, whose rows SDPA writes where it is the faster path here.
         num_kv_heads, head_size = kv_cache.shape[2], kv_cache.shape[4]
@@ -98,6 +116,8 @@ class CpuAttentionBackend:
             metadata.block_tables,
             scale,
             PREFILL_SDPA_MIN - 1 if sdpa else metadata.max_query_len,
+            sliding_window or 0,  # the op's 0: off
+            logits_soft_cap or 0.0,
         )
         if sdpa:
             starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
@@ -105,6 +125,12 @@ class CpuAttentionBackend:
                 q_start, q_end = starts[r], starts[r + 1]
                 if q_end - q_start >= PREFILL_SDPA_MIN:
                     out[q_start:q_end] = cpu_prefill.sdpa_prefill(
-                        query[q_start:q_end], kv_cache, metadata.block_tables[r], lens[r], scale
+                        query[q_start:q_end],
+                        kv_cache,
+                        metadata.block_tables[r],
+                        lens[r],
+                        scale,
+                        sliding_window,
+                        logits_soft_cap,
                     )
         return out

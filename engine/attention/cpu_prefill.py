@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 from engine import envs
 from engine.attention.backend import key_pages
+from engine.attention.torch_backend import attend_masked
+from engine.kernels.reference import window_start
 
 log = logging.getLogger(__name__)
 
@@ -131,21 +133,36 @@ def sdpa_prefill(
     block_table: torch.Tensor,  # [max_blocks] int32
     seq_len: int,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [L, Hq, D]
     """One request's chunk through torch's SDPA, its context gathered once (O(context), small next to
-    the attention) and the bottom-right causal mask."""
+    the attention) and the bottom-right causal mask. With a window the context is gathered from the
+    page holding the first query's window start (pages before it are never read) and the mask also
+    hides keys at or before q - W; a soft cap (which SDPA does not take) goes through the torch
+    backend's explicit softmax."""
     num_queries = query.shape[0]
     block_size = kv_cache.shape[3]
-    blocks = block_table[: -(-seq_len // block_size)].long()
-    # One copy of the context, whole pages: [nb, Hkv, block_size, D] -> [1, Hkv, N, D], K's pages
-    # from their key-interleaved lines.
-    k = key_pages(kv_cache[0].index_select(0, blocks)).transpose(0, 1).flatten(1, 2)[None, :, :seq_len]
-    v = kv_cache[1].index_select(0, blocks).transpose(0, 1).flatten(1, 2)[None, :, :seq_len]
+    first = window_start(seq_len - num_queries, sliding_window)
+    first_block = first // block_size
+    blocks = block_table[first_block : -(-seq_len // block_size)].long()
+    # One copy of the context from `first`, whole pages: [nb, Hkv, block_size, D] -> [1, Hkv, N, D],
+    # K's pages from their key-interleaved lines; key j of it sits at position first + j.
+    keep = slice(first - first_block * block_size, seq_len - first_block * block_size)
+    k = key_pages(kv_cache[0].index_select(0, blocks)).transpose(0, 1).flatten(1, 2)[None, :, keep]
+    v = kv_cache[1].index_select(0, blocks).transpose(0, 1).flatten(1, 2)[None, :, keep]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
-    if num_queries == seq_len:  # a whole prompt: the usual causal mask
+    if num_queries == seq_len and sliding_window is None and logits_soft_cap is None:
+        # A whole prompt: the usual causal mask.
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-    else:  # a later chunk: query i sits at position N - L + i (bottom-right aligned)
+    else:  # query i sits at position seq_len - L + i (bottom-right aligned)
         q_pos = torch.arange(seq_len - num_queries, seq_len)
-        allowed = torch.arange(seq_len)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+        k_pos = torch.arange(first, seq_len)
+        allowed = k_pos[None, :] <= q_pos[:, None]
+        if sliding_window is not None:
+            allowed &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        if logits_soft_cap is None:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+        else:
+            o = attend_masked(q.float(), k.float(), v.float(), allowed, scale, logits_soft_cap).to(q.dtype)
     return o[0].transpose(0, 1)

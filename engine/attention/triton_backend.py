@@ -40,6 +40,9 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]; padding rows are zero
         # The host-side maxima size the grid without a device sync (and keep CUDA graphs capturable).
         return paged_attention(
@@ -53,4 +56,6 @@ class TritonAttentionBackend:
             max_seq_len=metadata.max_seq_len,
             all_rows_owned=metadata.query_start_loc_cpu[-1] == metadata.num_tokens,
             decode_config=self.decode_config,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
         )

@@ -47,6 +47,19 @@ min_partition 256, BLOCK_N 64:
 
 A request with one used split writes its normalised output directly and the merge skips it; the
 merge reads only the used partitions of the others (never an empty one).
+
+Sliding window (SLIDING, a constexpr: without it the kernel compiles as if the code were absent): a
+query at position p sees keys p - W + 1 .. p. A program's KV walk starts at the BLOCK_N tile holding
+its first row's window start, so whole tiles (and the cache blocks in them) before the window are
+never visited; within the first tile, loads below the window start are masked (those slots may
+belong to a freed, reused block), and each row's scores below its own start are -inf. Split-K cuts
+the span from that first tile to seq_len. Worked example, W 100, BLOCK_N 32, a decode at 999:
+
+    window start 900; walk starts at tile 896 (900 // 32 * 32): tiles 0 .. 864 skipped; keys 896..899
+    masked at load; split-K partitions cut 999 + 1 - 896 = 104 positions, not 1000.
+
+Soft cap (SOFT_CAP, constexpr): each scaled score s becomes cap * tanh(s / cap) before the softmax,
+tanh written with exp2 in the log2 domain the scores already live in.
 """
 
 from __future__ import annotations
@@ -76,6 +89,13 @@ def _request_splits(seq_len, min_partition, NUM_SPLITS: tl.constexpr, BLOCK_N: t
     wanted = tl.maximum(1, tl.minimum(NUM_SPLITS, seq_len // min_partition))
     partition = tl.cdiv(tl.cdiv(seq_len, wanted), BLOCK_N) * BLOCK_N
     return tl.cdiv(seq_len, partition), partition
+
+
+@triton.jit
+def _window_base(first_pos, sliding_window, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
+    """(first key any row needs, start of the BLOCK_N tile holding it) for rows from first_pos on."""
+    lo = tl.maximum(first_pos - sliding_window + 1, 0)
+    return lo, (lo // BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -110,6 +130,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     scale_log2,  # softmax scale * log2(e)
     min_partition,  # fewest KV positions per used split (split-K)
     num_seqs,  # S (the flat variant's binary search)
+    sliding_window,  # W (read when SLIDING)
+    soft_cap,  # cap (read when SOFT_CAP)
     stride_qt,
     stride_qh,
     stride_ot,
@@ -130,6 +152,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     FLAT: tl.constexpr,  # True: flat grid over query blocks, requests of 2+ tokens; False: decodes
     DOT_FP32: tl.constexpr,  # upcast tiles before tl.dot (the interpreter cannot multiply bf16)
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 models, which are checked against HF to 1e-5
+    SLIDING: tl.constexpr = False,  # rows see only their last sliding_window positions
+    SOFT_CAP: tl.constexpr = False,  # scores soft-capped at soft_cap
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -168,13 +192,18 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     if DOT_FP32:
         q = q.to(tl.float32)
 
-    # Causality bounds the tile's KV range by its last token; split-K cuts it further.
+    # Causality bounds the tile's KV range by its last token, a window by its first token's window
+    # start (kv_lo, walked from its BLOCK_N tile, kv_base); split-K cuts it further.
     kv_stop = tl.minimum(seq_len, num_cached + (q_tile + 1) * BLOCK_Q)
-    kv_start = 0
+    kv_lo = 0
+    kv_base = 0
+    if SLIDING:
+        kv_lo, kv_base = _window_base(num_cached + q_tile * BLOCK_Q, sliding_window, BLOCK_N)
+    kv_start = kv_base
     num_used = 1
     if NUM_SPLITS > 1:
-        num_used, partition = _request_splits(seq_len, min_partition, NUM_SPLITS, BLOCK_N)
-        kv_start = split * partition
+        num_used, partition = _request_splits(seq_len - kv_base, min_partition, NUM_SPLITS, BLOCK_N)
+        kv_start = kv_base + split * partition
         kv_stop = tl.minimum(kv_stop, kv_start + partition)
     if split >= num_used:  # this request's context is too short to need this partition
         return
@@ -187,6 +216,8 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     for start_n in range(kv_start, kv_stop, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_stop
+        if SLIDING:  # slots below the window start may be another request's now: never loaded
+            n_valid = n_valid & (offs_n >= kv_lo)
         # int64 before multiplying: a large cache overflows int32 element offsets.
         block_ids = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
         kv_off = block_ids * stride_cache_block + (offs_n % BLOCK_SIZE) * stride_cache_slot + kv_head_off
@@ -198,7 +229,13 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
             v = v.to(tl.float32)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
+        if SOFT_CAP:
+            # s = log2(e) * x with x the scaled score: cap * tanh(x / cap) * log2(e), where
+            # tanh(y) = 1 - 2 / (e^(2y) + 1) and e^(2x / cap) = 2^(2s / cap).
+            s = (soft_cap * 1.4426950408889634) * (1.0 - 2.0 / (tl.math.exp2(s * (2.0 / soft_cap)) + 1.0))
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # Rows that have seen nothing yet (padding rows, empty partitions) keep m = -inf; subtracting
@@ -233,6 +270,7 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     query_start_loc_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
     min_partition,
+    sliding_window,
     stride_ot,
     stride_oh,
     NUM_HEADS: tl.constexpr,
@@ -241,6 +279,7 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
+    SLIDING: tl.constexpr = False,
 ):
     # One program per (request, query head); split-K runs on decode-only steps: one token each.
     seq = tl.program_id(0)
@@ -248,7 +287,11 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     q_start = tl.load(query_start_loc_ptr + seq)
     if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # a request with nothing scheduled
         return
-    num_used, _ = _request_splits(tl.load(seq_lens_ptr + seq), min_partition, NUM_SPLITS, BLOCK_N)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_base = 0
+    if SLIDING:  # the span the attention kernel cut into partitions
+        _, kv_base = _window_base(seq_len - 1, sliding_window, BLOCK_N)
+    num_used, _ = _request_splits(seq_len - kv_base, min_partition, NUM_SPLITS, BLOCK_N)
     if num_used == 1:  # the attention kernel wrote the final output itself
         return
     token = q_start.to(tl.int64)
@@ -302,6 +345,8 @@ def paged_attention(
     num_splits: int | None = None,  # None: heuristic; forced values apply to decode-only steps only
     all_rows_owned: bool = False,  # query_start_loc[-1] == T (no padding tokens): skips a zero-fill
     decode_config: DecodeConfig | None = None,  # the decode variant's launch; None: the defaults
+    sliding_window: int | None = None,  # None: full causal context; W: each query's last W positions
+    logits_soft_cap: float | None = None,  # None: off
 ) -> torch.Tensor:  # [T, Hq, D] contiguous; rows outside every request are zero
     num_tokens, num_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
@@ -315,6 +360,8 @@ def paged_attention(
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
     assert block_tables.stride(1) == 1, "block table rows must be contiguous"
     assert query.device == kv_cache.device == query_start_loc.device == seq_lens.device == block_tables.device
+    assert sliding_window is None or sliding_window >= 1, sliding_window
+    assert logits_soft_cap is None or logits_soft_cap > 0, logits_soft_cap
 
     # Every row of a request is written (by its program, or by the merge), so only rows past the last
     # request need zeros: the caller says whether there are any (it knows without a device sync).
@@ -341,7 +388,8 @@ def paged_attention(
     min_partition = _MIN_PARTITION
     if decode_only:
         if num_splits is None:
-            splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, sm_count(query.device))
+            span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_n)
+            splits = choose_num_splits(num_seqs, num_kv_heads, span, sm_count(query.device))
         else:
             # A forced count is honoured down to one BLOCK_N tile per partition (tests use it).
             min_partition = block_n
@@ -372,6 +420,8 @@ def paged_attention(
             scale * math.log2(math.e),
             min_partition,
             num_seqs,
+            sliding_window or 0,
+            logits_soft_cap or 0.0,
             query.stride(0),
             query.stride(1),
             out.stride(0),
@@ -392,6 +442,8 @@ def paged_attention(
             FLAT=flat,
             DOT_FP32=is_interpreted(query),
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            SLIDING=sliding_window is not None,
+            SOFT_CAP=logits_soft_cap is not None,
             **opts,
         )
 
@@ -423,6 +475,7 @@ def paged_attention(
             query_start_loc,
             seq_lens,
             min_partition,
+            sliding_window or 0,
             out.stride(0),
             out.stride(1),
             NUM_HEADS=num_heads,
@@ -431,5 +484,6 @@ def paged_attention(
             BLOCK_N=block_n,
             NUM_SPLITS=splits,
             SPLITS_PAD=triton.next_power_of_2(splits),
+            SLIDING=sliding_window is not None,
         )
     return out

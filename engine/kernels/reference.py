@@ -31,14 +31,37 @@ def gather_kv(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
     block_table: torch.Tensor,  # [max_blocks] int32, one request's row
     seq_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [seq_len, Hkv, D] each
-    """One request's first ``seq_len`` cached positions, in position order."""
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [seq_len - start, Hkv, D] each
+    """One request's cached positions ``start .. seq_len - 1``, in position order; blocks wholly
+    before ``start`` are not read.
+
+    Example, block_size 4, start 6, seq_len 11: blocks 1 and 2 of the table are read (positions 4..11),
+    then the first 2 and the last 1 positions trimmed.
+    """
     block_size = kv_cache.shape[2]
-    num_blocks = -(-seq_len // block_size)
-    blocks = block_table[:num_blocks].long()
-    # [2, num_blocks, block_size, Hkv, D] -> [2, num_blocks * block_size, Hkv, D], then trim the tail.
-    kv = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]
+    first_block, num_blocks = start // block_size, -(-seq_len // block_size)
+    blocks = block_table[first_block:num_blocks].long()
+    # [2, nb, block_size, Hkv, D] -> [2, nb * block_size, Hkv, D], then trim both ends.
+    offset = first_block * block_size
+    kv = kv_cache[:, blocks].flatten(1, 2)[:, start - offset : seq_len - offset]
     return kv[0], kv[1]
+
+
+def window_start(position: int, sliding_window: int | None) -> int:
+    """The first key position a query at ``position`` attends: HF's ``kv_idx > q_idx - sliding_window``
+    (transformers' masking_utils), so a window of W keys includes the query's own position.
+
+    Example, W 4: the query at position 9 sees keys 6, 7, 8, 9; at position 2 it sees 0, 1, 2.
+    """
+    return 0 if sliding_window is None else max(0, position - sliding_window + 1)
+
+
+def soft_cap(scores: torch.Tensor, logits_soft_cap: float | None) -> torch.Tensor:
+    """Gemma 2's attention logit soft-capping of already scaled scores: ``cap * tanh(scores / cap)``."""
+    if logits_soft_cap is None:
+        return scores
+    return torch.tanh(scores / logits_soft_cap) * logits_soft_cap
 
 
 def causal_attention(
@@ -46,8 +69,11 @@ def causal_attention(
     key: torch.Tensor,  # [N, Hkv, D], positions 0..N-1
     value: torch.Tensor,  # [N, Hkv, D]
     scale: float,
+    sliding_window: int | None = None,  # None: every earlier position; W: the last W (own included)
+    logits_soft_cap: float | None = None,  # None: off
 ) -> torch.Tensor:  # [L, Hq, D] float32
-    """Dense attention of one request: query i sits at position N - L + i and sees positions <= it."""
+    """Dense attention of one request: query i sits at position N - L + i and sees positions <= it (and
+    > it - sliding_window). Scores are scaled, then soft-capped, then masked, as HF's Gemma 2 does."""
     num_queries, num_heads, head_size = query.shape
     num_keys, num_kv_heads, _ = key.shape
     group = num_heads // num_kv_heads
@@ -56,11 +82,13 @@ def causal_attention(
     q = query.float().view(num_queries, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
     k = key.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, N, D]
     v = value.float().permute(1, 0, 2).unsqueeze(1)  # [Hkv, 1, N, D]
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [Hkv, group, L, N]
+    scores = soft_cap(torch.matmul(q, k.transpose(-1, -2)) * scale, logits_soft_cap)  # [Hkv, group, L, N]
     q_pos = torch.arange(num_keys - num_queries, num_keys, device=query.device)
     k_pos = torch.arange(num_keys, device=query.device)
-    future = k_pos[None, :] > q_pos[:, None]  # [L, N]
-    scores = scores.masked_fill(future, float("-inf"))
+    hidden = k_pos[None, :] > q_pos[:, None]  # [L, N]: the future
+    if sliding_window is not None:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - sliding_window  # before the window
+    scores = scores.masked_fill(hidden, float("-inf"))
     out = torch.matmul(torch.softmax(scores, dim=-1), v)  # [Hkv, group, L, D]
     return out.permute(2, 0, 1, 3).reshape(num_queries, num_heads, head_size)
 
@@ -72,8 +100,13 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [S] int32, context length including this step's tokens
     block_tables: torch.Tensor,  # [S, max_blocks] int32
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:  # [T, Hq, D], query dtype; rows outside every request are zero
-    """Causal attention of a packed mixed batch (prefill chunks and decodes) through block tables."""
+    """Causal attention of a packed mixed batch (prefill chunks and decodes) through block tables.
+
+    With a window, keys before the step's first query's window are not read (their blocks may have
+    been freed and reused): a request's keys are gathered from there on."""
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -81,8 +114,11 @@ def paged_attention(
         q_start, q_end = starts[r], starts[r + 1]
         if q_end == q_start:
             continue
-        k, v = gather_kv(kv_cache, block_tables[r], seq_len)
-        out[q_start:q_end] = causal_attention(query[q_start:q_end], k, v, scale).to(query.dtype)
+        first = window_start(seq_len - (q_end - q_start), sliding_window)
+        k, v = gather_kv(kv_cache, block_tables[r], seq_len, first)
+        # Positions relative to ``first``: causality and the window only compare differences.
+        o = causal_attention(query[q_start:q_end], k, v, scale, sliding_window, logits_soft_cap)
+        out[q_start:q_end] = o.to(query.dtype)
     return out
 
 

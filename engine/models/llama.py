@@ -26,7 +26,7 @@ def _qwen2(raw: Mapping[str, Any], common: Mapping[str, Any]) -> dict[str, Any]:
     fields = llama_like(raw, "Qwen2")
     fields["attention_bias"] = True
     if raw.get("use_sliding_window") and raw.get("sliding_window") and "layer_types" not in raw:
-        first = int(raw.get("max_window_layers", 0))
+        first = 28 if raw.get("max_window_layers") is None else int(raw["max_window_layers"])  # HF's default
         window = int(raw["sliding_window"])
         fields["layer_windows"] = tuple(
             window if i >= first else None for i in range(int(raw["num_hidden_layers"]))

@@ -77,7 +77,8 @@ class Scheduler:
         max_len = self.config.max_model_len
         if request.max_tokens is not None:
             max_len = min(max_len, request.num_prompt_tokens + request.max_tokens)
-        need = self.kv.blocks_needed(max(max_len, request.num_tokens))
+        # With a sliding window the blocks held stay bounded by it (engine/kv_cache/manager.py).
+        need = self.kv.max_blocks_held(max(max_len, request.num_tokens), self.config.max_num_batched_tokens)
         if need > self.kv.num_total_blocks:
             raise ValueError(
                 f"request needs up to {need} KV blocks but the cache has {self.kv.num_total_blocks}; "
@@ -241,7 +242,7 @@ class Scheduler:
             if self.static:
                 # The baseline reserves every request's worst case up front, as fixed-batch servers do,
                 # so nothing in the batch can ever be preempted.
-                worst = self.kv.blocks_needed(self._max_len(request))
+                worst = self.kv.max_blocks_held(self._max_len(request), cfg.max_num_batched_tokens)
                 if reserved + worst > free_at_start:
                     break
                 reserved += worst

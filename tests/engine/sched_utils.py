@@ -120,6 +120,9 @@ def check_runner_view(sched: Scheduler, out: SchedulerOutput) -> None:
     sent = [r.req_id for r in out.scheduled_new_reqs] + [r.req_id for r in out.scheduled_cached_reqs]
     assert sorted(sent) == sorted(out.num_scheduled_tokens)  # each scheduled request described once
     for req_id, num_scheduled in out.num_scheduled_tokens.items():
-        assert view[req_id] == sched.kv.block_ids(req_id)
+        # Entries freed for leaving a sliding window are not sent: the runner keeps their old ids.
+        freed = sched.kv.num_freed_blocks(req_id)
+        assert len(view[req_id]) == len(sched.kv.block_ids(req_id))
+        assert view[req_id][freed:] == sched.kv.block_ids(req_id)[freed:]
         needed = sched.requests[req_id].num_computed_tokens + num_scheduled
         assert len(view[req_id]) * sched.kv.block_size >= needed

@@ -129,9 +129,11 @@ def test_context_rule_is_the_engine_configs() -> None:
         "max_position_embeddings": 4096,
         "sliding_window": 512,
     }
-    assert ModelContext.from_config(mistral).max_model_len() == 512  # served only within the window
-    with pytest.raises(ValueError, match="sliding window"):
-        ModelContext.from_config(mistral).max_model_len(1024)
+    # The window bounds what a token attends, not the context: the positions are.
+    assert ModelContext.from_config(mistral).max_model_len() == 4096
+    assert ModelContext.from_config(mistral).max_model_len(1024) == 1024
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        ModelContext.from_config(mistral).max_model_len(8192)
     qwen = {"architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 4096, "sliding_window": 512}
     assert ModelContext.from_config(qwen).max_model_len() == 4096  # Qwen2 only with use_sliding_window
     llama = {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 2048}

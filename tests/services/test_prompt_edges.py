@@ -68,15 +68,17 @@ def test_both_edges_still_serve_after_refusals(stack: Stack, text_gateway: Servi
 
 
 def test_the_gateway_reads_the_engines_context(tmp_path: Path) -> None:
-    # A sliding window shorter than the positions: the engine serves only within it, and so must the
-    # gateway's check (it used to take max_position_embeddings).
-    model = write_tiny_checkpoint(tmp_path / "mistral", arch="mistral", sliding_window=512)
+    # A sliding window shorter than the positions bounds attention, not the context: the engine serves
+    # max_position_embeddings, and so does the gateway's check; both refuse more than that.
+    model = write_tiny_checkpoint(
+        tmp_path / "mistral", arch="mistral", sliding_window=512, max_position_embeddings=1024
+    )
     engine = EngineConfig.resolve(EngineArgs(model=str(model), attention_backend="torch"))
-    assert load_model_info(Settings(model=str(model))).max_model_len == engine.max_model_len == 512
-    asked = Settings(model=str(model), engine_args={"max_model_len": 1024})
-    with pytest.raises(ValueError, match="sliding window"):
+    assert load_model_info(Settings(model=str(model))).max_model_len == engine.max_model_len == 1024
+    asked = Settings(model=str(model), engine_args={"max_model_len": 2048})
+    with pytest.raises(ValueError, match="max_position_embeddings"):
         load_model_info(asked)
-    with pytest.raises(ValueError, match="sliding window"):
-        EngineConfig.resolve(EngineArgs(model=str(model), max_model_len=1024, attention_backend="torch"))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        EngineConfig.resolve(EngineArgs(model=str(model), max_model_len=2048, attention_backend="torch"))
     plain = load_model_info(Settings(model=str(default_model_path()), max_model_len=64))
     assert plain.max_model_len == 64  # the gateway's own, smaller bound is still honoured

@@ -16,6 +16,13 @@
 // passes: scores and softmax, then the weighted sum of V), which reads K and V exactly once and needs
 // no rescaling. Softmax and accumulation are float32 whatever the cache dtype.
 //
+// Sliding window (HF's kv_idx > q_idx - W) and logit soft cap (Gemma 2's cap * tanh(score / cap)) live
+// in attend_item, outside every scorer: each row has a key range [row_lo, row_limit), keys before the
+// item's first row_lo are never read (their blocks may be freed and reused: the pages of pass 1 start
+// at its 16-key group, pass 2 at the key itself), and the cap maps a group's scaled scores before they
+// are masked. The AVX-512 and generic scorers compute the same raw scores whatever the window, so
+// both are correct by construction.
+//
 // Vectorisation: GCC vector extensions over 16 floats, compiled as clones for AVX-512, AVX2 and a
 // baseline (target_clones), so one build runs on any x86-64 host and picks its best path at load time.
 
@@ -293,6 +300,8 @@ struct Geometry {
   int64_t kv_stride_block, kv_stride_head, v_offset;  // v_offset: kv_cache[1] - kv_cache[0]
   int64_t bt_stride;
   float scale;
+  int64_t sliding_window;  // W: a query at p sees keys p - W + 1 .. p; 0: no window
+  float soft_cap;  // cap: scores -> cap * tanh(score / cap); 0: off
 };
 
 struct Scratch {
@@ -310,12 +319,12 @@ constexpr int64_t kKAhead = 2 * kLanes;  // keys of K prefetched ahead into L1: 
 constexpr int64_t kVAhead = 32;  // keys of V prefetched ahead of the accumulation into L1
 constexpr int64_t kL2Bytes = 32 << 10;
 
-// acc[i] = sum over t < limit of p[i * p_stride + t] * V[t] for NR rows; written to out [NR, D]. Walks
-// page by page: within a page the rows are consecutive.
+// acc[i] = sum over begin <= t < limit of p[i * p_stride + t - base] * V[t] for NR rows; written to
+// out [NR, D]. Walks page by page: within a page the rows are consecutive. No V row before begin is read.
 template <typename T, int C, int NR>
 __attribute__((always_inline)) inline void weighted_v(const T* v_cache, const Pages& pages, int64_t block_size,
                                                       int64_t window, const float* p, int64_t p_stride,
-                                                      int64_t limit, float* out) {
+                                                      int64_t begin, int64_t base, int64_t limit, float* out) {
   constexpr int64_t D = C * kLanes;
   // bf16 with an even number of 16-value chunks: accumulator c (even) holds the even dims of chunks
   // c and c + 1, accumulator c + 1 their odd dims. Each sum is still taken key by key, in order.
@@ -324,12 +333,15 @@ __attribute__((always_inline)) inline void weighted_v(const T* v_cache, const Pa
   for (int i = 0; i < NR; ++i) {
     for (int c = 0; c < C; ++c) acc[i][c] = vfloat{};
   }
-  for (int64_t t0 = 0; t0 < limit; t0 += block_size) {
+  for (int64_t t0 = begin; t0 < limit;) {
+    const int64_t stop = std::min(limit, ((t0 >> pages.shift) + 1) << pages.shift);  // this page's part
     const int64_t ahead = t0 + kVAhead, far = t0 + window;
     prefetch_keys<T, D>(v_cache, pages, std::min(ahead, limit), std::min(ahead + block_size, limit));
     prefetch_keys<T, D, 2>(v_cache, pages, std::min(far, limit), std::min(far + block_size, limit));
     const T* page = v_cache + pages.row(t0, D);
-    const int64_t n = std::min(block_size, limit - t0);
+    const float* pt = p + (t0 - base);  // this page's probabilities, row 0
+    const int64_t n = stop - t0;
+    t0 = stop;
     for (int64_t j = 0; j < n; ++j) {
       const T* v = page + j * D;
       if constexpr (kPairs) {
@@ -343,7 +355,7 @@ __attribute__((always_inline)) inline void weighted_v(const T* v_cache, const Pa
           std::memcpy(&even, &lo_bits, sizeof(even));
           std::memcpy(&odd, &hi_bits, sizeof(odd));
           for (int i = 0; i < NR; ++i) {
-            const float pi = p[i * p_stride + t0 + j];
+            const float pi = pt[i * p_stride + j];
             acc[i][c] += pi * even;
             acc[i][c + 1] += pi * odd;
           }
@@ -351,7 +363,7 @@ __attribute__((always_inline)) inline void weighted_v(const T* v_cache, const Pa
       } else {
         for (int c = 0; c < C; ++c) {
           const vfloat x = load16(v + c * kLanes);
-          for (int i = 0; i < NR; ++i) acc[i][c] += p[i * p_stride + t0 + j] * x;
+          for (int i = 0; i < NR; ++i) acc[i][c] += pt[i * p_stride + j] * x;
         }
       }
     }
@@ -370,8 +382,11 @@ __attribute__((always_inline)) inline void weighted_v(const T* v_cache, const Pa
 }
 
 // One item: rows = (query tokens of the tile) x (heads of the group). Row r = token i * G + g, its
-// query sits at position seq_len - query_len + i and sees keys 0..that position. C = D / 16, a
-// compile-time constant so that a row's query and accumulator live in registers.
+// query sits at position seq_len - query_len + i and sees keys row_lo(r)..that position (row_lo 0
+// without a window). C = D / 16, a compile-time constant so that a row's query and accumulator live in
+// registers. Scores are kept from base, the 16-key group of the first row's row_lo, on. Worked
+// example, W 20, a tile of tokens at positions 40..47 (G 1): row 0 sees 21..40, row 7 28..47; base 16,
+// so pass 1 scores groups 16.. and 32.. (keys 16..20 masked), pass 2 reads V rows 21..47 only.
 template <typename T, int C>
 INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* query, const T* cache,
                                  const int32_t* qsl, const int32_t* seq_lens, const int32_t* tables, T* out,
@@ -385,17 +400,27 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
   const int64_t ctx = first_pos + it.q_end;  // keys the last row of the tile can see
   const int64_t ctx_pad = (ctx + kLanes - 1) / kLanes * kLanes;
   const int32_t* table = tables + it.seq * g.bt_stride;
+  // Keys row r sees: [row_lo(r), row_limit(r)).
+  auto row_limit = [&](int64_t r) { return first_pos + it.q_begin + r / g.group + 1; };
+  auto row_lo = [&](int64_t r) {
+    return g.sliding_window > 0 ? std::max<int64_t>(0, row_limit(r) - g.sliding_window) : int64_t{0};
+  };
+  const int64_t lo = row_lo(0);  // the item's first key: nothing before it is read
+  const int64_t base = lo / kLanes * kLanes;  // scores kept from here: [rows, span]
+  const int64_t span = ctx_pad - base;
 
-  // The item's pages, once. block_size is a power of two (the engine enforces it): shifts, not
-  // divisions, per key.
+  // The item's pages, once, from the one holding lo (earlier entries: never read). block_size is a
+  // power of two (the engine enforces it): shifts, not divisions, per key.
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(g.block_size));
+  const int64_t first_page = lo >> shift;
   const int64_t num_pages = (ctx + g.block_size - 1) / g.block_size;
-  scratch.pages.resize(static_cast<size_t>(num_pages));
-  for (int64_t b = 0; b < num_pages; ++b) {
+  scratch.pages.assign(static_cast<size_t>(num_pages), 0);
+  for (int64_t b = first_page; b < num_pages; ++b) {
     scratch.pages[b] = static_cast<int64_t>(table[b]) * g.kv_stride_block + it.kv_head * g.kv_stride_head;
   }
-  const Pages pages{scratch.pages.data(), __builtin_ctzll(static_cast<uint64_t>(g.block_size)), g.block_size - 1};
-  // scratch: scaled queries [rows, D], probabilities [rows, ctx_pad]
-  scratch.floats.resize(static_cast<size_t>(rows * (D + ctx_pad)));
+  const Pages pages{scratch.pages.data(), shift, g.block_size - 1};
+  // scratch: scaled queries [rows, D], probabilities [rows, span] (key t at column t - base)
+  scratch.floats.resize(static_cast<size_t>(rows * (D + span)));
   float* qf = scratch.floats.data();
   float* scores = qf + rows * D;
   for (int64_t i = 0; i < num_tok; ++i) {
@@ -425,13 +450,14 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
   // The L2 window in keys (a K or V row is D * sizeof(T) bytes), whole groups.
   const int64_t window =
       std::max<int64_t>(kKAhead + kLanes, kL2Bytes / (D * static_cast<int64_t>(sizeof(T)))) / kLanes * kLanes;
-  for (int64_t t = 0; t < std::min(kKAhead, ctx); t += kLanes) prefetch_group<T, D>(k_cache, pages, g.block_size, t, ctx);
-  for (int64_t t = kKAhead; t < std::min(window, ctx); t += kLanes) {
+  for (int64_t t = base; t < std::min(base + kKAhead, ctx); t += kLanes) {
+    prefetch_group<T, D>(k_cache, pages, g.block_size, t, ctx);
+  }
+  for (int64_t t = base + kKAhead; t < std::min(base + window, ctx); t += kLanes) {
     prefetch_group<T, D, 2>(k_cache, pages, g.block_size, t, ctx);
   }
-  prefetch_keys<T, D, 2>(v_cache, pages, 0, std::min(window, ctx));
-  auto row_limit = [&](int64_t r) { return first_pos + it.q_begin + r / g.group + 1; };  // keys row r sees
-  for (int64_t t0 = 0; t0 < ctx_pad; t0 += 2 * kLanes) {
+  prefetch_keys<T, D, 2>(v_cache, pages, lo, std::min(lo + window, ctx));
+  for (int64_t t0 = base; t0 < ctx_pad; t0 += 2 * kLanes) {
     const int64_t ng = std::min<int64_t>(2, (ctx_pad - t0) / kLanes);
     const T* lines[2];
     int64_t stride = kLanes * kPack<T>;
@@ -447,7 +473,8 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
         T* tile = kbuf + j * kLanes * D;
         lines[j] = tile;
         const int64_t last_page = std::min(num_pages, (t + kLanes) >> pages.shift);
-        for (int64_t b = t >> pages.shift; b < last_page; ++b) {
+        // Pages before lo's are not read: their lanes keep what kbuf held, and are masked below.
+        for (int64_t b = std::max(t >> pages.shift, first_page); b < last_page; ++b) {
           const T* page = k_cache + pages.offsets[b];
           T* dst = tile + (b * g.block_size - t) * kPack<T>;
           for (int64_t c = 0; c < D / kPack<T>; ++c) {
@@ -459,6 +486,7 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const int64_t nr = std::min<int64_t>(4, rows - r0);
       if (t0 >= row_limit(r0 + nr - 1)) continue;  // earlier query tokens of a prefill tile
+      if (t0 + ng * kLanes <= row_lo(r0)) continue;  // before every one of these rows' windows
       alignas(64) vfloat sv[8];
       if (ng == 2) {
         rows_scores<T, C, 2>(dp, nr, lines, stride, q_pairs + r0, qf + r0 * D, sv);
@@ -470,39 +498,44 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
         for (int64_t i = 0; i < nr; ++i) {
           vfloat v = sv[j * nr + i];
           if (dp) v *= g.scale;
-          const int64_t limit = row_limit(r0 + i);
-          if (t + kLanes > limit) {  // keys past the row's limit do not exist for it
+          if (g.soft_cap > 0.f) {  // as HF: the scaled score, capped, then masked
+            for (int k = 0; k < kLanes; ++k) v[k] = g.soft_cap * std::tanh(v[k] / g.soft_cap);
+          }
+          const int64_t limit = row_limit(r0 + i), rlo = row_lo(r0 + i);
+          if (t + kLanes > limit || t < rlo) {  // keys outside [rlo, limit) do not exist for this row
             for (int k = 0; k < kLanes; ++k) {
-              if (t + k >= limit) v[k] = -std::numeric_limits<float>::infinity();
+              if (t + k >= limit || t + k < rlo) v[k] = -std::numeric_limits<float>::infinity();
             }
           }
-          std::memcpy(scores + (r0 + i) * ctx_pad + t, &v, sizeof(vfloat));
+          std::memcpy(scores + (r0 + i) * span + (t - base), &v, sizeof(vfloat));
         }
       }
     }
   }
   // V's first keys, from L2 (its first window) to L1 during the softmax.
-  prefetch_keys<T, D>(v_cache, pages, 0, std::min(kVAhead, ctx));
-  // Softmax numerators in place (zero past each row's limit, up to ctx_pad), and 1 / their sum.
+  prefetch_keys<T, D>(v_cache, pages, lo, std::min(lo + kVAhead, ctx));
+  // Softmax numerators in place (zero outside each row's groups, from base up to ctx_pad), and 1 /
+  // their sum. Columns are key - base.
   float inv_sum[kTileQ * 16];
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t limit = first_pos + it.q_begin + r / g.group + 1;
-    const int64_t groups = (limit + kLanes - 1) / kLanes;
-    float* sr = scores + r * ctx_pad;
+    const int64_t g_begin = row_lo(r) / kLanes * kLanes - base;  // the row's first group's column
+    const int64_t g_end = (row_limit(r) + kLanes - 1) / kLanes * kLanes - base;
+    float* sr = scores + r * span;
     vfloat vmax = vfloat{} - std::numeric_limits<float>::infinity();
-    for (int64_t t0 = 0; t0 < groups * kLanes; t0 += kLanes) {
+    for (int64_t t0 = g_begin; t0 < g_end; t0 += kLanes) {
       const vfloat x = load16(sr + t0);
       vmax = vmax > x ? vmax : x;
     }
     float m = vmax[0];
     for (int j = 1; j < kLanes; ++j) m = std::max(m, vmax[j]);
     vfloat vsum{};
-    for (int64_t t0 = 0; t0 < groups * kLanes; t0 += kLanes) {
+    for (int64_t t0 = g_begin; t0 < g_end; t0 += kLanes) {
       const vfloat e = vexp(load16(sr + t0) - m);
       std::memcpy(sr + t0, &e, sizeof(e));
       vsum += e;
     }
-    std::memset(sr + groups * kLanes, 0, sizeof(float) * (ctx_pad - groups * kLanes));
+    std::memset(sr, 0, sizeof(float) * g_begin);
+    std::memset(sr + g_end, 0, sizeof(float) * (span - g_end));
     float sum = 0.f;
     for (int j = 0; j < kLanes; ++j) sum += vsum[j];
     inv_sum[r] = 1.f / sum;
@@ -514,15 +547,16 @@ INFLIGHT_CLONES void attend_item(const Item& it, const Geometry& g, const T* que
   constexpr int64_t kRowsPerPass = C <= 4 ? 4 : (C <= 8 ? 2 : 1);
   for (int64_t r0 = 0; r0 < rows; r0 += kRowsPerPass) {
     const int64_t nr = std::min(kRowsPerPass, rows - r0);
-    const int64_t limit = first_pos + it.q_begin + (r0 + nr - 1) / g.group + 1;  // of the last row
+    const int64_t limit = row_limit(r0 + nr - 1);  // of the last row
+    const int64_t begin = row_lo(r0);  // of the first: the later rows' keys before theirs weigh 0
     float* acc_out = qf + r0 * D;  // the scaled queries of these rows are no longer needed
-    const float* p = scores + r0 * ctx_pad;
+    const float* p = scores + r0 * span;
     const int64_t bs = g.block_size;
     switch (nr) {
-      case 4: weighted_v<T, C, (kRowsPerPass >= 4 ? 4 : 1)>(v_cache, pages, bs, window, p, ctx_pad, limit, acc_out); break;
-      case 3: weighted_v<T, C, (kRowsPerPass >= 3 ? 3 : 1)>(v_cache, pages, bs, window, p, ctx_pad, limit, acc_out); break;
-      case 2: weighted_v<T, C, (kRowsPerPass >= 2 ? 2 : 1)>(v_cache, pages, bs, window, p, ctx_pad, limit, acc_out); break;
-      default: weighted_v<T, C, 1>(v_cache, pages, bs, window, p, ctx_pad, limit, acc_out); break;
+      case 4: weighted_v<T, C, (kRowsPerPass >= 4 ? 4 : 1)>(v_cache, pages, bs, window, p, span, begin, base, limit, acc_out); break;
+      case 3: weighted_v<T, C, (kRowsPerPass >= 3 ? 3 : 1)>(v_cache, pages, bs, window, p, span, begin, base, limit, acc_out); break;
+      case 2: weighted_v<T, C, (kRowsPerPass >= 2 ? 2 : 1)>(v_cache, pages, bs, window, p, span, begin, base, limit, acc_out); break;
+      default: weighted_v<T, C, 1>(v_cache, pages, bs, window, p, span, begin, base, limit, acc_out); break;
     }
     for (int64_t i = 0; i < nr; ++i) {
       const int64_t r = r0 + i;
@@ -562,7 +596,7 @@ void check_common(const at::Tensor& kv_cache) {
 
 void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                      const at::Tensor& query_start_loc, const at::Tensor& seq_lens, const at::Tensor& block_tables,
-                     double scale, int64_t max_query_len) {
+                     double scale, int64_t max_query_len, int64_t sliding_window, double logits_soft_cap) {
   check_common(kv_cache);
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, Hq, D]");
   TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == kv_cache.scalar_type(),
@@ -595,6 +629,9 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   g.v_offset = kv_cache.stride(0);
   g.bt_stride = block_tables.stride(0);
   g.scale = static_cast<float>(scale);
+  TORCH_CHECK(sliding_window >= 0 && logits_soft_cap >= 0, "sliding_window and logits_soft_cap are >= 0 (0: off)");
+  g.sliding_window = sliding_window;
+  g.soft_cap = static_cast<float>(logits_soft_cap);
 
   const int64_t num_seqs = seq_lens.size(0);
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -613,7 +650,13 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
   // Dynamic scheduling, costliest items first: at::parallel_for splits a range statically, which
   // leaves one thread with the long contexts; here each thread pulls the next item from a counter.
-  auto cost = [&](const Item& it) { return (it.q_end - it.q_begin) * (lens[it.seq] - qsl[it.seq + 1] + qsl[it.seq] + it.q_end); };
+  // An item's keys: its last token's context, less what precedes its first token's window.
+  auto cost = [&](const Item& it) {
+    const int64_t first_pos = lens[it.seq] - qsl[it.seq + 1] + qsl[it.seq];
+    const int64_t keys = first_pos + it.q_end;
+    const int64_t skipped = sliding_window > 0 ? std::max<int64_t>(0, first_pos + it.q_begin + 1 - sliding_window) : 0;
+    return (it.q_end - it.q_begin) * (keys - skipped);
+  };
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return cost(a) > cost(b); });
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
@@ -679,7 +722,8 @@ void store_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
 
 TORCH_LIBRARY(inflight_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, "
-        "Tensor seq_lens, Tensor block_tables, float scale, int max_query_len) -> ()");
+        "Tensor seq_lens, Tensor block_tables, float scale, int max_query_len, int sliding_window=0, "
+        "float logits_soft_cap=0.0) -> ()");
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
