@@ -49,17 +49,21 @@ def main() -> int:
         "seq_lens_ptr": "*i32",
         "block_tables_ptr": "*i32",
         "scale_log2": "fp32",
+        "soft_cap": "fp32",
     }
     ok = True
     # Llama-3-8B's attention (32 / 8 heads, head 128) in bf16: decode, decode split 8, the flat
-    # mixed-step variant, and the decode-config sweep's largest tiles (BLOCK_N 128, 8 warps, 4 stages).
-    variants: list[tuple[int, int, bool, int, dict[str, int]]] = [
-        (1, 16, False, 64, {}),
-        (8, 16, False, 64, {}),
-        (1, 128, True, 64, {"num_warps": 8}),
-        (4, 16, False, 128, {"num_warps": 8, "num_stages": 4}),
+    # mixed-step variant, and the decode-config sweep's largest tiles (BLOCK_N 128, 8 warps, 4 stages);
+    # then with a sliding window and a soft cap: split decode and flat.
+    variants: list[tuple[int, int, bool, int, bool, dict[str, int]]] = [
+        (1, 16, False, 64, False, {}),
+        (8, 16, False, 64, False, {}),
+        (1, 128, True, 64, False, {"num_warps": 8}),
+        (4, 16, False, 128, False, {"num_warps": 8, "num_stages": 4}),
+        (8, 16, False, 64, True, {}),
+        (1, 128, True, 64, True, {"num_warps": 8}),
     ]
-    for splits, block_m, flat, block_n, options in variants:
+    for splits, block_m, flat, block_n, windowed, options in variants:
         consts = {
             "NUM_HEADS": 32,
             "GROUP": 4,
@@ -73,24 +77,29 @@ def main() -> int:
             "FLAT": flat,
             "DOT_FP32": False,
             "DOT_PRECISION": "tf32",
+            "SLIDING": windowed,
+            "SOFT_CAP": windowed,
         }
         ok &= compile_one(
             f"paged attention {'flat' if flat else 'decode'} NUM_SPLITS={splits} BLOCK_M={block_m} "
-            f"BLOCK_N={block_n} {options}",
+            f"BLOCK_N={block_n} {'SLIDING SOFT_CAP ' if windowed else ''}{options}",
             paged_attention._paged_attention_kernel,
             attn_types,
             consts,
             **options,
         )
-    consts = {
-        "NUM_HEADS": 32,
-        "HEAD_SIZE": 128,
-        "BLOCK_D": 128,
-        "BLOCK_N": 64,
-        "NUM_SPLITS": 8,
-        "SPLITS_PAD": 8,
-    }
-    ok &= compile_one("merge splits", paged_attention._merge_splits_kernel, attn_types, consts)
+    for windowed in (False, True):
+        consts = {
+            "NUM_HEADS": 32,
+            "HEAD_SIZE": 128,
+            "BLOCK_D": 128,
+            "BLOCK_N": 64,
+            "NUM_SPLITS": 8,
+            "SPLITS_PAD": 8,
+            "SLIDING": windowed,
+        }
+        name = f"merge splits{' SLIDING' if windowed else ''}"
+        ok &= compile_one(name, paged_attention._merge_splits_kernel, attn_types, consts)
     consts = {
         "NUM_HEADS": 32,
         "NUM_KV_HEADS": 8,

@@ -64,11 +64,12 @@ def poison_before_windows(batch: PagedBatch, window: int | None) -> None:
 
 # (query_lens, seq_lens): prefill chunks (first and later) and decodes mixed in one step.
 STEPS = [
-    ([1, 1, 1], [7, 40, 93]),  # decodes only
+    ([1, 1, 1], [7, 32, 93]),  # decodes only (a context of 32: equal to the window 32)
     ([24, 1, 9, 1], [24, 57, 70, 5]),  # a whole prompt, decodes, a later chunk
     ([40, 3], [120, 45]),  # long later chunk
 ]
-WINDOWS = [None, 5, 13, 32, 200]  # off, tiny, not a multiple of any block size, a multiple, > context
+# Off, tiny, not a multiple of any block size, a multiple (and one context's length), > every context.
+WINDOWS = [None, 5, 13, 32, 200]
 CAPS = [None, 1.5]
 HEADS = [(4, 1), (4, 2), (3, 3)]  # GQA groups of 4, 2 and 1
 
@@ -254,3 +255,11 @@ def test_model_window_backend_applies_the_window_unless_the_caller_passes_one() 
     _check(got, dense_window_attention(batch, SCALE, 13, None), torch.float32)
     narrower = backend.forward(batch.query, batch.kv_cache, _metadata(batch), SCALE, sliding_window=5)
     _check(narrower, dense_window_attention(batch, SCALE, 5, None), torch.float32)
+
+
+def test_triton_backend_passes_window_and_cap() -> None:
+    batch = _batch(1, (4, 2), 16, 4, torch.float32)
+    poison_before_windows(batch, 13)
+    backend = get_attention_backend("triton", model_window=13)
+    got = backend.forward(batch.query, batch.kv_cache, _metadata(batch), SCALE, logits_soft_cap=1.5)
+    _check(got, dense_window_attention(batch, SCALE, 13, 1.5), torch.float32)

@@ -17,10 +17,10 @@
 // no rescaling. Softmax and accumulation are float32 whatever the cache dtype.
 //
 // Sliding window (HF's kv_idx > q_idx - W) and logit soft cap (Gemma 2's cap * tanh(score / cap)) live
-// in attend_item, outside every scorer: each row has a key range [row_lo, row_limit), keys before the
-// item's first row_lo are never read (their blocks may be freed and reused: the pages of pass 1 start
-// at its 16-key group, pass 2 at the key itself), and the cap maps a group's scaled scores before they
-// are masked. The AVX-512 and generic scorers compute the same raw scores whatever the window, so
+// in attend_item, outside every scorer: each row has a key range [row_lo, row_limit); no page before
+// the one holding the item's first row_lo is read (those blocks may be freed and reused: pass 1 scores
+// from that key's 16-key group, masking the keys before it, and pass 2 reads V from the key itself),
+// and the cap maps a group's scaled scores before they are masked. The AVX-512 and generic scorers compute the same raw scores whatever the window, so
 // both are correct by construction.
 //
 // Vectorisation: GCC vector extensions over 16 floats, compiled as clones for AVX-512, AVX2 and a
