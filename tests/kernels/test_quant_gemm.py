@@ -133,3 +133,14 @@ def test_strided_empty_and_refused_inputs() -> None:
         torch.ops.inflight_cpu.quant_linear(torch.randn(2, 64), w.blocks, 6, 64, None)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.inflight_cpu.quant_linear(torch.randn(2, 64), w.blocks, w.fmt.ggml_type, 64, torch.zeros(5))
+
+
+def test_the_bench_prints_each_format_per_row_count(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench import quant_gemm_bench
+
+    argv = ["--formats", "Q8_0", "Q4_K", "--rows", "1,3", "--repeats", "1", "--dtypes", "float32"]
+    argv += ["--layers", "1", "--hidden", "64", "--intermediate", "96", "--heads", "2", "--kv-heads", "1"]
+    assert quant_gemm_bench.main([*argv, "--head-dim", "32"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("Q")]
+    assert [(r[0], int(r[2])) for r in rows] == [("Q8_0", 1), ("Q8_0", 3), ("Q4_K", 1), ("Q4_K", 3)]
+    assert all(float(value) > 0 for row in rows for value in row[3:])

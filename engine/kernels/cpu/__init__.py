@@ -31,7 +31,7 @@ _SOURCES = [
     _HERE / "gemm.cpp",
     _HERE / "quant_gemm.cpp",
 ]
-_HEADERS = [_HERE / "vec.h"]
+_HEADERS = [_HERE / "vec.h", _HERE / "quant_gemm_isa.h"]
 _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
 
 
