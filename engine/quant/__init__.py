@@ -2,7 +2,8 @@
 
 ``formats``: each block's bytes (the contract every kernel reads); ``QuantizedWeight``: a linear
 weight's rows of blocks; ``quant_linear``: x @ w.T on the host's kernel (C++ on CPU, Triton on CUDA);
-``gguf_weights``: a GGUF file's tensors by HF name, the linear weights left quantized.
+``gguf_weights``: a GGUF file's tensors by HF name, the linear weights left quantized; ``perplexity``:
+a GGUF Llama's perplexity on a text with its linears in their formats, to compare formats.
 """
 
 from __future__ import annotations
