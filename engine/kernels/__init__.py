@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from engine.kernels.cache import store_kvcache
     from engine.kernels.norm import fused_add_rms_norm, rms_norm
     from engine.kernels.paged_attention import paged_attention
+    from engine.kernels.quant_matmul import quant_matmul
     from engine.kernels.rotary import rotary_embedding
 
 _EXPORTS = {
@@ -24,11 +25,13 @@ _EXPORTS = {
     "fused_add_rms_norm": "engine.kernels.norm",
     "rotary_embedding": "engine.kernels.rotary",
     "silu_and_mul": "engine.kernels.activation",
+    "quant_matmul": "engine.kernels.quant_matmul",
 }
 
 __all__ = [
     "fused_add_rms_norm",
     "paged_attention",
+    "quant_matmul",
     "rms_norm",
     "rotary_embedding",
     "silu_and_mul",

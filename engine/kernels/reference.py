@@ -171,3 +171,18 @@ def silu_and_mul(
 ) -> torch.Tensor:  # [T, I]
     gate, up = x.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
+
+
+def quant_matmul(
+    x: torch.Tensor,  # [T, K] float32 or bf16
+    blocks: torch.Tensor,  # [N, row_bytes] uint8: each output feature's row of GGUF blocks
+    format: str,  # Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (engine/quant/formats.py)
+    in_features: int,  # K
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [T, N] in x's dtype
+    """x @ dequantize(blocks).T + bias, in float32, rounded once to x's dtype."""
+    from engine.quant.formats import dequantize_rows, get_format
+
+    weight = dequantize_rows(get_format(format), blocks, in_features)  # [N, K] float32
+    out = x.float() @ weight.T
+    return (out if bias is None else out + bias.float()).to(x.dtype)

@@ -410,3 +410,9 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def _progress(message: str) -> None:
     print(f"[inflight] {message}", file=sys.stderr, flush=True)
+
+
+# For engine.quant.gguf_weights, which reads the same tensors with the linear weights left in their
+# block formats: the same names, and the same q/k row order restored on rows of blocks.
+hf_name = _hf_name
+unpermute_rows = _unpermute

@@ -1,6 +1,7 @@
 """The CPU engine's C++ kernels: paged attention and the KV store (read in place through block tables),
-the layer's fused pointwise ops (RMSNorm with the residual add, rotary, SiLU-and-mul), and the linear
-layers on weights packed into column panels (gemm.cpp, AVX-512 hosts).
+the layer's fused pointwise ops (RMSNorm with the residual add, rotary, SiLU-and-mul), the linear
+layers on weights packed into column panels (gemm.cpp, AVX-512 hosts), and the linear layers on weights
+kept in GGUF block formats (quant_gemm.cpp).
 
 ``load()`` builds them on first use (a torch extension compiled with the host's g++, cached per source
 and torch version in ``engine.paths.cpu_ext_root()``; ``make setup`` builds it ahead of time, and a build
@@ -24,8 +25,13 @@ from engine.paths import cpu_ext_root
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = [_HERE / "paged_attention.cpp", _HERE / "pointwise.cpp", _HERE / "gemm.cpp"]
-_HEADERS = [_HERE / "vec.h"]
+_SOURCES = [
+    _HERE / "paged_attention.cpp",
+    _HERE / "pointwise.cpp",
+    _HERE / "gemm.cpp",
+    _HERE / "quant_gemm.cpp",
+]
+_HEADERS = [_HERE / "vec.h", _HERE / "quant_gemm_isa.h"]
 _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
 
 

@@ -1,0 +1,222 @@
+// Linear layers on weights kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): out = x @ w.T
+// (+ bias), w read as stored, one row of blocks per output feature (engine/quant/formats.py documents
+// each block's struct; the format is the contract).
+//
+// Why dequantize into float32 rather than quantize x to int8 (llama.cpp's way, maddubs / VNNI dot
+// products). A decode step multiplies 1 to 64 rows by every weight: its time is the weights' stream
+// from memory, which the block format alone cuts (4.5 bits a value for Q4_0 against 32); what the
+// multiply does with the bytes once they are in a register is second. Dequantized weights multiplied in
+// float32 give exactly what the float model of the dequantized weight gives (the engine's GGUF path
+// until now), with no rounding of the activations added, so a quantized model is the same model, and
+// tests hold it to float32 rounding. Integer dot products on int8 activations would cut the multiply's
+// cost where it bounds (prefill, batches of hundreds); they are the next step, not this file.
+//
+// How. Threads split the out features into tiles of kTileRows rows. A tile's rows are dequantized into
+// a float32 buffer (kTileRows x k, in L1/L2), then every row of x is multiplied by the whole tile, two
+// rows of x at a time: 2 x kTileRows vector accumulators, each weight vector loaded once per two rows.
+// For one row of x this is one stream of the weights' bytes; for 64 rows the dequantization is paid
+// once per tile and the rest is a float GEMM.
+//
+// Instruction sets, chosen from the host at load: AVX-512 (16-lane float vectors), AVX2 + FMA + F16C (8
+// lanes), and the same code for the baseline CPU (the compiler's generic vectors: SSE2 on x86-64, plain
+// C++ elsewhere). The kernels are written once (quant_gemm_isa.h, GCC vector extensions and a few
+// per-set primitives) and compiled once per set, each in its own namespace under `#pragma GCC target`.
+// VNNI and AVX512_BF16 go unused: they multiply integers and bf16 pairs, and this design multiplies
+// float32 (see above).
+//
+// Numbers. Dequantized values are bit-identical to gguf's (numpy, float32): every product of a scale and
+// a quant is exact in float32, so contraction into an FMA changes nothing. Each output is a float32 sum
+// over k (lane-wise partial sums, added at the end), plus the bias, rounded once to x's dtype.
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define QUANT_X86 1
+#endif
+
+#define INLINE __attribute__((always_inline)) inline
+
+namespace {
+
+// ggml's type ids (GGMLQuantizationType), the format names of engine/quant/formats.py.
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+
+constexpr int kTileRows = 4;  // weight rows per tile: 2 x 4 accumulators fit AVX2's 16 registers
+
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf16 __attribute__((vector_size(64)));
+typedef uint8_t vu8 __attribute__((vector_size(16)));
+typedef int8_t vi8 __attribute__((vector_size(16)));
+
+int64_t block_size(int64_t fmt) { return fmt >= kQ4_K ? 256 : 32; }
+int64_t block_bytes(int64_t fmt) {
+  switch (fmt) {
+    case kQ8_0: return 34;
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    case kQ6_K: return 210;
+    default: return 0;
+  }
+}
+
+INLINE vu8 bytes16(const uint8_t* p) {
+  vu8 v;
+  std::memcpy(&v, p, 16);
+  return v;
+}
+
+// What one thread's share of a multiply needs.
+struct Job {
+  const float* x;  // [m, k], rows contiguous, ldx apart
+  int64_t ldx, m, k;
+  const uint8_t* w;  // [n, row_bytes]
+  int64_t row_bytes, n, fmt;
+  const float* bias;  // [n] or null
+  float* out;         // [m, n] contiguous
+};
+
+// The kernels, once per instruction set (quant_gemm_isa.h).
+#ifdef QUANT_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
+namespace isa_avx512 {
+#define QUANT_ISA 2
+#include "quant_gemm_isa.h"
+#undef QUANT_ISA
+}  // namespace isa_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+#define QUANT_ISA 1
+#include "quant_gemm_isa.h"
+#undef QUANT_ISA
+}  // namespace isa_avx2
+#pragma GCC pop_options
+#endif
+
+namespace isa_portable {
+#define QUANT_ISA 0
+#include "quant_gemm_isa.h"
+#undef QUANT_ISA
+}  // namespace isa_portable
+
+using TilesFn = void (*)(const Job&, int64_t, int64_t);
+
+#ifdef QUANT_X86
+// Asked of the CPU once, not on each call.
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                        __builtin_cpu_supports("f16c");
+const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+
+int64_t best_isa() {
+#ifdef QUANT_X86
+  if (kHasAvx512) return kAvx512;
+  if (kHasAvx2) return kAvx2;
+#endif
+  return kPortable;
+}
+
+// The instruction set to run: the best the host has (isa < 0) or the one asked for, if the host has it.
+int64_t pick(int64_t isa) {
+  if (isa < 0) return best_isa();
+  TORCH_CHECK(isa <= best_isa(), "this CPU lacks the instructions of quant_linear path ", isa);
+  return isa;
+}
+
+Job make_job(const at::Tensor& blocks, int64_t fmt, int64_t k) {
+  TORCH_CHECK(block_bytes(fmt) > 0, "unsupported block format (ggml type ", fmt, ")");
+  TORCH_CHECK(k > 0 && k % block_size(fmt) == 0, "in features must be whole blocks of ", block_size(fmt));
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous(),
+              "blocks must be a contiguous uint8 [out features, row bytes] CPU tensor");
+  const int64_t row_bytes = k / block_size(fmt) * block_bytes(fmt);
+  TORCH_CHECK(blocks.size(1) == row_bytes, "blocks have ", blocks.size(1), " bytes a row, in features ", k,
+              " need ", row_bytes);
+  Job job{};
+  job.w = blocks.data_ptr<uint8_t>();
+  job.row_bytes = row_bytes;
+  job.n = blocks.size(0);
+  job.k = k;
+  job.fmt = fmt;
+  return job;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fmt, int64_t in_features,
+                        const c10::optional<at::Tensor>& bias, int64_t isa) {
+  Job job = make_job(blocks, fmt, in_features);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "x must be a 2-D float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.size(1) == in_features, "x has ", x.size(1), " features, the weight ", in_features);
+  at::Tensor xf = x.to(at::kFloat);
+  if (xf.stride(1) != 1) xf = xf.contiguous();
+  at::Tensor bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == job.n, "bias must be [out features]");
+    bf = bias->to(at::kFloat).contiguous();
+    job.bias = bf.data_ptr<float>();
+  }
+  at::Tensor out = at::empty({x.size(0), job.n}, x.options().dtype(at::kFloat));
+  const int64_t chosen = pick(isa);
+  if (x.size(0) == 0) return out.to(dtype);
+  job.x = xf.data_ptr<float>();
+  job.ldx = xf.stride(0);
+  job.m = xf.size(0);
+  job.out = out.data_ptr<float>();
+  TilesFn fn = isa_portable::tiles;
+#ifdef QUANT_X86
+  if (chosen == kAvx512) fn = isa_avx512::tiles;
+  if (chosen == kAvx2) fn = isa_avx2::tiles;
+#endif
+  const int64_t tiles = (job.n + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { fn(job, t0, t1); });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t in_features, int64_t isa) {
+  Job job = make_job(blocks, fmt, in_features);
+  at::Tensor out = at::empty({job.n, in_features}, blocks.options().dtype(at::kFloat));
+  job.out = out.data_ptr<float>();
+  const int64_t chosen = pick(isa);
+  TilesFn fn = isa_portable::rows;
+#ifdef QUANT_X86
+  if (chosen == kAvx512) fn = isa_avx512::rows;
+  if (chosen == kAvx2) fn = isa_avx2::rows;
+#endif
+  at::parallel_for(0, job.n, 16, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
+  return out;
+}
+
+int64_t quant_linear_isa() { return best_isa(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
+  // fmt: the ggml type id; isa: -1 the host's best, else 0 portable, 1 AVX2, 2 AVX-512 (tests pick).
+  m.def("quant_linear(Tensor x, Tensor blocks, int fmt, int in_features, Tensor? bias, int isa=-1) -> Tensor");
+  m.def("quant_dequantize(Tensor blocks, int fmt, int in_features, int isa=-1) -> Tensor");
+  // No tensor to dispatch on: one kernel for every backend.
+  m.def("quant_linear_isa() -> int", &quant_linear_isa);
+}
+
+TORCH_LIBRARY_IMPL(inflight_cpu, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+}

@@ -1,0 +1,230 @@
+// The body of the quantized linear kernels (quant_gemm.cpp), included once per instruction set, each
+// time inside its own namespace and `#pragma GCC target` region with QUANT_ISA set (2: AVX-512, 1: AVX2
+// + FMA, 0: the baseline CPU), so that every function here, inlined into the next, is compiled for
+// that set. No include guard: included three times on purpose.
+
+// The primitives each instruction set writes with its own instructions: GCC 12 turns a generic
+// u8 x 16 -> float x 16 conversion into one byte extract and one scalar conversion per lane (the kernel
+// ran 10-30x slower than torch's float32 linear with it), and c10::Half's software conversion kept the
+// scales on the stack.
+//   half_at(p): the fp16 at p as a float.
+//   emit(out, q, scale, offset): out[i] = scale * q[i] + offset for 16 bytes q (Q = vu8 or vi8). Every
+//   scale * q here is exact in float32, so the FMA rounds as a multiply then an add would.
+#if QUANT_ISA >= 1
+INLINE float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+#else
+INLINE float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+#endif
+
+#if QUANT_ISA == 2
+typedef vf16 VF;  // the multiply's vector: one zmm
+template <typename Q>
+INLINE void emit(float* out, Q q, float scale, float offset) {
+  __m128i b;
+  std::memcpy(&b, &q, 16);
+  const __m512i wide = std::is_same_v<Q, vi8> ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  _mm512_storeu_ps(out, _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(scale), _mm512_set1_ps(offset)));
+}
+#elif QUANT_ISA == 1
+typedef vf8 VF;  // one ymm
+template <typename Q>
+INLINE void emit(float* out, Q q, float scale, float offset) {
+  __m128i b;
+  std::memcpy(&b, &q, 16);
+  const __m128i b_hi = _mm_srli_si128(b, 8);
+  constexpr bool sign = std::is_same_v<Q, vi8>;
+  const __m256i lo = sign ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  const __m256i hi = sign ? _mm256_cvtepi8_epi32(b_hi) : _mm256_cvtepu8_epi32(b_hi);
+  const __m256 s = _mm256_set1_ps(scale), o = _mm256_set1_ps(offset);
+  _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), s, o));
+  _mm256_storeu_ps(out + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), s, o));
+}
+#else
+typedef vf8 VF;  // what the baseline CPU makes of 8 floats (two xmm on x86-64)
+template <typename Q>
+INLINE void emit(float* out, Q q, float scale, float offset) {
+  for (int i = 0; i < 16; ++i) out[i] = scale * static_cast<float>(q[i]) + offset;
+}
+#endif
+
+// Each dequantizer writes one block's values to out[0 .. block size).
+
+INLINE void dq_q8_0(const uint8_t* b, float* out) {
+  const float d = half_at(b);
+  for (int h = 0; h < 2; ++h) {
+    vi8 q;
+    std::memcpy(&q, b + 2 + 16 * h, 16);
+    emit(out + 16 * h, q, d, 0.f);
+  }
+}
+
+INLINE void dq_q4_0(const uint8_t* b, float* out) {
+  const float d = half_at(b);
+  const vu8 q = bytes16(b + 2);
+  // d * (q - 8): exact in float32 either way.
+  emit(out, (vi8)(q & 15) - 8, d, 0.f);
+  emit(out + 16, (vi8)(q >> 4) - 8, d, 0.f);
+}
+
+INLINE void dq_q4_1(const uint8_t* b, float* out) {
+  const float d = half_at(b), m = half_at(b + 2);
+  const vu8 q = bytes16(b + 4);
+  emit(out, (vu8)(q & 15), d, m);
+  emit(out + 16, (vu8)(q >> 4), d, m);
+}
+
+// Sub-block s's 6-bit scale and min from a Q4_K/Q5_K block's 12 scale bytes (get_scale_min_k4).
+INLINE void scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q4_K (HIGH_BITS false) and Q5_K (true): chunk j of 64 values is 32 bytes of nibbles, low nibbles the
+// sub-block 2j, high ones 2j + 1; Q5_K's fifth bit of sub-block s is bit s of qh[l].
+template <bool HIGH_BITS>
+INLINE void dq_k_quant(const uint8_t* b, float* out) {
+  const float d = half_at(b), dmin = half_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (HIGH_BITS ? 48 : 16);
+  for (int j = 0; j < 4; ++j) {
+    for (int part = 0; part < 2; ++part) {  // low nibbles: sub-block 2j; high: 2j + 1
+      const int sub = 2 * j + part;
+      int sc, m;
+      scale_min(scales, sub, sc, m);
+      const float scale = d * static_cast<float>(sc), offset = dmin * static_cast<float>(m);
+      for (int h = 0; h < 2; ++h) {  // 16 of the chunk's 32 bytes at a time
+        const vu8 q = bytes16(qs + 32 * j + 16 * h);
+        vu8 v = part == 0 ? (q & 15) : (q >> 4);
+        if constexpr (HIGH_BITS) v |= ((bytes16(qh + 16 * h) >> sub) & 1) << 4;
+        emit(out + 32 * sub + 16 * h, v, scale, -offset);
+      }
+    }
+  }
+}
+
+// Q6_K, value 128h + 32p + l: low bits ql[64h + 32(p & 1) + l] >> 4(p >> 1), high bits qh[32h + l] >> 2p,
+// scale scales[8h + 2p + l / 16].
+INLINE void dq_q6_k(const uint8_t* b, float* out) {
+  const float d = half_at(b + 208);
+  const auto* scales = reinterpret_cast<const int8_t*>(b + 192);
+  for (int h = 0; h < 2; ++h) {
+    for (int p = 0; p < 4; ++p) {
+      for (int g = 0; g < 2; ++g) {  // l in [16g, 16g + 16)
+        const vu8 ql = bytes16(b + 64 * h + 32 * (p & 1) + 16 * g);
+        const vu8 low = (p >> 1) ? (ql >> 4) : (ql & 15);
+        const vu8 high = (bytes16(b + 128 + 32 * h + 16 * g) >> (2 * p)) & 3;
+        const float scale = d * static_cast<float>(scales[8 * h + 2 * p + g]);
+        emit(out + 128 * h + 32 * p + 16 * g, (vi8)(low | (high << 4)) - 32, scale, 0.f);
+      }
+    }
+  }
+}
+
+template <int64_t FMT>
+INLINE void dq_row_as(const uint8_t* row, int64_t num_blocks, float* out) {
+  constexpr int64_t bytes = FMT == kQ8_0 ? 34 : FMT == kQ4_0 ? 18 : FMT == kQ4_1 ? 20 : FMT == kQ4_K ? 144
+                                                                     : FMT == kQ5_K ? 176 : 210;
+  constexpr int64_t values = FMT >= kQ4_K ? 256 : 32;
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    const uint8_t* b = row + i * bytes;
+    float* o = out + i * values;
+    if constexpr (FMT == kQ8_0) dq_q8_0(b, o);
+    if constexpr (FMT == kQ4_0) dq_q4_0(b, o);
+    if constexpr (FMT == kQ4_1) dq_q4_1(b, o);
+    if constexpr (FMT == kQ4_K) dq_k_quant<false>(b, o);
+    if constexpr (FMT == kQ5_K) dq_k_quant<true>(b, o);
+    if constexpr (FMT == kQ6_K) dq_q6_k(b, o);
+  }
+}
+
+INLINE void dq_row(int64_t fmt, const uint8_t* row, int64_t k, float* out) {
+  const int64_t n = k / block_size(fmt);
+  switch (fmt) {
+    case kQ8_0: dq_row_as<kQ8_0>(row, n, out); break;
+    case kQ4_0: dq_row_as<kQ4_0>(row, n, out); break;
+    case kQ4_1: dq_row_as<kQ4_1>(row, n, out); break;
+    case kQ4_K: dq_row_as<kQ4_K>(row, n, out); break;
+    case kQ5_K: dq_row_as<kQ5_K>(row, n, out); break;
+    default: dq_row_as<kQ6_K>(row, n, out); break;
+  }
+}
+
+INLINE VF load_vf(const float* p) {
+  VF v;
+  std::memcpy(&v, p, sizeof(VF));
+  return v;
+}
+
+INLINE float hsum(VF v) {
+  float lanes[sizeof(VF) / sizeof(float)];
+  std::memcpy(lanes, &v, sizeof(VF));
+  float s = 0.f;
+  for (float lane : lanes) s += lane;
+  return s;
+}
+
+// out[r .. r + MR, col .. col + rows) = x[r .. r + MR] @ tile.T, tile = kTileRows (4) dequantized rows of
+// k. The accumulators are named, not an array: GCC kept an array of them on the stack.
+template <int MR>
+INLINE void multiply_tile(const Job& job, const float* tile, int64_t r, int64_t col, int64_t rows) {
+  const int64_t k = job.k;
+  const float* x0 = job.x + r * job.ldx;
+  const float* x1 = x0 + (MR == 2 ? job.ldx : 0);
+  VF a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};  // row r (a) and r + 1 (b) times the 4 weight rows
+  for (int64_t i = 0; i < k; i += sizeof(VF) / sizeof(float)) {
+    const VF w0 = load_vf(tile + i), w1 = load_vf(tile + k + i), w2 = load_vf(tile + 2 * k + i),
+             w3 = load_vf(tile + 3 * k + i);
+    const VF xa = load_vf(x0 + i);
+    a0 += xa * w0;
+    a1 += xa * w1;
+    a2 += xa * w2;
+    a3 += xa * w3;
+    if constexpr (MR == 2) {
+      const VF xb = load_vf(x1 + i);
+      b0 += xb * w0;
+      b1 += xb * w1;
+      b2 += xb * w2;
+      b3 += xb * w3;
+    }
+  }
+  const float sums[2][4] = {{hsum(a0), hsum(a1), hsum(a2), hsum(a3)}, {hsum(b0), hsum(b1), hsum(b2), hsum(b3)}};
+  for (int mm = 0; mm < MR; ++mm) {
+    for (int64_t j = 0; j < rows; ++j) {
+      job.out[(r + mm) * job.n + col + j] = sums[mm][j] + (job.bias != nullptr ? job.bias[col + j] : 0.f);
+    }
+  }
+}
+
+INLINE void run_tiles(const Job& job, int64_t t0, int64_t t1) {
+  std::vector<float> tile(kTileRows * job.k);
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t col = t * kTileRows, rows = std::min<int64_t>(kTileRows, job.n - col);
+    for (int64_t j = 0; j < rows; ++j) dq_row(job.fmt, job.w + (col + j) * job.row_bytes, job.k, tile.data() + j * job.k);
+    if (rows < kTileRows) std::fill(tile.begin() + rows * job.k, tile.end(), 0.f);  // the last tile's gap
+    int64_t r = 0;
+    for (; r + 2 <= job.m; r += 2) multiply_tile<2>(job, tile.data(), r, col, rows);
+    if (r < job.m) multiply_tile<1>(job, tile.data(), r, col, rows);
+  }
+}
+
+INLINE void dequantize_rows(const Job& job, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) dq_row(job.fmt, job.w + r * job.row_bytes, job.k, job.out + r * job.k);
+}
+
+// Entry points: out features' tiles [t0, t1) of a multiply; rows [r0, r1) of a dequantization.
+inline void tiles(const Job& job, int64_t t0, int64_t t1) { run_tiles(job, t0, t1); }
+inline void rows(const Job& job, int64_t r0, int64_t r1) { dequantize_rows(job, r0, r1); }

