@@ -201,6 +201,10 @@ class EngineArgs:
     seed: int = 0  # Seeds dummy weights and the seeds drawn for requests that set none.
     device: str = "auto"  # auto: cuda when available, else cpu; or a torch device name.
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json only
+    # auto: a .gguf file's linear layers and embedding stay in its block formats (Q8_0, Q4_0, Q4_1,
+    # Q4_K, Q5_K, Q6_K), an HF checkpoint is read as stored; gguf: the same, refused for anything but a
+    # .gguf file; none: every weight dequantised to dtype (a GGUF's float copy in the model cache).
+    quantization: Literal["auto", "gguf", "none"] = "auto"
     # Requests the waiting queue may hold; one more raises EngineQueueFull. None: unbounded (a worker
     # bounds what it fetches instead, INFLIGHT_FETCH_MAX_WAITING, and leaves this unset).
     max_waiting: int | None = None
@@ -243,6 +247,11 @@ class EngineArgs:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
+        if self.quantization not in ("auto", "gguf", "none"):
+            raise ValueError(
+                f"unsupported quantization {self.quantization!r}; inflight serves auto, gguf (a .gguf file's "
+                "block formats kept) and none"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
@@ -289,6 +298,8 @@ class EngineConfig:
     async_scheduling: bool = False
     async_scheduling_reason: str = "default"  # why it is on or off, for the engine's start-up log
     tensor_parallel_size: int = 1
+    # "gguf": the linear layers multiply the GGUF file's blocks as stored; None: float weights.
+    quantization: str | None = None
 
     def with_device(self, device: torch.device) -> EngineConfig:
         """This config on another device (a tensor-parallel rank's own GPU)."""
@@ -380,4 +391,22 @@ class EngineConfig:
             async_scheduling=overlap,
             async_scheduling_reason=overlap_reason,
             tensor_parallel_size=args.tensor_parallel_size,
+            quantization=_quantization(args),
         )
+
+
+def _quantization(args: EngineArgs) -> str | None:
+    """``EngineArgs.quantization`` resolved against the checkpoint: "gguf" or None (float weights)."""
+    from engine.models.gguf import is_gguf
+
+    gguf_file = args.load_format == "auto" and is_gguf(args.model)
+    if args.quantization == "gguf" and not gguf_file:
+        raise ValueError(f"quantization='gguf' needs a .gguf checkpoint; {args.model!r} is not one")
+    if not gguf_file or args.quantization == "none":
+        return None
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            "a GGUF's block formats do not split over tensor-parallel ranks here; "
+            "use quantization='none' (its float copy) with tensor_parallel_size > 1"
+        )
+    return "gguf"

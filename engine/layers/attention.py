@@ -59,12 +59,14 @@ class Attention:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         # Store first: a request's own new tokens must be visible to its causal attention.
         self.backend.store_kv(k, v, kv_cache, metadata)
-        extra: dict[str, float | int] = {}
-        if self.sliding_window is not None:
-            extra["sliding_window"] = self.sliding_window
-        if self.logits_soft_cap is not None:
-            extra["logits_soft_cap"] = self.logits_soft_cap
-        attn = self.backend.forward(q, kv_cache, metadata, self.scale, **extra).reshape(real, self.q_size)
+        attn = self.backend.forward(
+            q,
+            kv_cache,
+            metadata,
+            self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        ).reshape(real, self.q_size)
         if out is not None:
             out[:real].copy_(attn)
             return out

@@ -12,23 +12,33 @@ import torch.nn.functional as F
 
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.kernels import Kernels
-from engine.layers.linear import matmul
+from engine.layers.linear import Weight, matmul
+from engine.quant.gguf_weights import embedding_rows
+from engine.quant.weight import QuantizedWeight
 
 
 class VocabEmbedding:
     def __init__(
-        self, table: torch.Tensor, tp: TensorParallel, vocab_shard: int, scale: float | None = None
+        self,
+        table: Weight,  # [vocab_shard, hidden]: float, or a GGUF block format (rows dequantised as read)
+        tp: TensorParallel,
+        vocab_shard: int,
+        dtype: torch.dtype,
+        scale: float | None = None,
     ) -> None:
-        self.table = table  # [vocab_shard, hidden]
+        self.table = table
+        self.dtype = dtype
         self.tp = tp
         self.vocab_start = tp.rank * vocab_shard
         self.vocab_shard = vocab_shard
         # Gemma multiplies by sqrt(hidden) rounded to the model's dtype first (HF's normalizer);
         # Granite by its embedding_multiplier.
-        self.scale = None if scale is None else torch.tensor(scale, dtype=table.dtype, device=table.device)
+        self.scale = None if scale is None else torch.tensor(scale, dtype=dtype, device=table.device)
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        if not self.tp.enabled:
+        if isinstance(self.table, QuantizedWeight):  # tensor parallel refuses block formats
+            hidden = embedding_rows(self.table, input_ids).to(self.dtype)
+        elif not self.tp.enabled:
             hidden = F.embedding(input_ids, self.table)
         else:
             local = input_ids - self.vocab_start
@@ -45,7 +55,7 @@ class LMHead:
 
     def __init__(
         self,
-        weight: torch.Tensor,  # [vocab_shard, hidden]; the embedding's table when tied
+        weight: Weight,  # [vocab_shard, hidden]; the embedding's table when tied
         kernels: Kernels,
         tp: TensorParallel,
         vocab_size: int,
@@ -53,7 +63,7 @@ class LMHead:
         soft_cap: float | None = None,
         scaling: float = 1.0,
     ) -> None:
-        self.weight = kernels.pack(weight)
+        self.weight = weight if isinstance(weight, QuantizedWeight) else kernels.pack(weight)
         self.kernels = kernels
         self.tp = tp
         self.vocab_size = vocab_size

@@ -1,8 +1,9 @@
 """Linear layers: ``y = x W^T (+ b)`` on whatever layout the engine's kernel reads.
 
-The weight kind decides the kernel, in ``Linear.__call__`` and nowhere else: column panels (3-D, the
-engine's own CPU kernels: engine/models/cpu_gemm.py), oneDNN's packed weights (CPU), or a plain
-[out, in] tensor (torch's matmul; cuBLAS on a GPU).
+The weight kind decides the kernel, in ``matmul`` and nowhere else: a GGUF block format
+(``QuantizedWeight``: engine/quant, multiplied as stored), column panels (3-D, the engine's own CPU
+kernels: engine/models/cpu_gemm.py), oneDNN's packed weights (CPU), or a plain [out, in] tensor
+(torch's matmul; cuBLAS on a GPU).
 
 Tensor parallelism (Megatron): the loader hands each layer its rank's shard
 (engine/distributed/sharding.py). A column-parallel layer (q/k/v, gate/up: output features split)
@@ -18,20 +19,28 @@ import torch.nn.functional as F
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
+from engine.quant.linear import quant_linear
+from engine.quant.weight import QuantizedWeight
+
+Weight = torch.Tensor | QuantizedWeight
 
 
 class Linear:
     def __init__(
         self,
-        weight: torch.Tensor,  # [out, in] (this rank's shard)
+        weight: Weight,  # [out, in] (this rank's shard)
         kernels: Kernels,
         bias: torch.Tensor | None = None,  # [out]
         *,
         reduce: bool = False,  # row-parallel: all-reduce the partial products over ``tp``
         tp: TensorParallel = SINGLE,
     ) -> None:
-        self.out_features, self.in_features = weight.shape
-        self.weight = kernels.pack(weight)
+        if isinstance(weight, QuantizedWeight):
+            self.out_features, self.in_features = weight.out_features, weight.in_features
+            self.weight: Weight = weight
+        else:
+            self.out_features, self.in_features = weight.shape
+            self.weight = kernels.pack(weight)
         self.bias = bias
         self.kernels = kernels
         self.reduce = reduce and tp.enabled
@@ -44,10 +53,10 @@ class Linear:
         return out if self.bias is None else out + self.bias
 
 
-def matmul(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: Kernels
-) -> torch.Tensor:
-    """One linear product on any weight layout ``Kernels.pack`` returns."""
+def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: Kernels) -> torch.Tensor:
+    """One linear product on any weight layout ``Kernels.pack`` returns, or a GGUF block format."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_linear(x, weight, bias)
     if weight.dim() == 3:  # column panels (cpu_gemm.pack)
         return cpu_gemm.linear(x, weight, bias)
     if kernels.prepack_rows:

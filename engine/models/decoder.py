@@ -30,9 +30,10 @@ from engine.layers.activation import activation
 from engine.layers.attention import Attention
 from engine.layers.embedding import LMHead, VocabEmbedding
 from engine.layers.kernels import CustomOp, Kernels
-from engine.layers.linear import Linear
+from engine.layers.linear import Linear, Weight
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.quant.weight import QuantizedWeight
 
 # What fills the rows a step is padded with (Kernels.row_padding): any valid id and position; no
 # real row reads them.
@@ -88,14 +89,14 @@ class DecoderModel:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         embed = weights.pop("model.embed_tokens.weight")
-        self.device, self.dtype = embed.device, embed.dtype
-        self.embed_tokens = VocabEmbedding(embed, tp, self.vocab_shard, config.embedding_scale)
+        final_norm = weights.pop("model.norm.weight")
+        # The model's dtype is its float weights' (the embedding may be a GGUF block format).
+        self.device, self.dtype = final_norm.device, final_norm.dtype
+        self.embed_tokens = VocabEmbedding(embed, tp, self.vocab_shard, self.dtype, config.embedding_scale)
         self._rotaries: dict[tuple[object, ...], RotaryEmbedding] = {}
         self._max_positions = max_positions
         self.layers = [self._layer(i, weights) for i in range(config.num_hidden_layers)]
-        self.norm = RMSNorm(
-            weights.pop("model.norm.weight"), config.rms_norm_eps, kernels, config.norm_offset
-        )
+        self.norm = RMSNorm(final_norm, config.rms_norm_eps, kernels, config.norm_offset)
         head = weights.pop("lm_head.weight", None)
         self.lm_head = LMHead(
             embed if head is None else head,
@@ -116,8 +117,10 @@ class DecoderModel:
             linears = [layer0.qkv_proj, layer0.o_proj]
             if isinstance(layer0.mlp, DenseMLP):
                 linears += [layer0.mlp.gate_up_proj, layer0.mlp.down_proj]
-            packed = [(lin.weight, limit) for lin in linears if lin.weight.dim() == 2]
-            heads = [(self.lm_head.weight, kernels.prepack_rows)] if self.lm_head.weight.dim() == 2 else []
+            dense = [lin.weight for lin in linears]
+            packed = [(w, limit) for w in dense if isinstance(w, torch.Tensor) and w.dim() == 2]
+            lm = self.lm_head.weight
+            heads = [(lm, kernels.prepack_rows)] if isinstance(lm, torch.Tensor) and lm.dim() == 2 else []
             onednn.warm_up([*packed, *heads], kernels.row_padding)
 
     # ---- construction --------------------------------------------------------------------------
@@ -202,10 +205,10 @@ class DecoderModel:
             mlp_out_norm=self._norm(w, p + "mlp_out_norm.weight"),
         )
 
-    def linear_weights(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def linear_weights(self) -> list[tuple[Weight, torch.Tensor | None]]:
         """(weight, bias) of every dense linear layer in the order a step runs them (qkv, o, gate_up,
         down per layer, then the LM head), as the layers hold them (packed where the engine packs)."""
-        out: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        out: list[tuple[Weight, torch.Tensor | None]] = []
         for layer in self.layers:
             out += [(layer.qkv_proj.weight, layer.qkv_proj.bias), (layer.o_proj.weight, layer.o_proj.bias)]
             if isinstance(layer.mlp, DenseMLP):
@@ -333,5 +336,5 @@ class DecoderModel:
         return self.lm_head(hidden)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _nbytes(t: Weight) -> int:
+    return t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()

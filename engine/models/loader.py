@@ -10,6 +10,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.gguf import local_checkpoint
+from engine.quant.weight import QuantizedWeight
 
 if TYPE_CHECKING:
     from engine.distributed.sharding import ShardPlan
@@ -143,22 +144,40 @@ def dummy_weights(
     return w
 
 
-def merge_weights(
-    config: ModelConfig, raw: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> dict[str, torch.Tensor]:
-    """Cast, move, fuse q/k/v and gate/up (two fewer matmuls a layer), and stack each MoE layer's
-    experts into ``mlp.experts.w13`` [E, 2I, H] (gate rows, then up) and ``mlp.experts.w2`` [E, H, I]."""
+Weight = torch.Tensor | QuantizedWeight
 
-    def take(name: str) -> torch.Tensor:
+
+def _cat(parts: list[Weight]) -> Weight:
+    """Rows one after another: q/k/v into qkv, gate/up into gate_up (block rows stay as stored)."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        return QuantizedWeight.cat_rows(parts)  # type: ignore[arg-type]
+    dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+    return torch.cat(dense)
+
+
+def _place(weight: Weight, dtype: torch.dtype, device: torch.device) -> Weight:
+    if isinstance(weight, QuantizedWeight):
+        return weight.to(device)
+    return weight.to(device=device, dtype=dtype).contiguous()
+
+
+def merge_weights(
+    config: ModelConfig, raw: dict[str, Any], dtype: torch.dtype, device: torch.device
+) -> dict[str, Any]:
+    """Cast, move, fuse q/k/v and gate/up (two fewer matmuls a layer), and stack each MoE layer's
+    experts into ``mlp.experts.w13`` [E, 2I, H] (gate rows, then up) and ``mlp.experts.w2`` [E, H, I].
+    Weights kept in a GGUF block format (``QuantizedWeight``) are fused by whole rows, never cast."""
+
+    def take(name: str) -> Any:
         if name not in raw:
             raise KeyError(f"checkpoint is missing tensor {name!r}")
         return raw.pop(name)
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
-        out[a + "qkv_proj.weight"] = torch.cat(
+        out[a + "qkv_proj.weight"] = _cat(
             [take(a + "q_proj.weight"), take(a + "k_proj.weight"), take(a + "v_proj.weight")]
         )
         if a + "q_proj.bias" in raw:
@@ -185,7 +204,7 @@ def merge_weights(
             )
             out[m + "experts.w2"] = torch.stack([take(f"{m}experts.{e}.down_proj.weight") for e in experts])
             continue
-        out[m + "gate_up_proj.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[m + "gate_up_proj.weight"] = _cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
         out[m + "down_proj.weight"] = take(m + "down_proj.weight")
     out["model.embed_tokens.weight"] = take("model.embed_tokens.weight")
     out["model.norm.weight"] = take("model.norm.weight")
@@ -196,7 +215,7 @@ def merge_weights(
     leftover = [k for k in raw if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
         raise KeyError(f"checkpoint has tensors this architecture does not use: {leftover[:5]}")
-    return {k: v.to(device=device, dtype=dtype).contiguous() for k, v in out.items()}
+    return {k: _place(v, dtype, device) for k, v in out.items()}
 
 
 def load_weights(
@@ -207,11 +226,21 @@ def load_weights(
     load_format: str = "auto",
     seed: int = 0,
     plan: ShardPlan | None = None,
-) -> dict[str, torch.Tensor]:
-    """The merged weights; with a tensor-parallel ``plan``, this rank's shard of them."""
+    quantization: str | None = None,
+) -> dict[str, Any]:
+    """The merged weights; with a tensor-parallel ``plan``, this rank's shard of them; with
+    ``quantization="gguf"``, a GGUF file's linear layers and embedding in its block formats."""
     from engine.models.registry import family_of
 
-    if load_format == "dummy":
+    if quantization == "gguf":
+        from engine.quant.gguf_weights import read_gguf_weights
+
+        family = family_of(config.architecture)
+        stored = read_gguf_weights(path)
+        raw: dict[str, Any] = {family.canonical(name): w for name, w in stored.items()}
+        if config.tie_word_embeddings:
+            raw.pop("lm_head.weight", None)  # the LM head is the embedding, quantized or not
+    elif load_format == "dummy":
         raw = dummy_weights(config, seed, dtype, device, plan)
     else:
         local = local_checkpoint(path)

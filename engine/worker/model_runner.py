@@ -91,7 +91,14 @@ class ModelRunner:
         prepack = gemm != "torch" and onednn.can_prepack(config.dtype)
         max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
         weights = load_weights(
-            config.model_path, mc, config.dtype, self.device, config.load_format, config.seed, plan
+            config.model_path,
+            mc,
+            config.dtype,
+            self.device,
+            config.load_format,
+            config.seed,
+            plan,
+            config.quantization,
         )
         self.model = DecoderModel(
             mc,
