@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.platform import freeze_heap
 from services.common.http_tracing import TracingMiddleware, fastapi_native_tracing_off
@@ -22,7 +19,7 @@ from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.gateway import errors, jobs_routes, live_routes, openai_routes
 from services.gateway.dispatch import Dispatcher
-from services.gateway.errors import APIError
+from services.gateway.edge import BodyLimit, Counted, KeyGuard, require_usable_keys
 from services.gateway.live_feed import LiveFeed
 from services.gateway.prompts import load_model_info
 from services.gateway.state import Gateway
@@ -30,10 +27,10 @@ from services.gateway.token_streams import Hub
 
 log = logging.getLogger(__name__)
 
-RESPONSES = service_families().gateway_responses
-
 
 def create_app(settings: Settings) -> FastAPI:
+    require_usable_keys(settings.api_keys)  # before anything starts: empty keys never serve openly
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         info = load_model_info(settings)
@@ -41,6 +38,7 @@ def create_app(settings: Settings) -> FastAPI:
         store = Store(client)
         hub = Hub(client, store, settings.instance_id, settings.redis_outage_s, settings.stream_buffer_bytes)
         service_families().gateway_stream_buffered.set_function(lambda: hub.buffered_bytes)
+        service_families().gateway_streams.set_function(lambda: hub.num_streams)
         dispatcher = Dispatcher(settings, store, hub)
         await ensure_topic(settings)
         await hub.start()
@@ -74,20 +72,11 @@ def create_app(settings: Settings) -> FastAPI:
     )
     errors.install(app)
 
-    async def require_key(request: Request) -> None:
-        if not settings.api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-        # Jobs belong to the key that created them: records store a digest of it, never the key.
-        request.state.key_owner = hashlib.sha256(token.encode()).hexdigest()[:32]
-
-    guarded = [Depends(require_key)]
-    app.include_router(openai_routes.router, dependencies=guarded)
-    app.include_router(jobs_routes.router, dependencies=guarded)
-    app.include_router(live_routes.router, dependencies=guarded)
+    # Every route but the probes and the live page's assets needs a key when keys are set: KeyGuard
+    # (edge.py) checks it on the headers, before the body is read.
+    app.include_router(openai_routes.router)
+    app.include_router(jobs_routes.router)
+    app.include_router(live_routes.router)
     app.include_router(live_routes.page_router)
 
     @app.get("/healthz", include_in_schema=False)
@@ -111,87 +100,28 @@ def create_app(settings: Settings) -> FastAPI:
     # none). Metrics tell request volumes, queue depths and model names to whoever asks, and this port is
     # the one exposed to clients. Scrapers inside the cluster read the same payload without a key on
     # INFLIGHT_GATEWAY_METRICS_PORT (services/gateway/main.py), which only they are admitted to.
-    @app.get("/metrics", include_in_schema=False, dependencies=guarded)
+    @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         body, content_type = metrics_payload()
         return Response(body, media_type=content_type)
 
-    @app.get("/openapi.json", include_in_schema=False, dependencies=guarded)
+    @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    @app.get("/docs", include_in_schema=False, dependencies=guarded)
+    @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="inflight API")
 
-    @app.get("/redoc", include_in_schema=False, dependencies=guarded)
+    @app.get("/redoc", include_in_schema=False)
     async def redoc() -> HTMLResponse:
         return get_redoc_html(openapi_url="/openapi.json", title="inflight API")
 
-    app.add_middleware(_Limits, max_body_bytes=settings.max_body_bytes)
-    # Outermost (added last): the server span also covers requests the limits refuse.
+    # Added innermost first: the server span covers everything, the counter every response, and the key
+    # is checked before the body is read.
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(KeyGuard, api_keys=settings.api_keys)
+    app.add_middleware(Counted, routes=app.routes)
     app.add_middleware(TracingMiddleware)
     service_families()  # registered now: a scrape shows the counters at 0 before anything happens
     return app
-
-
-class _Limits:
-    """413 for bodies over the limit (declared or streamed), and a response counter by route.
-
-    The body is read here, up to the limit, before the app sees it: the app's own body parsing would
-    turn any error raised mid-read into a 400.
-    """
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = _route_label(scope["path"])
-        too_large = APIError(
-            413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large"
-        )
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            RESPONSES.labels(route, "413").inc()
-            await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                RESPONSES.labels(route, "413").inc()
-                await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # later reads wait for the disconnect, as the app expects
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                RESPONSES.labels(route, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, replay, counting_send)
-
-
-def _route_label(path: str) -> str:
-    # Job ids would make one time series per job.
-    if path.startswith("/v1/jobs/"):
-        return "/v1/jobs/{id}/events" if path.endswith("/events") else "/v1/jobs/{id}"
-    return path if path.startswith("/v1/") else "other"
