@@ -207,8 +207,10 @@ class Dispatcher:
             await self.hub.unsubscribe(sub)
         with contextlib.suppress(*REDIS_ERRORS):
             await self.store.release_pending(request_id)
-            # Failed, not deleted: if the message still reaches Kafka later, the worker skips it.
-            await self.store.set_fields(request_id, {"status": FAILED, "error": "never enqueued"})
+            # Failed, not deleted: if the message still reaches Kafka later, the worker skips it. Fenced:
+            # a cancel or a worker that got there first keeps its status, and the record its TTL.
+            ttl = self.settings.record_ttl_s
+            await self.store.set_fields(request_id, {"status": FAILED, "error": "never enqueued"}, ttl)
 
     async def cancel(self, request_id: str) -> str:
         self._queued.pop(request_id, None)
@@ -277,8 +279,7 @@ class Dispatcher:
             self._queued.pop(request_id, None)
             late_s = now - queued.deadline
             message = f"no engine could start this request by its deadline ({late_s:.1f}s ago)"
-            if await self.store.fail_queued(request_id, message, "timeout"):
-                await self.store.set_fields(request_id, {"code": "timeout"})
+            await self.store.fail_queued(request_id, message, "timeout")
         return kept
 
     async def _requeue(self, request_id: str, queued: _Queued) -> None:
