@@ -11,6 +11,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from engine.platform import freeze_heap
+from services.common.consumers import num_consuming
 from services.common.http_tracing import TracingMiddleware, fastapi_native_tracing_off
 from services.common.kafka import ensure_topic
 from services.common.metrics import service_families
@@ -18,6 +19,7 @@ from services.common.process_telemetry import metrics_payload
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.gateway import errors, jobs_routes, live_routes, openai_routes
+from services.gateway.background import Supervisor
 from services.gateway.dispatch import Dispatcher
 from services.gateway.edge import BodyLimit, Counted, KeyGuard, require_usable_keys
 from services.gateway.live_feed import LiveFeed
@@ -36,15 +38,26 @@ def create_app(settings: Settings) -> FastAPI:
         info = load_model_info(settings)
         client = connect_redis(settings)
         store = Store(client)
-        hub = Hub(client, store, settings.instance_id, settings.redis_outage_s, settings.stream_buffer_bytes)
+        # The gateway's loops (token hub, queue watch, heartbeat, live feed): restarted when they fail or
+        # return, reported by /readyz meanwhile (background.py).
+        supervisor = Supervisor()
+        hub = Hub(
+            client,
+            store,
+            settings.instance_id,
+            settings.redis_outage_s,
+            settings.stream_buffer_bytes,
+            supervisor,
+        )
         service_families().gateway_stream_buffered.set_function(lambda: hub.buffered_bytes)
         service_families().gateway_streams.set_function(lambda: hub.num_streams)
-        dispatcher = Dispatcher(settings, store, hub)
+        dispatcher = Dispatcher(settings, store, hub, supervisor)
         await ensure_topic(settings)
         await hub.start()
         await dispatcher.start()
         app.state.gateway = Gateway(settings, info, store, hub, dispatcher)
-        app.state.live_feed = live_feed = LiveFeed(client, settings.max_live_viewers)
+        app.state.live_feed = live_feed = LiveFeed(client, settings.max_live_viewers, supervisor)
+        app.state.supervisor = supervisor
         known = "unknown here, the workers check it" if info.max_model_len is None else info.max_model_len
         log.info("gateway serving %s (max_model_len %s)", info.name, known)
         # What is loaded by now (the tokenizer, the app, the libraries) lives as long as the process: out
@@ -85,16 +98,24 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz(request: Request) -> JSONResponse:
+        """200 while this gateway can admit requests: Redis and the broker answer and its background
+        loops run ("tasks" lists those down or just restarted). "workers" counts the workers consuming its
+        topic now; it does not change the status: with none, requests wait in Kafka for one (a gateway
+        taken out of its load balancer whenever workers restart would turn a queue into refusals). A
+        script that must not send before an engine is there waits for "workers" > 0 as well."""
         gw: Gateway = request.app.state.gateway
+        supervisor: Supervisor = request.app.state.supervisor
+        workers: int | None
         try:
             redis_ok = bool(await gw.store.client.ping())
+            workers = await num_consuming(gw.store.client, gw.settings.kafka_topic)
         except REDIS_ERRORS:
-            redis_ok = False
+            redis_ok, workers = False, None
         kafka_ok = await gw.dispatcher.kafka_ready()
-        ready = redis_ok and kafka_ok
-        return JSONResponse(
-            {"ready": ready, "redis": redis_ok, "kafka": kafka_ok}, status_code=200 if ready else 503
-        )
+        problems = supervisor.problems()
+        ready = redis_ok and kafka_ok and not problems
+        body = {"ready": ready, "redis": redis_ok, "kafka": kafka_ok, "workers": workers, "tasks": problems}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     # With keys set, metrics and the API's description need a key too (probes stay open: the kubelet has
     # none). Metrics tell request volumes, queue depths and model names to whoever asks, and this port is
