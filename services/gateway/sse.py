@@ -18,8 +18,8 @@ What strict clients need, and what a vanished client must not leave behind:
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from time import monotonic
 from typing import TYPE_CHECKING
 
 from starlette.responses import Response
@@ -104,12 +104,12 @@ class TokenStream(Response):
             nonlocal last_write
             body = text.encode() if isinstance(text, str) else text
             await send({"type": "http.response.body", "body": body, "more_body": True})
-            last_write = time.monotonic()
+            last_write = monotonic()
 
         async for text in self._events():
             if text is None:
                 # Idle (a tick every few seconds while nothing arrives): never before the first data.
-                due = last_write is not None and time.monotonic() - last_write >= self.keepalive_s
+                due = last_write is not None and monotonic() - last_write >= self.keepalive_s
                 if self.keepalive_s > 0 and due:
                     await write(KEEPALIVE)
                 continue
