@@ -5,7 +5,7 @@ a script. (Through uvicorn and a real stack: test_sse_edges.py.)"""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,7 +68,7 @@ async def _run(
     """The bodies written, what the clean-up spawned, and whether the response returned by itself."""
     clock = _Clock()
     spawned: list[str] = []
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
     builder = ResponseBuilder("completion", "cmpl-x", "m", 1, 1, None)
     stream = sse.TokenStream(
         _gateway(keepalive_s, spawned),
@@ -84,7 +84,7 @@ async def _run(
         await left.wait()  # never set when the script ends the stream itself
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     with pytest.MonkeyPatch.context() as mp:
