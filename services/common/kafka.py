@@ -194,8 +194,12 @@ async def ensure_topic(settings: Settings) -> None:
             settings.kafka_topic,
             settings.kafka_partitions,
             settings.kafka_replication_factor,
-            # The broker's default (about 1 MiB) would refuse the larger bodies the gateway accepts.
-            topic_configs={"max.message.bytes": str(max_message_bytes(settings))},
+            topic_configs={
+                # The broker's default (about 1 MiB) would refuse the larger bodies the gateway accepts.
+                "max.message.bytes": str(max_message_bytes(settings)),
+                # Prompts are kept as long as a request may wait, not the broker's week (settings.py).
+                "retention.ms": str(settings.kafka_retention_ms),
+            },
         )
         try:
             await admin.create_topics([topic])

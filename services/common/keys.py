@@ -12,6 +12,8 @@ Redis Cluster, where a script may only touch keys of one slot.
     inflight:pending           zset    admitted, not yet taken by an engine: member id, score expiry ms
     inflight:gateway:{id}      string  a gateway's liveness, renewed every second (TTL): the origin of
                                        a synchronous request (its record's "origin") is gone without it
+    inflight:workers:{topic}   zset    workers consuming the topic now: member worker id, score the
+                                       expiry (ms) of its last heartbeat (the key has a TTL too)
 """
 
 from __future__ import annotations
@@ -48,3 +50,7 @@ def events(request_id: str) -> str:
 def request_keys(request_id: str) -> list[str]:
     """The keys the request scripts take, in the order they expect them (KEYS[1..4])."""
     return [record(request_id), log(request_id), owner(request_id), cancel(request_id)]
+
+
+def workers(topic: str) -> str:
+    return f"{PREFIX}:workers:{topic}"

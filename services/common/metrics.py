@@ -11,7 +11,8 @@ unit, ``model_name`` label), so a vLLM dashboard or alert translates by swapping
     service           inflight:admission_rejections_total{reason} (gateway),
                       inflight:requests_cancelled_total{stage}, inflight:kafka_consumer_lag{topic,partition},
                       inflight:gateway_responses_total{route,status}, inflight:worker_requests,
-                      inflight:gateway_stream_buffered_bytes, inflight:gateway_streams_cut_total,
+                      inflight:gateway_stream_buffered_bytes, inflight:gateway_streams,
+                      inflight:gateway_streams_cut_total,
                       inflight:worker_outcomes_total{outcome}
 
 One prefix for every family, defined here only: the services export nothing of their own.
@@ -143,6 +144,11 @@ class ServiceFamilies:
         self.gateway_stream_buffered = Gauge(
             PREFIX + "gateway_stream_buffered_bytes",
             "Token events waiting for slow SSE clients, over all of this gateway's streams",
+            registry=registry,
+        )
+        self.gateway_streams = Gauge(
+            PREFIX + "gateway_streams",
+            "Token streams this gateway holds open (each a subscription and a buffer)",
             registry=registry,
         )
         self.gateway_streams_cut = Counter(

@@ -157,14 +157,29 @@ end
 return 'cancelling'
 """
 
-# ARGV: channel, done_event (seq 1), now_s, error. Fails a request no worker has started (lost in
-# Kafka, or never produced). Returns 1 when it did, 0 when a worker got there first.
+# ARGV: channel, done_event (seq 1), now_s, error, code. Fails a request no worker has started (lost in
+# Kafka, never produced, or past its deadline). Returns 1 when it did, 0 when a worker got there first.
 FAIL_QUEUED = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'queued' or redis.call('LLEN', KEYS[2]) ~= 0 then return 0 end
 local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl') or '900')
-redis.call('HSET', KEYS[1], 'status', 'failed', 'finished', ARGV[3], 'error', ARGV[4])
+redis.call('HSET', KEYS[1], 'status', 'failed', 'finished', ARGV[3], 'error', ARGV[4], 'code', ARGV[5])
 redis.call('RPUSH', KEYS[2], ARGV[2])
 redis.call('PUBLISH', ARGV[1], ARGV[2])
 redis.call('EXPIRE', KEYS[2], ttl)
+return 1
+"""
+
+# KEYS: record. ARGV: default_ttl_s, field, value, ... The gateway's writes to a record it created: only
+# while the record exists and is not terminal (a worker's finish, or a cancel, is never overwritten),
+# and never leaving a key without a TTL (a record that lost its TTL gets its own "ttl" back, else the
+# default). Returns 1 when written, 0 when refused.
+SET_FIELDS = f"""
+{_TERMINAL}
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or terminal(status) then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+if redis.call('TTL', KEYS[1]) < 0 then
+  redis.call('EXPIRE', KEYS[1], tonumber(redis.call('HGET', KEYS[1], 'ttl') or ARGV[1]))
+end
 return 1
 """

@@ -53,6 +53,10 @@ class Settings:
     # Used only when the topic does not exist yet; must be >= the number of worker replicas.
     kafka_partitions: int = 8
     kafka_replication_factor: int = 1  # Replicas of a topic created at start-up.
+    # retention.ms of a topic created at start-up: how long the broker keeps requests (their prompts).
+    # A day: as long as a job's record (job_ttl_s), the longest any request may wait for an engine;
+    # Kafka's own default, a week, keeps every prompt six days longer than anything reads it.
+    kafka_retention_ms: int = 86_400_000
     # tansu answers a fetch only when fetch_max_wait expires, so this is its produce-to-consume
     # latency floor; real Kafka answers as soon as data arrives, and this only bounds idle fetches.
     kafka_fetch_max_wait_ms: int = 5
@@ -91,8 +95,10 @@ class Settings:
     # The context length the gateway checks prompts against; unset: the engine argument, else the model's.
     max_model_len: int | None = None
     # ---- gateway ----------------------------------------------------------------------------
-    # Comma-separated keys accepted as `Authorization: Bearer KEY`; unset: no authentication.
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # Comma-separated keys accepted as `Authorization: Bearer KEY`; unset: no authentication. Set but
+    # holding no key (empty, blanks, only commas: a Secret that lost its value) the gateway refuses to
+    # start rather than run open.
+    api_keys: tuple[str, ...] | None = field(default=None, repr=False)
     # Requests admitted cluster-wide and not yet taken by an engine; past it the gateway answers 429 with
     # Retry-After. Kafka holds these, so the bound is what a client may wait behind, not memory.
     max_pending: int = 256
@@ -120,6 +126,11 @@ class Settings:
     # past this many bytes the stream ends with an error event instead of buffering without limit.
     # 1 MiB is thousands of token events: only a client that has stopped reading reaches it.
     stream_buffer_bytes: int = 1024 * 1024
+    # A stream with nothing to send writes an SSE comment after this many seconds without a write, so a
+    # proxy's idle timeout does not cut it; 0: never. Never before the stream's first data event (readers
+    # that split events naively lose every event after such a comment), and 15 s is far above a queue
+    # wait's usual p99, so the streams of a working service carry none.
+    sse_keepalive_s: float = 15.0
     # Browsers following the live page's feed per gateway (each holds a connection and a small buffer).
     max_live_viewers: int = 32
     # Unfinished (queued or running) jobs one API key may have; past it POST /v1/jobs answers 429. Half
@@ -159,6 +170,10 @@ class Settings:
     # Tracing: one engine-step span (batch composition) every this many steps; 0 = none. Steps are
     # many and shared by every request's trace, so they are sampled on their own, not per request.
     trace_step_sample_every: int = 0
+    # A client's `traceparent` always links the gateway's spans to the client's trace; whether the request
+    # is sampled is the gateway's sampler's choice. true: a client's sampled flag decides instead (only
+    # for clients trusted not to force the tracing of every request they send).
+    trace_trust_client_sampled: bool = False
     # ---- process ----------------------------------------------------------------------------
     bind_host: str = "0.0.0.0"  # The address both servers listen on.
     log_level: str = "INFO"  # A Python logging level name.
@@ -176,6 +191,7 @@ class Settings:
             "kafka_fetch_max_wait_ms": self.kafka_fetch_max_wait_ms,
             "kafka_session_timeout_ms": self.kafka_session_timeout_ms,
             "kafka_produce_timeout_s": self.kafka_produce_timeout_s,
+            "kafka_retention_ms": self.kafka_retention_ms,
             "max_pending": self.max_pending,
             "job_ttl_s": self.job_ttl_s,
             "record_ttl_s": self.record_ttl_s,
@@ -199,6 +215,8 @@ class Settings:
                 "INFLIGHT_GATEWAY_METRICS_PORT must be a port other than INFLIGHT_GATEWAY_PORT, or 0 (none), "
                 f"got {self.gateway_metrics_port}"
             )
+        if self.sse_keepalive_s < 0:
+            raise SettingsError("INFLIGHT_SSE_KEEPALIVE_S must be >= 0 (0: no keep-alive comments)")
         if self.drain_timeout_s < 0:
             raise SettingsError("INFLIGHT_DRAIN_TIMEOUT_S must be >= 0")
         if self.tensor_parallel_size < 1:
@@ -235,6 +253,11 @@ class Settings:
         return short_name(self.model)
 
     @property
+    def keys_required(self) -> bool:
+        """Whether the gateway checks API keys (INFLIGHT_API_KEYS set)."""
+        return self.api_keys is not None
+
+    @property
     def worker_id(self) -> str:
         """Unique per process: a restarted pod with the same name must not inherit old leases."""
         return f"{self.pod_name}-{os.getpid()}-{self.instance_id[-6:]}" if self.pod_name else self.instance_id
@@ -250,7 +273,9 @@ class Settings:
         reader = _Reader(env)
         values: dict[str, Any] = {}
         for name, (attr, kind) in ENV_NAMES.items():
-            if name in env and env[name] != "":
+            # An empty value reads as unset (a compose file's `${X:-}`), except where empty must not
+            # fall back to a default that is more open: API keys set to "" are no keys, not no checking.
+            if name in env and (env[name] != "" or name in SET_WHEN_EMPTY):
                 values[attr] = reader.parse(name, kind)
         for old, new in DEPRECATED_NAMES.items():
             if env.get(old, "") == "":
@@ -268,6 +293,9 @@ class Settings:
             log.warning("ignoring unknown settings: %s", ", ".join(unknown))
         return cls(**values)
 
+
+# Read even when empty: unset and empty mean different things (see api_keys).
+SET_WHEN_EMPTY = frozenset({"INFLIGHT_API_KEYS"})
 
 # Old name -> its replacement. The old one still works, with a warning at start-up.
 DEPRECATED_NAMES: dict[str, str] = {
@@ -310,6 +338,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_KAFKA_CONSUMER_GROUP": ("kafka_consumer_group", "str"),
     "INFLIGHT_KAFKA_PARTITIONS": ("kafka_partitions", "int"),
     "INFLIGHT_KAFKA_REPLICATION_FACTOR": ("kafka_replication_factor", "int"),
+    "INFLIGHT_KAFKA_RETENTION_MS": ("kafka_retention_ms", "int"),
     "INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS": ("kafka_fetch_max_wait_ms", "int"),
     "INFLIGHT_KAFKA_SESSION_TIMEOUT_MS": ("kafka_session_timeout_ms", "int"),
     "INFLIGHT_KAFKA_PRODUCE_TIMEOUT_S": ("kafka_produce_timeout_s", "float"),
@@ -333,6 +362,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_GATEWAY_METRICS_PORT": ("gateway_metrics_port", "int"),
     "INFLIGHT_MAX_QUEUE_WAIT_S": ("max_queue_wait_s", "float"),
     "INFLIGHT_STREAM_BUFFER_BYTES": ("stream_buffer_bytes", "int"),
+    "INFLIGHT_SSE_KEEPALIVE_S": ("sse_keepalive_s", "float"),
     "INFLIGHT_MAX_LIVE_VIEWERS": ("max_live_viewers", "int"),
     "INFLIGHT_MAX_JOBS_PER_KEY": ("max_jobs_per_key", "int"),
     "INFLIGHT_FETCH_MAX_WAITING": ("fetch_max_waiting", "int"),
@@ -344,6 +374,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_ENGINE_STALL_TIMEOUT_S": ("engine_stall_timeout_s", "float"),
     "INFLIGHT_ENGINE_STALL_WARMUP_S": ("engine_stall_warmup_s", "float"),
     "INFLIGHT_TRACE_STEP_SAMPLE_EVERY": ("trace_step_sample_every", "int"),
+    "INFLIGHT_TRACE_TRUST_CLIENT_SAMPLED": ("trace_trust_client_sampled", "bool"),
     "INFLIGHT_BIND_HOST": ("bind_host", "str"),
     "INFLIGHT_LOG_LEVEL": ("log_level", "str"),
     "POD_NAME": ("pod_name", "str"),

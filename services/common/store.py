@@ -165,8 +165,14 @@ class Store:
         pipe.expire(keys.record(request_id), ttl_s)
         await pipe.execute()
 
-    async def set_fields(self, request_id: str, fields: dict[str, str | int | float]) -> None:
-        await self.client.hset(keys.record(request_id), mapping=cast(Any, fields))
+    async def set_fields(
+        self, request_id: str, fields: dict[str, str | int | float], default_ttl_s: int = 900
+    ) -> bool:
+        """Write fields of a record that exists and is not terminal, keeping (or restoring) its TTL
+        (redis_scripts.SET_FIELDS); False when refused."""
+        flat = [str(v) for kv in fields.items() for v in kv]
+        args = [default_ttl_s, *flat]
+        return bool(await self._eval(redis_scripts.SET_FIELDS, [keys.record(request_id)], args))
 
     async def get_record(self, request_id: str) -> dict[str, str] | None:
         record = await self.client.hgetall(keys.record(request_id))
@@ -190,7 +196,7 @@ class Store:
     async def fail_queued(self, request_id: str, message: str, code: str) -> bool:
         """Fail a request no worker has started (its message is gone); False if one started it."""
         done = encode_event(DoneEvent(id=request_id, seq=1, status=FAILED, error=message, code=code))
-        args = [keys.events(request_id), done, f"{time.time():.6f}", message]
+        args = [keys.events(request_id), done, f"{time.time():.6f}", message, code]
         failed = bool(await self._eval(redis_scripts.FAIL_QUEUED, keys.request_keys(request_id), args))
         await self.client.zrem(keys.PENDING, request_id)
         return failed

@@ -9,6 +9,13 @@ Configuration is the SDK's own, so a deployment sets the variables every OTel SD
     OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES                 the resource (env wins over our default)
     OTEL_TRACES_SAMPLER[_ARG], OTEL_BSP_*, OTEL_PROPAGATORS     read by the SDK itself
 
+Who decides what is sampled. The SDK's default sampler follows a remote parent's sampled flag, so any
+client could have every one of its requests traced (span storage and export cost on the server's side).
+The gateway passes ``trust_remote_sampled=False``: a client's ``traceparent`` still makes the request part
+of the client's trace (same trace id, its span the parent), but whether it is recorded is the gateway's
+own sampler's choice, made independently of the ids the client picked. Workers keep the default: their
+remote parent is the gateway, whose choice they follow.
+
 With no exporter the process keeps the API's no-op provider rather than an SDK provider that drops
 spans: a no-op span costs next to nothing, and it still carries the caller's context onwards, so a
 client's ``traceparent`` survives a hop that does not record.
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -29,6 +37,17 @@ from opentelemetry.propagators.textmap import Getter, Setter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import Link, SpanKind
+from opentelemetry.util.types import Attributes
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +80,65 @@ def exporter_names(environ: Mapping[str, str]) -> tuple[str, ...]:
     return tuple(n for n in names if n != "none")
 
 
+class _RandomRatio(Sampler):
+    """Samples a fraction of spans by a draw of its own: unlike TraceIdRatioBased, the caller cannot
+    pick a trace id that is always sampled."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate = rate
+
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: trace.TraceState | None = None,
+    ) -> SamplingResult:
+        sampled = self.rate >= 1.0 or random.random() < self.rate
+        return SamplingResult(Decision.RECORD_AND_SAMPLE if sampled else Decision.DROP, attributes)
+
+    def get_description(self) -> str:
+        return f"RandomRatio{{{self.rate}}}"
+
+
+def own_sampler(environ: Mapping[str, str]) -> Sampler:
+    """The sampler OTEL_TRACES_SAMPLER / _ARG name, deciding remote parents itself: a span of this
+    process with a local parent follows it, one with a remote parent (a client's ``traceparent``) is
+    sampled at the configured rate, whatever the client's flag says."""
+    name = environ.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    raw_arg = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip()
+    if name.endswith("always_off"):
+        rate = 0.0
+    elif name.endswith("traceidratio"):
+        try:
+            rate = min(1.0, max(0.0, float(raw_arg))) if raw_arg else 1.0
+        except ValueError:
+            log.warning("OTEL_TRACES_SAMPLER_ARG=%r is not a number; sampling everything", raw_arg)
+            rate = 1.0
+    else:
+        rate = 1.0
+    root: Sampler = ALWAYS_OFF if rate == 0.0 else ALWAYS_ON if rate == 1.0 else TraceIdRatioBased(rate)
+    remote = _RandomRatio(rate)
+    return ParentBased(root, remote_parent_sampled=remote, remote_parent_not_sampled=remote)
+
+
 def build_provider(
-    service_name: str, exporters: Sequence[str], environ: Mapping[str, str] | None = None
+    service_name: str,
+    exporters: Sequence[str],
+    environ: Mapping[str, str] | None = None,
+    *,
+    trust_remote_sampled: bool = True,
 ) -> TracerProvider:
     env = os.environ if environ is None else environ
     resource = Resource.create()
     if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service_name}))
-    provider = TracerProvider(resource=resource)
+    # None: the SDK reads OTEL_TRACES_SAMPLER itself (parent-based: a remote parent's flag decides).
+    sampler = None if trust_remote_sampled else own_sampler(env)
+    provider = TracerProvider(resource=resource, sampler=sampler)
     for name in exporters:
         provider.add_span_processor(BatchSpanProcessor(_exporter(name, env)))
     return provider
@@ -85,15 +155,18 @@ def _exporter(name: str, env: Mapping[str, str]) -> SpanExporter:
     return OTLPSpanExporter()
 
 
-def setup_tracing(service_name: str, environ: Mapping[str, str] | None = None) -> TracingSetup:
-    """Install the process's tracer provider from the environment (once, at start-up)."""
+def setup_tracing(
+    service_name: str, environ: Mapping[str, str] | None = None, *, trust_remote_sampled: bool = True
+) -> TracingSetup:
+    """Install the process's tracer provider from the environment (once, at start-up);
+    ``trust_remote_sampled``: see the module docstring."""
     env = os.environ if environ is None else environ
     if env.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
         return TracingSetup(False, (), None)
     exporters = exporter_names(env)
     if not exporters:
         return TracingSetup(False, (), None)
-    provider = build_provider(service_name, exporters, env)
+    provider = build_provider(service_name, exporters, env, trust_remote_sampled=trust_remote_sampled)
     trace.set_tracer_provider(provider)
     log.info("tracing %s to %s", service_name, ", ".join(exporters))
     return TracingSetup(True, exporters, provider)

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.platform import freeze_heap
+from services.common.consumers import num_consuming
 from services.common.http_tracing import TracingMiddleware, fastapi_native_tracing_off
 from services.common.kafka import ensure_topic
 from services.common.metrics import service_families
@@ -21,8 +19,9 @@ from services.common.process_telemetry import metrics_payload
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.gateway import errors, jobs_routes, live_routes, openai_routes
+from services.gateway.background import Supervisor
 from services.gateway.dispatch import Dispatcher
-from services.gateway.errors import APIError
+from services.gateway.edge import BodyLimit, Counted, KeyGuard, require_usable_keys
 from services.gateway.live_feed import LiveFeed
 from services.gateway.prompts import load_model_info
 from services.gateway.state import Gateway
@@ -30,23 +29,35 @@ from services.gateway.token_streams import Hub
 
 log = logging.getLogger(__name__)
 
-RESPONSES = service_families().gateway_responses
-
 
 def create_app(settings: Settings) -> FastAPI:
+    require_usable_keys(settings.api_keys)  # before anything starts: empty keys never serve openly
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         info = load_model_info(settings)
         client = connect_redis(settings)
         store = Store(client)
-        hub = Hub(client, store, settings.instance_id, settings.redis_outage_s, settings.stream_buffer_bytes)
+        # The gateway's loops (token hub, queue watch, heartbeat, live feed): restarted when they fail or
+        # return, reported by /readyz meanwhile (background.py).
+        supervisor = Supervisor()
+        hub = Hub(
+            client,
+            store,
+            settings.instance_id,
+            settings.redis_outage_s,
+            settings.stream_buffer_bytes,
+            supervisor,
+        )
         service_families().gateway_stream_buffered.set_function(lambda: hub.buffered_bytes)
-        dispatcher = Dispatcher(settings, store, hub)
+        service_families().gateway_streams.set_function(lambda: hub.num_streams)
+        dispatcher = Dispatcher(settings, store, hub, supervisor)
         await ensure_topic(settings)
         await hub.start()
         await dispatcher.start()
         app.state.gateway = Gateway(settings, info, store, hub, dispatcher)
-        app.state.live_feed = live_feed = LiveFeed(client, settings.max_live_viewers)
+        app.state.live_feed = live_feed = LiveFeed(client, settings.max_live_viewers, supervisor)
+        app.state.supervisor = supervisor
         known = "unknown here, the workers check it" if info.max_model_len is None else info.max_model_len
         log.info("gateway serving %s (max_model_len %s)", info.name, known)
         # What is loaded by now (the tokenizer, the app, the libraries) lives as long as the process: out
@@ -74,20 +85,11 @@ def create_app(settings: Settings) -> FastAPI:
     )
     errors.install(app)
 
-    async def require_key(request: Request) -> None:
-        if not settings.api_keys:
-            return
-        auth = request.headers.get("authorization", "")
-        token = auth[7:] if auth.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(token.encode(), key.encode()) for key in settings.api_keys):
-            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
-        # Jobs belong to the key that created them: records store a digest of it, never the key.
-        request.state.key_owner = hashlib.sha256(token.encode()).hexdigest()[:32]
-
-    guarded = [Depends(require_key)]
-    app.include_router(openai_routes.router, dependencies=guarded)
-    app.include_router(jobs_routes.router, dependencies=guarded)
-    app.include_router(live_routes.router, dependencies=guarded)
+    # Every route but the probes and the live page's assets needs a key when keys are set: KeyGuard
+    # (edge.py) checks it on the headers, before the body is read.
+    app.include_router(openai_routes.router)
+    app.include_router(jobs_routes.router)
+    app.include_router(live_routes.router)
     app.include_router(live_routes.page_router)
 
     @app.get("/healthz", include_in_schema=False)
@@ -96,102 +98,51 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/readyz", include_in_schema=False)
     async def readyz(request: Request) -> JSONResponse:
+        """200 while this gateway can admit requests: Redis and the broker answer and its background
+        loops run ("tasks" lists those down or just restarted). "workers" counts the workers consuming its
+        topic now; it does not change the status: with none, requests wait in Kafka for one (a gateway
+        taken out of its load balancer whenever workers restart would turn a queue into refusals). A
+        script that must not send before an engine is there waits for "workers" > 0 as well."""
         gw: Gateway = request.app.state.gateway
+        supervisor: Supervisor = request.app.state.supervisor
+        workers: int | None
         try:
             redis_ok = bool(await gw.store.client.ping())
+            workers = await num_consuming(gw.store.client, gw.settings.kafka_topic)
         except REDIS_ERRORS:
-            redis_ok = False
+            redis_ok, workers = False, None
         kafka_ok = await gw.dispatcher.kafka_ready()
-        ready = redis_ok and kafka_ok
-        return JSONResponse(
-            {"ready": ready, "redis": redis_ok, "kafka": kafka_ok}, status_code=200 if ready else 503
-        )
+        problems = supervisor.problems()
+        ready = redis_ok and kafka_ok and not problems
+        body = {"ready": ready, "redis": redis_ok, "kafka": kafka_ok, "workers": workers, "tasks": problems}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     # With keys set, metrics and the API's description need a key too (probes stay open: the kubelet has
     # none). Metrics tell request volumes, queue depths and model names to whoever asks, and this port is
     # the one exposed to clients. Scrapers inside the cluster read the same payload without a key on
     # INFLIGHT_GATEWAY_METRICS_PORT (services/gateway/main.py), which only they are admitted to.
-    @app.get("/metrics", include_in_schema=False, dependencies=guarded)
+    @app.get("/metrics", include_in_schema=False)
     async def metrics() -> Response:
         body, content_type = metrics_payload()
         return Response(body, media_type=content_type)
 
-    @app.get("/openapi.json", include_in_schema=False, dependencies=guarded)
+    @app.get("/openapi.json", include_in_schema=False)
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    @app.get("/docs", include_in_schema=False, dependencies=guarded)
+    @app.get("/docs", include_in_schema=False)
     async def docs() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="inflight API")
 
-    @app.get("/redoc", include_in_schema=False, dependencies=guarded)
+    @app.get("/redoc", include_in_schema=False)
     async def redoc() -> HTMLResponse:
         return get_redoc_html(openapi_url="/openapi.json", title="inflight API")
 
-    app.add_middleware(_Limits, max_body_bytes=settings.max_body_bytes)
-    # Outermost (added last): the server span also covers requests the limits refuse.
+    # Added innermost first: the server span covers everything, the counter every response, and the key
+    # is checked before the body is read.
+    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(KeyGuard, api_keys=settings.api_keys)
+    app.add_middleware(Counted, routes=app.routes)
     app.add_middleware(TracingMiddleware)
     service_families()  # registered now: a scrape shows the counters at 0 before anything happens
     return app
-
-
-class _Limits:
-    """413 for bodies over the limit (declared or streamed), and a response counter by route.
-
-    The body is read here, up to the limit, before the app sees it: the app's own body parsing would
-    turn any error raised mid-read into a 400.
-    """
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = _route_label(scope["path"])
-        too_large = APIError(
-            413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large"
-        )
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            RESPONSES.labels(route, "413").inc()
-            await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                RESPONSES.labels(route, "413").inc()
-                await JSONResponse(too_large.body(), status_code=413)(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # later reads wait for the disconnect, as the app expects
-
-        async def counting_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                RESPONSES.labels(route, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, replay, counting_send)
-
-
-def _route_label(path: str) -> str:
-    # Job ids would make one time series per job.
-    if path.startswith("/v1/jobs/"):
-        return "/v1/jobs/{id}/events" if path.endswith("/events") else "/v1/jobs/{id}"
-    return path if path.startswith("/v1/") else "other"

@@ -36,6 +36,7 @@ from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
 from services.common.tracing import get_tracer, inject_kafka
 from services.common.wire import FAILED, RequestMessage
+from services.gateway.background import Supervisor, forever
 from services.gateway.errors import APIError, unavailable
 from services.gateway.token_streams import Hub, Subscription
 
@@ -59,7 +60,9 @@ class _Queued:
 
 
 class Dispatcher:
-    def __init__(self, settings: Settings, store: Store, hub: Hub) -> None:
+    def __init__(
+        self, settings: Settings, store: Store, hub: Hub, supervisor: Supervisor | None = None
+    ) -> None:
         self.settings = settings
         self.store = store
         self.hub = hub
@@ -70,12 +73,15 @@ class Dispatcher:
         self._task: asyncio.Task[None] | None = None
         self._beat: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
+        self._supervisor = supervisor or Supervisor()
 
     async def start(self) -> None:
         await self.producer.start()
         await self._probe.start()
-        self._task = asyncio.create_task(self._watch())
-        self._beat = asyncio.create_task(self._heartbeat())
+        self._task = self._supervisor.start("queue_watch", forever("queue_watch", self._watch))
+        self._beat = self._supervisor.start(
+            "gateway_heartbeat", forever("gateway_heartbeat", self._heartbeat)
+        )
 
     async def stop(self) -> None:
         for task in (self._task, self._beat):
@@ -207,8 +213,10 @@ class Dispatcher:
             await self.hub.unsubscribe(sub)
         with contextlib.suppress(*REDIS_ERRORS):
             await self.store.release_pending(request_id)
-            # Failed, not deleted: if the message still reaches Kafka later, the worker skips it.
-            await self.store.set_fields(request_id, {"status": FAILED, "error": "never enqueued"})
+            # Failed, not deleted: if the message still reaches Kafka later, the worker skips it. Fenced:
+            # a cancel or a worker that got there first keeps its status, and the record its TTL.
+            ttl = self.settings.record_ttl_s
+            await self.store.set_fields(request_id, {"status": FAILED, "error": "never enqueued"}, ttl)
 
     async def cancel(self, request_id: str) -> str:
         self._queued.pop(request_id, None)
@@ -277,8 +285,7 @@ class Dispatcher:
             self._queued.pop(request_id, None)
             late_s = now - queued.deadline
             message = f"no engine could start this request by its deadline ({late_s:.1f}s ago)"
-            if await self.store.fail_queued(request_id, message, "timeout"):
-                await self.store.set_fields(request_id, {"code": "timeout"})
+            await self.store.fail_queued(request_id, message, "timeout")
         return kept
 
     async def _requeue(self, request_id: str, queued: _Queued) -> None:

@@ -23,11 +23,12 @@ from services.common import keys
 from services.common.wire import TERMINAL, DoneEvent, Kind, WireError, decode_event
 from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
-from services.gateway.openai_routes import SSE_HEADERS, _sse, check_model, prepare
+from services.gateway.openai_routes import _done_error, check_model, prepare
 from services.gateway.prompts import prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
 from services.gateway.quotas import JobQuota
 from services.gateway.responses import ResponseBuilder, record_tools, response_from_record, sse_data
+from services.gateway.sse import SSE_HEADERS, TokenStream
 from services.gateway.state import Gateway, gateway, new_request_id
 from services.gateway.tools import ToolMode, tool_mode
 
@@ -106,7 +107,7 @@ async def cancel_job(job_id: str, request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/jobs/{job_id}/events", response_model=None)
-async def job_events(job_id: str, request: Request) -> StreamingResponse:
+async def job_events(job_id: str, request: Request) -> StreamingResponse | TokenStream:
     gw = gateway(request)
     record = await _job_record(gw, job_id, request)
     kind: Kind = "chat" if record.get("kind") == "chat" else "completion"
@@ -116,7 +117,12 @@ async def job_events(job_id: str, request: Request) -> StreamingResponse:
         gw.info.tokenizer, logprobs, record_tools(record),
     )  # fmt: skip
     sub = await gw.hub.subscribe(job_id)
-    if record.get("status") in TERMINAL and not await _log_ends_done(gw, job_id):
+    try:
+        answered = record.get("status") in TERMINAL and not await _log_ends_done(gw, job_id)
+    except BaseException:
+        await gw.hub.unsubscribe(sub)
+        raise
+    if answered:
         # Finished without a token log (never enqueued, or the log expired first): answer from the record.
         await gw.hub.unsubscribe(sub)
         return StreamingResponse(
@@ -124,8 +130,7 @@ async def job_events(job_id: str, request: Request) -> StreamingResponse:
         )
     sub.resync()  # the tokens so far from the log, then live
     # Following a job does not own it: a client that stops reading leaves the job running.
-    stream = _sse(gw, sub, builder, include_usage=True, cancel_on_exit=False)
-    return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
+    return TokenStream(gw, sub, builder, include_usage=True, cancel_on_exit=False, error_of=_done_error)
 
 
 async def _log_ends_done(gw: Gateway, job_id: str) -> bool:

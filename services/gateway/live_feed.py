@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 
 from services.common.live_wire import LIVE_CHANNEL, LiveSteps
 from services.common.store import REDIS_ERRORS
+from services.gateway.background import Supervisor, forever
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,11 @@ class Viewer:
 
 
 class LiveFeed:
-    def __init__(self, client: aioredis.Redis, max_viewers: int) -> None:
+    def __init__(
+        self, client: aioredis.Redis, max_viewers: int, supervisor: Supervisor | None = None
+    ) -> None:
         self.client = client
+        self._supervisor = supervisor or Supervisor()
         self.max_viewers = max_viewers
         self._viewers: set[Viewer] = set()
         self._task: asyncio.Task[None] | None = None
@@ -57,7 +61,7 @@ class LiveFeed:
         viewer = Viewer()
         self._viewers.add(viewer)
         if self._task is None:
-            self._task = asyncio.create_task(self._relay())
+            self._task = self._supervisor.start("live_feed", forever("live_feed", self._relay))
         return viewer
 
     def leave(self, viewer: Viewer) -> None:

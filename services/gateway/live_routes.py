@@ -19,8 +19,8 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from services.gateway.errors import APIError
 from services.gateway.live_feed import LiveFeed
-from services.gateway.openai_routes import SSE_HEADERS
 from services.gateway.responses import sse_data
+from services.gateway.sse import SSE_HEADERS
 
 _STATIC = {"live.js": "text/javascript", "live.css": "text/css"}
 _KEEPALIVE_S = 5.0

@@ -18,19 +18,26 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from services.common.process_telemetry import metrics_payload, setup_telemetry
-from services.common.settings import Settings
-from services.common.tracing import shutdown_tracing
+from services.common.process_telemetry import configure_logging, metrics_payload
+from services.common.settings import Settings, SettingsError
+from services.common.tracing import setup_tracing, shutdown_tracing
 
 
 def main(settings: Settings, port: int | None = None) -> None:
     from services.gateway.app import create_app
+    from services.gateway.edge import require_usable_keys
 
+    try:
+        require_usable_keys(settings.api_keys)
+    except SettingsError as exc:
+        raise SystemExit(f"inflight gateway: {exc}") from None
     api_port = port or settings.gateway_port
     metrics_port = settings.gateway_metrics_port
     if metrics_port == api_port:
         raise SystemExit(f"the API port {api_port} is INFLIGHT_GATEWAY_METRICS_PORT too: pick another")
-    tracing = setup_telemetry("inflight-gateway", settings.log_level)
+    configure_logging(settings.log_level)
+    # A client's traceparent links its trace; whether a request is traced is this gateway's choice.
+    tracing = setup_tracing("inflight-gateway", trust_remote_sampled=settings.trace_trust_client_sampled)
     app: ASGIApp = create_app(settings)
     if metrics_port:
         app = ByLocalPort(app, metrics_app(), metrics_port)

@@ -5,27 +5,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from services.common.wire import CANCELLED, COMPLETED, DeltaEvent, DoneEvent, Kind
 from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
 from services.gateway.prompts import ModelInfo, Prepared, prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
-from services.gateway.responses import ResponseBuilder, sse_data
+from services.gateway.responses import ResponseBuilder
+from services.gateway.sse import TokenStream
 from services.gateway.state import Gateway, gateway
-from services.gateway.token_streams import FLUSH, StreamError, Subscription
+from services.gateway.token_streams import StreamError, Subscription
 from services.gateway.tools import tool_mode
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 T = TypeVar("T")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # Bodies up to this size are prepared on the event loop: tokenizing or rendering a chat template of a
 # couple of kilobytes takes well under a millisecond, less than the hop to a worker thread and back
 # costs. Larger ones (a body of megabytes takes seconds) go to a thread, where probes and streams do
@@ -102,10 +102,8 @@ async def _serve(
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _sse(gw, sub, builder, include_usage, cancel_on_exit=True),
-            media_type="text/event-stream",
-            headers=SSE_HEADERS,
+        return TokenStream(
+            gw, sub, builder, include_usage=include_usage, cancel_on_exit=True, error_of=_done_error
         )
     try:
         done = await _until_disconnect(request, _collect(gw, sub, builder))
@@ -153,51 +151,6 @@ def _done_error(done: DoneEvent) -> APIError:
     # which is overload, not a fault: retryable, like a broker that lost it.
     status = 503 if done.code in ("lost_by_broker", "store_unavailable", "slo_ttft_unmet") else 500
     return APIError(status, done.error or "the request failed", code=done.code)
-
-
-async def _sse(
-    gw: Gateway, sub: Subscription, builder: ResponseBuilder, include_usage: bool, *, cancel_on_exit: bool
-) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per token event, then usage (if asked) and [DONE]; an error after
-    the stream started is its last event. A client that goes away, or reads too slowly to keep up
-    (its buffer overflows), cancels the request.
-
-    Chunks of events that arrived together (a backlog, a page of the log) go out in one write: the
-    same bytes, fewer trips through the ASGI stack and fewer socket writes."""
-    finished = False
-    parts: list[str] = []
-    if cancel_on_exit:
-        # At once: the writer may be stuck on a client that stopped reading, and nobody gets these tokens.
-        sub.on_overflow = lambda: gw.spawn(gw.dispatcher.cancel(sub.request_id))
-    try:
-        async for event in sub.events(gw.settings.request_timeout_s, flush=True):
-            if isinstance(event, DeltaEvent):
-                parts.append(builder.sse(event))
-            elif event is FLUSH:
-                if parts:
-                    yield "".join(parts)
-                    parts.clear()
-            elif event is None:
-                yield ": keep-alive\n\n"  # also how a vanished client is noticed while queued
-            elif isinstance(event, DoneEvent):
-                finished = True
-                if event.status == COMPLETED or event.status == CANCELLED:
-                    if include_usage:
-                        parts.append(sse_data(builder.usage_chunk(event)))
-                    parts.append("data: [DONE]\n\n")
-                else:
-                    parts.append(sse_data(_done_error(event).body()))
-                yield "".join(parts)
-                return
-    except StreamError as exc:
-        # Not finished: the request itself runs on, for nobody, unless cancelled below.
-        parts.append(sse_data(error_body(503, f"the stream was interrupted: {exc}", code=exc.code)))
-        yield "".join(parts)
-    finally:
-        # Runs also when the client disconnects (the generator is cancelled): never await here.
-        gw.spawn(gw.hub.unsubscribe(sub))
-        if cancel_on_exit and not finished:
-            gw.spawn(gw.dispatcher.cancel(sub.request_id))
 
 
 class _ClientGone(Exception):

@@ -33,6 +33,7 @@ from services.common import keys
 from services.common.metrics import service_families
 from services.common.store import REDIS_ERRORS, Store
 from services.common.wire import DoneEvent, Event, WireError, decode_event
+from services.gateway.background import Supervisor, forever
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,7 @@ class Hub:
         instance: str,
         outage_budget_s: float,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.client = client
         self.outage_budget_s = outage_budget_s
@@ -264,11 +266,15 @@ class Hub:
         self._task: asyncio.Task[None] | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._reconnecting = False
+        self._supervisor = supervisor or Supervisor()
+        self._reads = 0  # starts of the reader: a restart may have missed messages
 
     async def start(self) -> None:
         await self._pubsub.subscribe(self._home)
-        self._task = asyncio.create_task(self._read())
-        self._health_task = asyncio.create_task(self._check_health())
+        self._task = self._supervisor.start("token_hub", forever("token_hub", self._read))
+        self._health_task = self._supervisor.start(
+            "token_hub_health", forever("token_hub_health", self._check_health)
+        )
 
     async def stop(self) -> None:
         for task in (self._task, self._health_task):
@@ -321,6 +327,11 @@ class Hub:
                 await self._pubsub.check_health()
 
     async def _read(self) -> None:
+        self._reads += 1
+        if self._reads > 1:
+            # Restarted after a failure: whatever was published meanwhile is in the logs.
+            for s in self._subs.values():
+                s.resync()
         while True:
             try:
                 message = await self._pubsub.get_message(timeout=None)

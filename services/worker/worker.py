@@ -29,6 +29,7 @@ from aiokafka.errors import KafkaError
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from services.common import consumers
 from services.common.engine_spans import EngineSpanExporter
 from services.common.kafka import broker_session_timeout_ms, ensure_topic, make_consumer, make_probe
 from services.common.settings import Settings
@@ -99,6 +100,8 @@ class Worker:
             self._supervise("fetch", lambda: self.intake.fetch_forever(consumer)),
             self._supervise("commit_loop", self.committer.run_forever),
             self._supervise("consumer_lag", lambda: worker_telemetry.report_lag_forever(consumer)),
+            # What the gateways' /readyz counts as a worker consuming the topic (consumers.py).
+            self._supervise("consumer_beat", self._beat),
         ]
         self._tasks.extend(self._consumer_tasks)
         self._tasks.append(self._supervise("publisher", self.publisher.run_forever))
@@ -107,6 +110,16 @@ class Worker:
         self._tasks.append(self._supervise("engine_watch", self._watch_engine))
         self.started = True
         log.info("worker %s consuming %s", self.settings.worker_id, self.settings.kafka_topic)
+
+    async def _beat(self) -> None:
+        s = self.settings
+        consumer = self.consumer
+        await consumers.beat_forever(
+            self.store.client,
+            s.kafka_topic,
+            s.worker_id,
+            lambda: consumer is not None and bool(consumer.assignment()) and not self.draining,
+        )
 
     def _supervise(self, name: str, factory: TaskFactory) -> asyncio.Task[None]:
         return self.supervisor.start(name, faults.failing_task(name, factory))

@@ -104,6 +104,27 @@ def test_defaults_admit_only_the_namespace() -> None:
     assert policy["spec"]["ingress"][0]["from"] == [{"podSelector": {}}]
 
 
+def test_metrics_ports_admit_one_namespace_selector_only() -> None:
+    """The metrics ports (gateway and worker) open to one namespace, picked by a value, never to every
+    namespace: an empty value fails the render; explicit peers replace it."""
+    monitoring = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    prom = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "obs"}}}]
+    for values, expected in (
+        ({}, monitoring),
+        ({"networkPolicy": {"metricsNamespace": "obs"}}, prom),
+        ({"networkPolicy": {"metricsFrom": [{"podSelector": {"matchLabels": {"app": "p"}}}]}}, None),
+    ):
+        objs = manifests(render_chart(values))
+        for policy in (o for o in objs if o["kind"] == "NetworkPolicy"):
+            (rule,) = [r for r in policy["spec"]["ingress"] if r["ports"][0]["port"] == "metrics"]
+            wanted = expected or values["networkPolicy"]["metricsFrom"]
+            assert rule["from"] == wanted, (values, policy["metadata"]["name"])
+            assert {"namespaceSelector": {}} not in rule["from"]
+    with pytest.raises(Exception) as err:
+        render_chart({"networkPolicy": {"metricsNamespace": ""}})
+    assert "metricsNamespace is empty" in str(err.value)
+
+
 def test_gateway_grace_period_covers_prestop_and_drain() -> None:
     objs = manifests(render_chart({"gateway": {"drainTimeoutSeconds": 50}}))
     gateway = component(objs, "gateway")

@@ -195,6 +195,7 @@ def test_kafka_takes_the_largest_request_the_gateway_accepts(compose: dict[str, 
         a.split("=", 2)[1:] for a in services["kafka-init"]["command"] if a.startswith("--config=")
     )
     topic = int(configs["max.message.bytes"])
+    assert int(configs["retention.ms"]) == Settings().kafka_retention_ms  # prompts kept a day, not a week
     broker = services["kafka"]["environment"]
     assert topic >= largest, f"the topic refuses messages over {topic} bytes; a request may take {largest}"
     assert int(broker["KAFKA_MESSAGE_MAX_BYTES"]) >= topic

@@ -76,7 +76,7 @@ def test_the_metrics_port_needs_no_key_and_the_api_port_still_does(keyed: tuple[
         assert set(families) >= GATEWAY_FAMILIES, sorted(families)
         # One registry behind both ports: the API port's refusals above are counted in this scrape.
         responses = families["inflight:gateway_responses"]
-        assert responses[(("route", "other"), ("status", "401"))] >= 2
+        assert responses[(("route", "/metrics"), ("status", "401"))] >= 2
 
         with_key = http.get(f"{stack.url}/metrics", headers=KEY)
         assert with_key.status_code == 200

@@ -54,7 +54,7 @@ def test_defaults() -> None:
     assert s.kafka_idempotence is True
     assert (s.gateway_port, s.worker_port) == (8000, 8001)
     assert s.drain_timeout_s == 60
-    assert s.api_keys == ()
+    assert s.api_keys is None  # unset: no authentication (set but empty refuses to start)
 
 
 def test_parsing() -> None:

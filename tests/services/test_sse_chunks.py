@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from services.common.wire import DeltaEvent, DoneEvent, Kind, encode_event
-from services.gateway import openai_routes
+from services.gateway.openai_routes import _done_error
 from services.gateway.responses import ResponseBuilder, sse_data
+from services.gateway.sse import TokenStream
 from services.gateway.token_streams import FLUSH, Subscription
 
 TEXTS = ["", "a", ' "quoted" \\ back\nslash\t\x00\x1f', "héllo 😀 \u2028\u2029", "\ud800", "</script>"]
@@ -72,16 +73,18 @@ async def test_buffered_events_come_before_a_flush() -> None:
 async def test_the_sse_writer_sends_a_backlog_in_one_write() -> None:
     sub = Subscription(_Hub(), "cmpl-x")  # type: ignore[arg-type]
     builder = ResponseBuilder("completion", "cmpl-x", "bench", 1, 1, None)
-    gw: Any = SimpleNamespace(settings=SimpleNamespace(request_timeout_s=600.0), spawn=lambda c: c.close())
+    settings = SimpleNamespace(request_timeout_s=600.0, sse_keepalive_s=15.0)
+    gw: Any = SimpleNamespace(settings=settings, spawn=lambda c: c.close())
     gw.hub = SimpleNamespace(unsubscribe=lambda s: asyncio.sleep(0))
-    writes = openai_routes._sse(gw, sub, builder, include_usage=False, cancel_on_exit=False)
+    stream = TokenStream(gw, sub, builder, include_usage=False, cancel_on_exit=False, error_of=_done_error)
+    writes = stream._events()
     sub.deliver(encode_event(DeltaEvent("cmpl-x", 1, 0, [1], "a")))
     first = await anext(writes)
-    assert first.count("data: ") == 1
+    assert first is not None and first.count("data: ") == 1
     for seq in (2, 3, 4):
         sub.deliver(encode_event(DeltaEvent("cmpl-x", seq, 0, [seq], "b")))
     sub.deliver(encode_event(DoneEvent("cmpl-x", 5, "completed")))
     # The three deltas waited together; the done event follows them without a wait in between.
-    rest = [w async for w in writes]
+    rest = [w async for w in writes if w is not None]
     assert "".join(rest).count("data: ") == 4
     assert len(rest) == 1 and rest[0].endswith("data: [DONE]\n\n")

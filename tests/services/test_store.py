@@ -132,6 +132,35 @@ async def test_fail_queued_only_before_a_worker_starts(store: Store) -> None:
     assert not await store.fail_queued(started, "gone", "lost_by_broker")
     (done,) = await store.read_log(lost)
     assert isinstance(done, DoneEvent) and (done.status, done.code) == ("failed", "lost_by_broker")
+    assert (await store.get_record(lost) or {})["code"] == "lost_by_broker"  # the record says it too
+
+
+async def test_status_writes_are_fenced(store: Store) -> None:
+    """The gateway's own record writes: never over a terminal status, never creating a record (a key
+    without a TTL), and a record found without a TTL gets its own back."""
+    queued, finished, cancelled, missing, bare = (_rid() for _ in range(5))
+    for rid in (queued, finished, cancelled):
+        await store.create_record(rid, {"kind": "completion"}, ttl_s=60)
+    await store.start(finished, "w", 5, 1, 60)
+    call = store.publish_call(finished, "w", 5, 60, [], epoch=1, final=True, fields={"status": "completed"})
+    assert await store.eval_many([call]) == [1]
+    assert await store.cancel(cancelled, 60) == "cancelled"
+
+    assert await store.set_fields(queued, {"status": "failed", "error": "never enqueued"})
+    record = await store.get_record(queued) or {}
+    assert (record["status"], record["error"]) == ("failed", "never enqueued")
+    assert 0 < await store.client.ttl(keys.record(queued)) <= 60
+    for rid, status in ((finished, "completed"), (cancelled, "cancelled"), (queued, "failed")):
+        assert not await store.set_fields(rid, {"status": "failed", "error": "late"})
+        record = await store.get_record(rid) or {}
+        assert record["status"] == status and record.get("error") != "late", rid
+    assert not await store.set_fields(missing, {"status": "failed"})
+    assert not await store.client.exists(keys.record(missing))
+    # A record without a TTL (written by hand, or by an older gateway): the write restores its own.
+    await store.client.hset(keys.record(bare), mapping={"status": "queued", "ttl": 120})
+    assert await store.client.ttl(keys.record(bare)) == -1
+    assert await store.set_fields(bare, {"error": "x"}, default_ttl_s=30)
+    assert 30 < await store.client.ttl(keys.record(bare)) <= 120  # its own, not the default
 
 
 async def test_scripts_survive_a_script_flush(store: Store) -> None:

@@ -175,3 +175,22 @@ NetworkPolicy still admits every pod of the namespace, and the exposure can chan
 {{- define "inflight.apiKeysOptional" -}}
 {{- and .Values.auth.allowAnonymous (not .Values.apiKeys) -}}
 {{- end -}}
+
+{{/*
+The peers admitted to the metrics ports: networkPolicy.metricsFrom when given, else every pod of the
+namespace named networkPolicy.metricsNamespace (matched by the label Kubernetes gives every namespace).
+Without either the render fails: an empty namespace selector would admit every namespace of the cluster.
+*/}}
+{{- define "inflight.metricsPeers" -}}
+{{- $np := .Values.networkPolicy -}}
+{{- if $np.metricsFrom -}}
+{{- toYaml $np.metricsFrom }}
+{{- else -}}
+{{- if not $np.metricsNamespace -}}
+{{- fail "networkPolicy.metricsNamespace is empty: the metrics ports would be open to every namespace. Name your Prometheus's namespace there, or list the scrapers in networkPolicy.metricsFrom" -}}
+{{- end -}}
+- namespaceSelector:
+    matchLabels:
+      kubernetes.io/metadata.name: {{ $np.metricsNamespace | quote }}
+{{- end -}}
+{{- end -}}
