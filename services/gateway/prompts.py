@@ -27,6 +27,7 @@ from engine.tokenizer import Tokenizer, load_tokenizer
 from services.common.settings import Settings
 from services.common.wire_sampling import WireSampling
 from services.gateway.errors import APIError
+from services.gateway.fields import check_fields
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from services.gateway.tools import plan_tools, response_format_spec, tools_message
 
@@ -80,6 +81,11 @@ def _bad(message: str, param: str | None = None) -> APIError:
 
 
 def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
+    check_fields(req)
+    if req.prompt_logprobs is not None:
+        raise _bad(
+            "prompt_logprobs is not supported (the engine computes no prompt logprobs)", "prompt_logprobs"
+        )
     if req.suffix:
         raise _bad("suffix is not supported", "suffix")
     if req.echo:
@@ -127,6 +133,7 @@ def _prompt_ids(
 
 
 def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
+    check_fields(req)
     plan = plan_tools(req.tools, req.tool_choice)
     structured = response_format_spec(req)
     if plan.spec is not None and structured is not None:
@@ -174,6 +181,22 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     )
 
 
+def logit_bias(raw: dict[str, float] | None, vocab: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON keys) as the engine takes it: ids checked against the
+    vocabulary where it is known, biases clamped to [-100, 100] as OpenAI clamps them."""
+    if not raw:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise _bad(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token = int(key)
+        if vocab is not None and token >= vocab:
+            raise _bad(f"logit_bias token {token} is not below the vocabulary size {vocab}", "logit_bias")
+        bias[token] = min(100.0, max(-100.0, value))
+    return bias
+
+
 def _arguments(raw: Any) -> Any:
     # OpenAI sends arguments as a JSON string; shown to the model as the object it stands for.
     if isinstance(raw, str):
@@ -198,8 +221,6 @@ def _finish(
     tool_calls: bool = False,
 ) -> Prepared:
     # The prompt is prepared already (_prompt_ids): ids, or the text or messages the worker prepares.
-    if req.logit_bias:
-        raise _bad("logit_bias is not supported", "logit_bias")
     vocab = info.vocab_size
     if vocab is not None and req.stop_token_ids and max(req.stop_token_ids) >= vocab:
         raise _bad(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
@@ -220,6 +241,7 @@ def _finish(
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "structured": structured,
+        "logit_bias": logit_bias(req.logit_bias, vocab),
     }
     for name in ("top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
@@ -229,7 +251,7 @@ def _finish(
         params = SamplingParams(**fields)
     except ValueError as exc:
         raise _bad(str(exc)) from None
-    session = req.session_id or req.user
+    session = req.session_id or req.prompt_cache_key or req.user
     wire = WireSampling.from_params(params)
     return Prepared(
         ids,

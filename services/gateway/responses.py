@@ -109,7 +109,7 @@ class ResponseBuilder:
         return delta
 
     def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
-        return {**self._envelope([], chunk=True), "usage": usage(done.prompt_tokens, done.completion_tokens)}
+        return {**self._envelope([], chunk=True), "usage": done_usage(done)}
 
     # ---- whole response --------------------------------------------------------------------
     def response(self, done: DoneEvent) -> dict[str, Any]:
@@ -118,7 +118,7 @@ class ResponseBuilder:
             c = self.choices.choice(i)
             choices.append(self._choice(i, c.text, c.finish_reason, c.stop_reason, c.token_ids, c.logprobs))
         body = self._envelope(choices, chunk=False)
-        body["usage"] = usage(done.prompt_tokens, done.completion_tokens)
+        body["usage"] = done_usage(done)
         return body
 
     def _choice(
@@ -231,12 +231,18 @@ def sse_data(obj: dict[str, Any]) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the engine's prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def done_usage(done: DoneEvent) -> dict[str, Any]:
+    return usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
 
 
 def record_tools(record: dict[str, str]) -> ToolMode:
@@ -261,5 +267,10 @@ def response_from_record(record: dict[str, str], request_id: str) -> dict[str, A
         for c in result.get("choices", [])
     ]
     body = builder._envelope(choices, chunk=False)
-    body["usage"] = usage(int(used.get("prompt_tokens", 0)), int(used.get("completion_tokens", 0)))
+    details = used.get("prompt_tokens_details") or {}
+    body["usage"] = usage(
+        int(used.get("prompt_tokens", 0)),
+        int(used.get("completion_tokens", 0)),
+        int(details.get("cached_tokens", 0)),
+    )
     return body
