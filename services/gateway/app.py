@@ -20,7 +20,7 @@ from services.common.metrics import service_families
 from services.common.process_telemetry import metrics_payload
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
-from services.gateway import errors, jobs_routes, live_routes, openai_routes
+from services.gateway import errors, jobs_routes, live_routes, openai_routes, tokenize_routes
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import APIError
 from services.gateway.live_feed import LiveFeed
@@ -87,6 +87,7 @@ def create_app(settings: Settings) -> FastAPI:
     guarded = [Depends(require_key)]
     app.include_router(openai_routes.router, dependencies=guarded)
     app.include_router(jobs_routes.router, dependencies=guarded)
+    app.include_router(tokenize_routes.router, dependencies=guarded)
     app.include_router(live_routes.router, dependencies=guarded)
     app.include_router(live_routes.page_router)
 

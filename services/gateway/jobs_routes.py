@@ -41,6 +41,8 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
         if body.endpoint == "/v1/completions":
             completion = CompletionRequest.model_validate(body.body)
             check_model(gw, completion.model)
+            if completion.echo:  # a job's result is rebuilt from the worker's record, which has no prompt
+                raise APIError(400, "a job does not take echo", code="invalid_value", param="echo")
             kind: Kind = "completion"
             prepared = await prepare(request, prepare_completion, completion, gw.info)
             tools: ToolMode = None

@@ -7,6 +7,7 @@ can be the prompt's first block. Without it the text goes on and the worker prep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from services.common.settings import Settings
 from services.common.wire_sampling import WireSampling
 from services.gateway.errors import APIError
 from services.gateway.fields import check_fields
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
 from services.gateway.tools import plan_tools, response_format_spec, tools_message
 
 
@@ -38,6 +39,9 @@ class ModelInfo:
     max_model_len: int | None  # None: unknown here, the worker checks
     vocab_size: int | None
     tokenizer: Tokenizer | None
+    # The checkpoint's generation_config.json sampling values (SAMPLING_DEFAULTS), used where a request
+    # leaves the field unset, as vLLM does by default.
+    sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def limits(self) -> PromptLimits:
@@ -49,17 +53,40 @@ def load_model_info(settings: Settings) -> ModelInfo:
     gateway), the gateway forwards text and the worker tokenizes and checks the length."""
     config: dict[str, Any] = {}
     tokenizer = None
+    defaults: dict[str, float] = {}
     if settings.model and (Path(settings.model).is_dir() or is_gguf(settings.model)):
         path = local_tokenizer_files(settings.model)  # a GGUF: its config and tokenizer, no weights
         if (path / "config.json").is_file():
             config = json.loads((path / "config.json").read_text())
         tokenizer = load_tokenizer(path)
+        defaults = sampling_defaults(path / "generation_config.json")
     requested = settings.max_model_len or settings.engine_args.get("max_model_len")
     requested = int(requested) if requested else None
     # With the model's config, the engine's own rule (a value the engine would refuse fails here too).
     max_len = ModelContext.from_config(config).max_model_len(requested) if config else requested
     vocab = config.get("vocab_size")
-    return ModelInfo(settings.model_name, max_len, int(vocab) if vocab else None, tokenizer)
+    return ModelInfo(settings.model_name, max_len, int(vocab) if vocab else None, tokenizer, defaults)
+
+
+# generation_config.json keys applied as a request's defaults (vLLM's list, but max_new_tokens: a length
+# default stays this server's own, the room left in the context for chat and 16 for completions).
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: Path) -> dict[str, float]:
+    """The checkpoint's sampling defaults; {} without the file. A value of the wrong type is skipped; one
+    out of range stops the gateway here (ValueError), not every request later."""
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    found = {
+        k: int(v) if k == "top_k" else float(v)
+        for k in SAMPLING_DEFAULTS
+        for v in [config.get(k)]
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    SamplingParams(**found)  # type: ignore[arg-type]
+    return found
 
 
 @dataclass(frozen=True)
@@ -74,6 +101,7 @@ class Prepared:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     tool_calls: bool = False  # the output is a constrained tool call: answer with tool_calls
+    echo: str | None = None  # completions with echo: the prompt text the response repeats
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -88,19 +116,44 @@ def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
         )
     if req.suffix:
         raise _bad("suffix is not supported", "suffix")
-    if req.echo:
-        raise _bad("echo is not supported", "echo")
+    if req.echo and req.logprobs is not None:
+        raise _bad("echo with logprobs needs prompt logprobs, which the engine does not compute", "echo")
     if req.best_of is not None and req.best_of != req.n:
         raise _bad("best_of must equal n (no server-side ranking)", "best_of")
     structured = response_format_spec(req)
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise _bad("send one prompt per request (batched prompts are not supported)", "prompt")
+        if len(prompt) != 1:  # the route splits a batch (split_prompts); a job takes one prompt
+            raise _bad("a job takes one prompt (send a batch of them as separate jobs)", "prompt")
         prompt = prompt[0]
     ids = _prompt_ids(info, req.max_tokens, prompt=prompt)
     text = prompt if isinstance(prompt, str) and not ids else None  # the worker prepares it
-    return _finish(req, info, ids, req.max_tokens, req.logprobs, text=text, structured=structured)
+    prepared = _finish(req, info, ids, req.max_tokens, req.logprobs, text=text, structured=structured)
+    if req.echo:
+        # The prompt as the response repeats it: the text as sent, or the token ids decoded.
+        if isinstance(prompt, str):
+            echoed = prompt
+        elif info.tokenizer is not None:
+            echoed = info.tokenizer.decode(ids, skip_special_tokens=False)
+        else:
+            raise _bad("echo of a token-id prompt needs the tokenizer on the gateway", "echo")
+        prepared = dataclasses.replace(prepared, echo=echoed)
+    return prepared
+
+
+# A batched prompt runs as this many engine requests at most (each is admitted and queued on its own).
+MAX_PROMPTS = 64
+
+
+def split_prompts(req: CompletionRequest) -> list[CompletionRequest]:
+    """A completions body per prompt: several for a batch (a list of strings or of token-id lists),
+    else the body itself. Each is prepared and run on its own; fanout.py merges their answers."""
+    prompt = req.prompt
+    if not (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)):
+        return [req]
+    if len(prompt) > MAX_PROMPTS:
+        raise _bad(f"a request takes at most {MAX_PROMPTS} prompts", "prompt")
+    return [req.model_copy(update={"prompt": one}) for one in prompt]
 
 
 def _prompt_ids(
@@ -139,25 +192,7 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     if plan.spec is not None and structured is not None:
         raise _bad("a forced tool call cannot also follow a response_format", "response_format")
     structured = plan.spec or structured
-    # Text parts joined into one string, None as "": what every chat template can render.
-    messages: list[dict[str, Any]] = [
-        {
-            "role": m.role,
-            "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []),
-        }
-        | ({"name": m.name} if m.name else {})
-        for m in req.messages
-    ]
-    for m, out in zip(req.messages, messages, strict=True):
-        if m.tool_calls and not out["content"]:
-            # An earlier call, in the shape this server asks the model to write one.
-            out["content"] = "\n".join(
-                "<tool_call>"
-                + json.dumps({"name": f.get("name"), "arguments": _arguments(f.get("arguments"))})
-                + "</tool_call>"
-                for call in m.tool_calls
-                for f in [call.get("function") or {}]
-            )
+    messages = chat_messages(req.messages)
     if plan.render:
         # One system message lists the tools: templates differ in whether (and how) they render them.
         listing = tools_message(plan.render)
@@ -197,6 +232,30 @@ def logit_bias(raw: dict[str, float] | None, vocab: int | None) -> dict[int, flo
     return bias
 
 
+def chat_messages(given: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them (a chat request's and ``/tokenize``'s)."""
+    # Text parts joined into one string, None as "": what every chat template can render.
+    messages: list[dict[str, Any]] = [
+        {
+            "role": m.role,
+            "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []),
+        }
+        | ({"name": m.name} if m.name else {})
+        for m in given
+    ]
+    for m, out in zip(given, messages, strict=True):
+        if m.tool_calls and not out["content"]:
+            # An earlier call, in the shape this server asks the model to write one.
+            out["content"] = "\n".join(
+                "<tool_call>"
+                + json.dumps({"name": f.get("name"), "arguments": _arguments(f.get("arguments"))})
+                + "</tool_call>"
+                for call in m.tool_calls
+                for f in [call.get("function") or {}]
+            )
+    return messages
+
+
 def _arguments(raw: Any) -> Any:
     # OpenAI sends arguments as a JSON string; shown to the model as the object it stands for.
     if isinstance(raw, str):
@@ -227,8 +286,11 @@ def _finish(
     room = None if info.max_model_len is None else info.max_model_len - len(ids)
     fields: dict[str, Any] = {
         "n": req.n,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        **info.sampling_defaults,  # the checkpoint's, where the request leaves a field unset (below)
+        "temperature": info.sampling_defaults.get("temperature", 1.0)
+        if req.temperature is None
+        else req.temperature,
+        "top_p": info.sampling_defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,
         "seed": req.seed,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,

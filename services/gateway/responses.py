@@ -25,6 +25,7 @@ class ResponseBuilder:
         tokenizer: Tokenizer | None,
         logprobs: int | None = None,
         tools: ToolMode = None,
+        echo: list[str] | None = None,
     ) -> None:
         self.kind = kind
         self.id = request_id
@@ -41,6 +42,10 @@ class ResponseBuilder:
         self._calls: dict[int, CallStream] = {}
         self._auto: dict[int, ToolCallStream] = {}
         self._sse_head: str | None = None  # "data: " and the chunk envelope up to its choices (sse)
+        # Completions with echo: each prompt's text (n choices per prompt), sent before the choice's first
+        # tokens; _echoed holds the choices that have had it.
+        self.echo = echo
+        self._echoed: set[int] = set()
 
     @property
     def object(self) -> str:
@@ -53,7 +58,7 @@ class ResponseBuilder:
     def chunk(self, ev: DeltaEvent) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": ev.index}
         if self.kind == "completion":
-            choice["text"] = ev.text
+            choice["text"] = self._echo(ev.index) + ev.text
             choice["logprobs"] = self._completion_logprobs(ev.token_ids, ev.logprobs or [])
         else:
             delta: dict[str, Any] = {"content": ev.text}
@@ -80,6 +85,7 @@ class ResponseBuilder:
         the common case, one per token: its chunk is filled into this request's envelope, encoded once,
         instead of built as dicts and encoded whole."""
         plain = ev.finish_reason is None and self.logprobs is None and self.tools is None
+        plain = plain and (self.echo is None or ev.index in self._echoed)
         if not plain or (self.kind == "chat" and ev.index not in self._role_sent):
             return sse_data(self.chunk(ev))
         if self._sse_head is None:
@@ -90,6 +96,15 @@ class ResponseBuilder:
         if self.kind == "completion":
             return f'{self._sse_head}{{"index":{int(ev.index)},"text":{text}{_PLAIN_TAIL}'
         return f'{self._sse_head}{{"index":{int(ev.index)},"delta":{{"content":{text}}}{_PLAIN_TAIL}'
+
+    def _echo(self, index: int) -> str:
+        """The prompt text to put before choice ``index``'s text, once; "" without echo. Choices are
+        numbered prompt by prompt (fanout.py): with 2 prompts and n = 3 (self.n = 6), choices 0-2 echo
+        prompt 0 and 3-5 prompt 1, i.e. prompt ``index * 2 // 6``."""
+        if self.echo is None or index in self._echoed:
+            return ""
+        self._echoed.add(index)
+        return self.echo[index * len(self.echo) // self.n]
 
     def _call_delta(self, ev: DeltaEvent) -> dict[str, Any]:
         call = self._calls.setdefault(ev.index, CallStream())
@@ -116,7 +131,11 @@ class ResponseBuilder:
         choices = []
         for i in range(self.n):
             c = self.choices.choice(i)
-            choices.append(self._choice(i, c.text, c.finish_reason, c.stop_reason, c.token_ids, c.logprobs))
+            choices.append(
+                self._choice(
+                    i, self._echo(i) + c.text, c.finish_reason, c.stop_reason, c.token_ids, c.logprobs
+                )
+            )
         body = self._envelope(choices, chunk=False)
         body["usage"] = done_usage(done)
         return body
