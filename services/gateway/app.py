@@ -20,7 +20,15 @@ from services.common.metrics import service_families
 from services.common.process_telemetry import metrics_payload
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
-from services.gateway import errors, jobs_routes, live_routes, openai_routes, tokenize_routes
+from services.gateway import (
+    batches_routes,
+    errors,
+    files_routes,
+    jobs_routes,
+    live_routes,
+    openai_routes,
+    tokenize_routes,
+)
 from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import APIError
 from services.gateway.live_feed import LiveFeed
@@ -88,6 +96,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(openai_routes.router, dependencies=guarded)
     app.include_router(jobs_routes.router, dependencies=guarded)
     app.include_router(tokenize_routes.router, dependencies=guarded)
+    app.include_router(files_routes.router, dependencies=guarded)
+    app.include_router(batches_routes.router, dependencies=guarded)
     app.include_router(live_routes.router, dependencies=guarded)
     app.include_router(live_routes.page_router)
 

@@ -24,7 +24,7 @@ from services.common.wire import TERMINAL, DoneEvent, Kind, WireError, decode_ev
 from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
 from services.gateway.openai_routes import SSE_HEADERS, _sse, check_model, prepare
-from services.gateway.prompts import prepare_chat, prepare_completion
+from services.gateway.prompts import Prepared, prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
 from services.gateway.quotas import JobQuota
 from services.gateway.responses import ResponseBuilder, record_tools, response_from_record, sse_data
@@ -37,27 +37,9 @@ router = APIRouter()
 @router.post("/v1/jobs", status_code=202, response_model=None)
 async def create_job(body: JobRequest, request: Request) -> JSONResponse:
     gw = gateway(request)
-    try:
-        if body.endpoint == "/v1/completions":
-            completion = CompletionRequest.model_validate(body.body)
-            check_model(gw, completion.model)
-            if completion.echo:  # a job's result is rebuilt from the worker's record, which has no prompt
-                raise APIError(400, "a job does not take echo", code="invalid_value", param="echo")
-            kind: Kind = "completion"
-            prepared = await prepare(request, prepare_completion, completion, gw.info)
-            tools: ToolMode = None
-        else:
-            chat = ChatCompletionRequest.model_validate(body.body)
-            check_model(gw, chat.model)
-            kind = "chat"
-            prepared = await prepare(request, prepare_chat, chat, gw.info)
-            tools = tool_mode(chat.tools, chat.tool_choice, prepared.tool_calls)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        message = f"body.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
-        raise APIError(422, message, code="invalid_value", param="body") from None
+    kind, prepared, tools = await prepare_job(gw, body.endpoint, body.body, request)
     within_s = start_within(request, None)
-    owner = _owner(request)
+    owner = owner_of(request)
     extra: dict[str, str | int | float] = {
         "endpoint": body.endpoint,
         "metadata": json.dumps(body.metadata or {}),
@@ -169,7 +151,34 @@ async def _from_record(job_id: str, record: dict[str, str]) -> AsyncIterator[str
     yield "data: [DONE]\n\n"
 
 
-def _owner(request: Request) -> str:
+async def prepare_job(
+    gw: Gateway, endpoint: str, body: dict[str, Any], request: Request | None = None
+) -> tuple[Kind, Prepared, ToolMode]:
+    """A job's body validated and prepared as its endpoint's (a job or a batch's line); APIError if not.
+    Without ``request`` (a batch's lines) it is prepared on the event loop: each line is one request."""
+    try:
+        if endpoint == "/v1/completions":
+            completion = CompletionRequest.model_validate(body)
+            check_model(gw, completion.model)
+            if completion.echo:  # a job's result is rebuilt from the worker's record, which has no prompt
+                raise APIError(400, "a job does not take echo", code="invalid_value", param="echo")
+            if request is None:
+                return "completion", prepare_completion(completion, gw.info), None
+            return "completion", await prepare(request, prepare_completion, completion, gw.info), None
+        chat = ChatCompletionRequest.model_validate(body)
+        check_model(gw, chat.model)
+        if request is None:
+            prepared = prepare_chat(chat, gw.info)
+        else:
+            prepared = await prepare(request, prepare_chat, chat, gw.info)
+        return "chat", prepared, tool_mode(chat.tools, chat.tool_choice, prepared.tool_calls)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = f"body.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        raise APIError(422, message, code="invalid_value", param="body") from None
+
+
+def owner_of(request: Request) -> str:
     """Who may see a job: a digest of the API key that created it ("" with keys off: everyone)."""
     return str(getattr(request.state, "key_owner", ""))
 
@@ -177,7 +186,7 @@ def _owner(request: Request) -> str:
 async def _job_record(gw: Gateway, job_id: str, request: Request) -> dict[str, str]:
     record = await gw.store.get_record(job_id) if job_id.startswith("job-") else None
     # Another key's job answers exactly as a missing one: its existence is not disclosed either.
-    if record is None or record.get("job") != "1" or record.get("owner", "") != _owner(request):
+    if record is None or record.get("job") != "1" or record.get("owner", "") != owner_of(request):
         raise APIError(404, f"no job {job_id!r} (unknown, or expired)", code="not_found", param="job_id")
     return record
 

@@ -24,6 +24,7 @@ def _post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
 
 def test_tokenize_and_detokenize(stack: Stack, model_path: Path) -> None:
     tokenizer = load_tokenizer(model_path)
+    assert tokenizer is not None
     text = "Hello there, tokenizer!"
     resp = _post(stack.url, "/tokenize", {"model": MODEL_NAME, "prompt": text, "return_token_strs": True})
     assert resp.status_code == 200, resp.text
