@@ -7,7 +7,7 @@ State lives in Redis, so any gateway can carry a batch on and none holds it alon
                                             is also what the per-key job quota reads: a batch counts once
     inflight:req:{batch_id}:lines    list   one entry per line taken, in line order: its custom_id and job
                                             id, or the error that kept it from running
-    inflight:batches:active          set    batches still submitting or running (the sweep's work list)
+    inflight:batches:active:{topic}  set    batches still submitting or running (the sweep's work list)
     inflight:batches-of:{owner}      zset   a key's batches by creation time (listing)
 
 Progress (``advance``) runs under a short per-batch lock: submit lines from the cursor until the cluster
@@ -29,7 +29,7 @@ from services.common import keys
 from services.common.wire import COMPLETED, TERMINAL
 from services.gateway.errors import APIError
 from services.gateway.files_routes import file_key, store_file
-from services.gateway.jobs_routes import prepare_job
+from services.gateway.jobs_routes import prepare_job, tool_reading
 from services.gateway.responses import response_from_record
 from services.gateway.state import Gateway
 
@@ -39,7 +39,14 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # The priority policy runs lower values first: a batch's jobs come after interactive requests (priority
 # 0 unless they set one). Under fcfs, the default policy, they queue by arrival like any job.
 BATCH_PRIORITY = 1_000_000
-ACTIVE = f"{keys.PREFIX}:batches:active"
+
+
+def active_key(gw: Gateway) -> str:
+    """The set of batches still submitting or running, per request topic: a gateway carries on only the
+    batches whose jobs go to its own topic (deployments, or test stacks, may share one Redis)."""
+    return f"{keys.PREFIX}:batches:active:{gw.settings.kafka_topic}"
+
+
 _LOCK_MS = 30_000
 _SUBMIT_PER_ROUND = 256  # lines one advance submits at most: a round stays short
 
@@ -124,8 +131,10 @@ async def advance(gw: Gateway, batch_id: str) -> None:
     try:
         record = {str(k): str(v) for k, v in (await client.hgetall(batch_key(batch_id))).items()}
         if not record or record.get("status") in TERMINAL:
-            await client.srem(ACTIVE, batch_id)
+            await client.srem(active_key(gw), batch_id)
             return
+        if record.get("topic") != gw.settings.kafka_topic:
+            return  # another deployment's batch (one Redis, two topics): its own gateways carry it
         if record["status"] == "in_progress":
             await _submit(gw, record)
         await _count_and_finish(gw, record)
@@ -176,6 +185,7 @@ async def _submit_line(
             "owner": record["owner"],
             "tools": tools or "",
             "batch": batch_id,
+            **tool_reading(prepared),
         }
         await gw.enqueue(kind, prepared, job=True, subscribe=False, extra=extra, request_id=job_id)
     except APIError as exc:
@@ -259,5 +269,5 @@ async def _count_and_finish(gw: Gateway, record: dict[str, str]) -> None:
     pipe.hset(batch_key(batch_id), mapping=cast(Any, fields))
     pipe.expire(batch_key(batch_id), ttl_s)
     pipe.expire(lines_key(batch_id), ttl_s)
-    pipe.srem(ACTIVE, batch_id)
+    pipe.srem(active_key(gw), batch_id)
     await pipe.execute()

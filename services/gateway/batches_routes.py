@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.common.store import REDIS_ERRORS
 from services.common.wire import TERMINAL
 from services.gateway.batches import (
-    ACTIVE,
     ENDPOINTS,
+    active_key,
     advance,
     batch_key,
     batch_object,
@@ -65,7 +65,7 @@ def _sweeping(request: Request, gw: Gateway) -> None:
         while True:
             await asyncio.sleep(_SWEEP_S)
             try:
-                for batch_id in await gw.store.client.smembers(ACTIVE):
+                for batch_id in await gw.store.client.smembers(active_key(gw)):
                     await advance(gw, str(batch_id))
             except REDIS_ERRORS as exc:
                 log.warning("batch sweep skipped a round: %r", exc)
@@ -104,6 +104,7 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, Any]:
     record: dict[str, str | int] = {
         "id": batch_id,
         "owner": owner,
+        "topic": gw.settings.kafka_topic,
         "endpoint": body.endpoint,
         "input_file_id": body.input_file_id,
         "completion_window": body.completion_window,
@@ -121,7 +122,7 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, Any]:
     pipe.hset(batch_key(batch_id), mapping=cast(Any, record))
     pipe.expire(batch_key(batch_id), 2 * gw.settings.job_ttl_s)
     pipe.zadd(owner_index(owner), {batch_id: now})
-    pipe.sadd(ACTIVE, batch_id)
+    pipe.sadd(active_key(gw), batch_id)
     await pipe.execute()
     await advance(gw, batch_id)
     return await _view(gw, batch_id, owner)

@@ -67,6 +67,7 @@ CHAT_APPLIED = SAMPLING_APPLIED | {
     "tool_choice",
     "parallel_tool_calls",
     "add_generation_prompt",
+    "chat_template_kwargs",
 }
 # Accepted, and the output is the same with or without them. ``user`` and ``prompt_cache_key`` do route a
 # request (to the engine holding its session's prefix cache) but never change what it generates.

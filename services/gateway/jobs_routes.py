@@ -27,7 +27,13 @@ from services.gateway.openai_routes import SSE_HEADERS, _sse, check_model, prepa
 from services.gateway.prompts import Prepared, prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
 from services.gateway.quotas import JobQuota
-from services.gateway.responses import ResponseBuilder, record_tools, response_from_record, sse_data
+from services.gateway.responses import (
+    ResponseBuilder,
+    record_tool_reading,
+    record_tools,
+    response_from_record,
+    sse_data,
+)
 from services.gateway.state import Gateway, gateway, new_request_id
 from services.gateway.tools import ToolMode, tool_mode
 
@@ -45,6 +51,7 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
         "metadata": json.dumps(body.metadata or {}),
         "owner": owner,
         "tools": tools or "",  # how its result answers tool calls (tools.py): as the chat response does
+        **tool_reading(prepared),
     }
     job_id = new_request_id(kind, job=True)
     quota = JobQuota(gw.store.client, gw.settings.max_jobs_per_key, gw.settings.job_ttl_s)
@@ -97,7 +104,7 @@ async def job_events(job_id: str, request: Request) -> StreamingResponse:
     logprobs = int(record["logprobs"]) if record.get("logprobs") else None
     builder = ResponseBuilder(
         kind, job_id, record.get("model", ""), int(float(record.get("created", 0))), int(record.get("n", 1)),
-        gw.info.tokenizer, logprobs, record_tools(record),
+        gw.info.tokenizer, logprobs, record_tools(record), **record_tool_reading(record),
     )  # fmt: skip
     sub = await gw.hub.subscribe(job_id)
     if record.get("status") in TERMINAL and not await _log_ends_done(gw, job_id):
@@ -176,6 +183,11 @@ async def prepare_job(
         first = exc.errors()[0]
         message = f"body.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
         raise APIError(422, message, code="invalid_value", param="body") from None
+
+
+def tool_reading(prepared: Prepared) -> dict[str, str | int]:
+    """The record fields that say how a job's tool calls read back (responses.record_tool_reading)."""
+    return {"tool_parser": prepared.tool_parser, "parallel_tool_calls": int(prepared.parallel_tool_calls)}
 
 
 def owner_of(request: Request) -> str:

@@ -133,6 +133,8 @@ async def _serve(
         logprobs,
         tools,
         echo,
+        prepared[0].tool_parser,
+        prepared[0].parallel_tool_calls,
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -27,9 +27,11 @@ from engine.structured.spec import StructuredOutput
 from engine.tokenizer import Tokenizer, load_tokenizer
 from services.common.settings import Settings
 from services.common.wire_sampling import WireSampling
+from services.gateway import chat_template
 from services.gateway.errors import APIError
 from services.gateway.fields import check_fields
 from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from services.gateway.tool_parser import family_of
 from services.gateway.tools import plan_tools, response_format_spec, tools_message
 
 
@@ -102,6 +104,8 @@ class Prepared:
     slo_tpot_ms: float | None = None
     tool_calls: bool = False  # the output is a constrained tool call: answer with tool_calls
     echo: str | None = None  # completions with echo: the prompt text the response repeats
+    tool_parser: str = "hermes"  # chat under tool_choice auto: the call format (tool_parser.py)
+    parallel_tool_calls: bool = True  # False: only a choice's first call is answered
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -193,17 +197,34 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
         raise _bad("a forced tool call cannot also follow a response_format", "response_format")
     structured = plan.spec or structured
     messages = chat_messages(req.messages)
-    if plan.render:
-        # One system message lists the tools: templates differ in whether (and how) they render them.
-        listing = tools_message(plan.render)
-        if messages[0]["role"] == "system":
-            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{listing['content']}"}
-        else:
-            messages.insert(0, listing)
+    # Tools go to a template that renders them (and calls come back in its family's format); else one
+    # system message lists them and asks for Hermes blocks.
+    template_tools = plan.render if plan.render and chat_template.takes_tools(info.tokenizer) else None
+    parser = (
+        family_of(info.tokenizer.chat_template if info.tokenizer else None) if template_tools else "hermes"
+    )
+    if plan.render and not template_tools:
+        messages = with_tools_message(messages, plan.render)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    ids = _prompt_ids(info, max_tokens, messages=messages, add_generation_prompt=req.add_generation_prompt)
-    return _finish(
+    if template_tools or req.chat_template_kwargs:
+        ids = chat_template.render(
+            info.tokenizer,
+            info.limits,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            max_tokens=max_tokens,
+            tools=template_tools,
+            kwargs=req.chat_template_kwargs,
+        )
+    else:
+        ids = _prompt_ids(
+            info, max_tokens, messages=messages, add_generation_prompt=req.add_generation_prompt
+        )
+    if parser != "hermes":
+        # Mistral's [TOOL_CALLS] and Llama's <|python_tag|> are special tokens: keep them in the text.
+        req = req.model_copy(update={"skip_special_tokens": False})
+    prepared = _finish(
         req,
         info,
         ids,
@@ -213,6 +234,9 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
         add_generation_prompt=req.add_generation_prompt,
         structured=structured,
         tool_calls=plan.calls,
+    )
+    return dataclasses.replace(
+        prepared, tool_parser=parser, parallel_tool_calls=req.parallel_tool_calls is not False
     )
 
 
@@ -230,6 +254,17 @@ def logit_bias(raw: dict[str, float] | None, vocab: int | None) -> dict[int, flo
             raise _bad(f"logit_bias token {token} is not below the vocabulary size {vocab}", "logit_bias")
         bias[token] = min(100.0, max(-100.0, value))
     return bias
+
+
+def with_tools_message(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with the tools listed in the system message (for a template that renders none)."""
+    listing = tools_message(tools)
+    if messages[0]["role"] == "system":
+        return [
+            {**messages[0], "content": f"{messages[0]['content']}\n\n{listing['content']}"},
+            *messages[1:],
+        ]
+    return [listing, *messages]
 
 
 def chat_messages(given: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -146,6 +146,8 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     add_generation_prompt: bool = True
     parallel_tool_calls: bool | None = None
+    # Variables for the chat template (e.g. {"enable_thinking": false}); services/gateway/chat_template.py.
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
 
 
 class JobRequest(_Checked):

@@ -26,6 +26,8 @@ class ResponseBuilder:
         logprobs: int | None = None,
         tools: ToolMode = None,
         echo: list[str] | None = None,
+        tool_parser: str = "hermes",
+        parallel_tool_calls: bool = True,
     ) -> None:
         self.kind = kind
         self.id = request_id
@@ -39,6 +41,8 @@ class ResponseBuilder:
         # Tool calls (tools.py): a forced call's text is the call; under auto, calls the model wrote are
         # parsed out of its text (tool_parser.py). Either way they are answered as tool_calls.
         self.tools = tools
+        self.tool_parser = tool_parser  # the call format under auto (tool_parser.family_of)
+        self.parallel_tool_calls = parallel_tool_calls  # False: a choice's first call only
         self._calls: dict[int, CallStream] = {}
         self._auto: dict[int, ToolCallStream] = {}
         self._sse_head: str | None = None  # "data: " and the chunk envelope up to its choices (sse)
@@ -114,11 +118,13 @@ class ResponseBuilder:
     def _auto_delta(self, ev: DeltaEvent) -> dict[str, Any]:
         """Content as it streams, but a possible call marker held back; each call whole once its block
         closes (its name and arguments in one delta, as OpenAI's clients accept)."""
-        stream = self._auto.setdefault(ev.index, ToolCallStream())
+        stream = self._auto.setdefault(ev.index, ToolCallStream(self.tool_parser))
         pieces = stream.feed(ev.text, final=ev.finish_reason is not None)
         calls = [p for p in pieces if isinstance(p, ParsedCall)]
         delta: dict[str, Any] = {"content": "".join(p for p in pieces if isinstance(p, str))}
         first = stream.calls - len(calls)
+        if not self.parallel_tool_calls:
+            calls = calls[: max(0, 1 - first)]  # the first call of the choice, none after it
         if calls:
             delta["tool_calls"] = [{"index": first + i, **_call(c)} for i, c in enumerate(calls)]
         return delta
@@ -152,7 +158,7 @@ class ResponseBuilder:
                 "finish_reason": finish,
                 "stop_reason": stop_reason,
             }
-        message, finish = chat_message(text, finish, self.tools)
+        message, finish = chat_message(text, finish, self.tools, self.tool_parser, self.parallel_tool_calls)
         lp = self._chat_logprobs(ids, lps)
         return {
             "index": index,
@@ -211,7 +217,9 @@ class ResponseBuilder:
         return {"content": content}
 
 
-def chat_message(text: str, finish: str | None, tools: ToolMode) -> tuple[dict[str, Any], str | None]:
+def chat_message(
+    text: str, finish: str | None, tools: ToolMode, parser: str = "hermes", parallel: bool = True
+) -> tuple[dict[str, Any], str | None]:
     """A whole chat answer's message and finish reason: its tool calls as ``tool_calls`` (finish
     "tool_calls" where the model stopped on its own), else its text as content. Synchronous responses and
     job results are both built here."""
@@ -222,7 +230,8 @@ def chat_message(text: str, finish: str | None, tools: ToolMode) -> tuple[dict[s
         if call is not None:
             content, calls = None, [ParsedCall(*call)]
     elif tools == "auto" and finish in ("stop", "length"):
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_tool_calls(text, parser)
+        calls = calls if parallel else calls[:1]
     if not calls:
         return {"role": "assistant", "content": text}, finish
     message = {"role": "assistant", "content": content, "tool_calls": [_call(c) for c in calls]}
@@ -270,6 +279,12 @@ def record_tools(record: dict[str, str]) -> ToolMode:
     return "forced" if mode == "forced" else "auto" if mode == "auto" else None
 
 
+def record_tool_reading(record: dict[str, str]) -> dict[str, Any]:
+    """The call format and parallel_tool_calls of a job, as its record says (jobs_routes.py)."""
+    parser = record.get("tool_parser") or "hermes"
+    return {"tool_parser": parser, "parallel_tool_calls": record.get("parallel_tool_calls") != "0"}
+
+
 def response_from_record(record: dict[str, str], request_id: str) -> dict[str, Any] | None:
     """The OpenAI response of a finished job, from the result the worker stored."""
     if "result" not in record:
@@ -279,7 +294,14 @@ def response_from_record(record: dict[str, str], request_id: str) -> dict[str, A
     kind: Kind = "chat" if record.get("kind") == "chat" else "completion"
     created = int(float(record.get("created", 0)))
     builder = ResponseBuilder(
-        kind, request_id, record.get("model", ""), created, 0, None, tools=record_tools(record)
+        kind,
+        request_id,
+        record.get("model", ""),
+        created,
+        0,
+        None,
+        tools=record_tools(record),
+        **record_tool_reading(record),
     )
     choices = [
         builder._choice(c["index"], c["text"], c.get("finish_reason"), c.get("stop_reason"), [], [])

@@ -17,9 +17,10 @@ from pydantic import ConfigDict, Field
 
 from engine.inputs import PromptError, PromptLimits, prepare_prompt
 from engine.tokenizer import Tokenizer
+from services.gateway import chat_template
 from services.gateway.errors import APIError
 from services.gateway.openai_routes import check_model
-from services.gateway.prompts import ModelInfo, chat_messages
+from services.gateway.prompts import ModelInfo, chat_messages, with_tools_message
 from services.gateway.protocol import ChatMessage, TokenId, _Checked
 from services.gateway.state import gateway
 
@@ -39,6 +40,9 @@ class TokenizeRequest(_Checked):
     add_special_tokens: bool | None = None  # default: True for a prompt; a rendered chat holds its own
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    # For messages, as a chat request has them: tools the template renders itself, and its variables.
+    tools: list[dict[str, Any]] | None = Field(None, max_length=128)
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
 
 
 class DetokenizeRequest(_Checked):
@@ -73,7 +77,22 @@ def _tokenize(body: TokenizeRequest, tokenizer: Tokenizer, info: ModelInfo) -> d
     # Counting, not admitting: a prompt longer than the context is counted too (no length limit).
     limits = PromptLimits(None, info.vocab_size)
     try:
-        if body.messages is not None:
+        if body.messages is not None and (body.tools or body.chat_template_kwargs):
+            # As a chat request with tools under "auto" renders them (prompts.prepare_chat).
+            tools = body.tools if body.tools and chat_template.takes_tools(tokenizer) else None
+            messages = chat_messages(body.messages)
+            if body.tools and tools is None:
+                messages = with_tools_message(messages, body.tools)
+            ids = chat_template.render(
+                tokenizer,
+                limits,
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                max_tokens=None,
+                tools=tools,
+                kwargs=body.chat_template_kwargs,
+            )
+        elif body.messages is not None:
             messages = chat_messages(body.messages)
             ids = prepare_prompt(
                 None, limits, tokenizer, messages=messages, add_generation_prompt=body.add_generation_prompt
