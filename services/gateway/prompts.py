@@ -61,6 +61,8 @@ def load_model_info(settings: Settings) -> ModelInfo:
         if (path / "config.json").is_file():
             config = json.loads((path / "config.json").read_text())
         tokenizer = load_tokenizer(path)
+        if tokenizer is not None and settings.chat_template:  # the operator's template over the checkpoint's
+            tokenizer.chat_template = Path(settings.chat_template).read_text(encoding="utf-8")
         defaults = sampling_defaults(path / "generation_config.json")
     requested = settings.max_model_len or settings.engine_args.get("max_model_len")
     requested = int(requested) if requested else None

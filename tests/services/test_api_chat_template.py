@@ -69,3 +69,16 @@ def test_chat_template_kwargs(templated: str, stack: Stack) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
     # The shared stack's gateway: its template ignores the variable, but applies it all the same.
     assert _chat(stack.url, chat_template_kwargs={"enable_thinking": False}).status_code == 200
+
+
+def test_a_chat_template_setting_overrides_the_checkpoints(
+    stack: Stack, tmp_path: Path, extra_gateway: ExtraGateway
+) -> None:
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}OVERRIDE {{ m['content'] }}\n{% endfor %}")
+    url = extra_gateway(INFLIGHT_CHAT_TEMPLATE=str(template)).url
+    tokens = _tokens(url)
+    prompt = httpx.post(f"{url}/detokenize", json={"tokens": tokens}, timeout=30).json()["prompt"]
+    assert prompt == "OVERRIDE Weather in Paris?\n"
+    resp = _chat(url)
+    assert resp.status_code == 200 and resp.json()["usage"]["prompt_tokens"] == len(tokens)
