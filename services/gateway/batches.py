@@ -36,6 +36,7 @@ from services.gateway.state import Gateway
 log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+FINISHED = TERMINAL | {"expired"}  # a batch's final statuses
 # The priority policy runs lower values first: a batch's jobs come after interactive requests (priority
 # 0 unless they set one). Under fcfs, the default policy, they queue by arrival like any job.
 BATCH_PRIORITY = 1_000_000
@@ -88,7 +89,7 @@ def batch_object(record: dict[str, str], counts: dict[str, int] | None = None) -
         "finalizing_at": ts("finalizing_at"),
         "completed_at": ts("completed_at"),
         "failed_at": None,
-        "expired_at": None,
+        "expired_at": ts("expired_at"),
         "cancelling_at": ts("cancelling_at"),
         "cancelled_at": ts("cancelled_at"),
         "request_counts": counts or json.loads(record.get("request_counts") or '{"total": 0}'),
@@ -130,16 +131,32 @@ async def advance(gw: Gateway, batch_id: str) -> None:
         return
     try:
         record = {str(k): str(v) for k, v in (await client.hgetall(batch_key(batch_id))).items()}
-        if not record or record.get("status") in TERMINAL:
+        if not record or record.get("status") in FINISHED:
             await client.srem(active_key(gw), batch_id)
             return
         if record.get("topic") != gw.settings.kafka_topic:
             return  # another deployment's batch (one Redis, two topics): its own gateways carry it
+        if record["status"] == "in_progress" and time.time() > float(record["expires_at"]):
+            # The completion window has passed: what has not finished by now is not run.
+            await stop(gw, batch_id, expiring=True)
+            record["status"] = "cancelling"
         if record["status"] == "in_progress":
             await _submit(gw, record)
         await _count_and_finish(gw, record)
     finally:
         await client.delete(lock)
+
+
+async def stop(gw: Gateway, batch_id: str, *, expiring: bool = False) -> None:
+    """No more lines are submitted and the unfinished jobs are cancelled (a cancel, or the window's end);
+    the batch is "cancelled" (or "expired") once they have all ended."""
+    client = gw.store.client
+    fields = {"status": "cancelling", "cancelling_at": int(time.time()), "expiring": int(expiring)}
+    await client.hset(batch_key(batch_id), mapping=cast(Any, fields))
+    for raw in await client.lrange(lines_key(batch_id), 0, -1):
+        job_id = json.loads(raw).get("job")
+        if job_id:
+            await gw.dispatcher.cancel(job_id)
 
 
 async def _submit(gw: Gateway, record: dict[str, str]) -> None:
@@ -253,8 +270,8 @@ async def _count_and_finish(gw: Gateway, record: dict[str, str]) -> None:
             }
             errors.append(_line_error(index, entry["custom_id"], 500, error))
     ttl_s, owner = gw.settings.job_ttl_s, record["owner"]
-    fields: dict[str, str | int] = {"status": "cancelled" if cancelling else COMPLETED}
-    fields["cancelled_at" if cancelling else "completed_at"] = int(time.time())
+    status = ("expired" if record.get("expiring") == "1" else "cancelled") if cancelling else COMPLETED
+    fields: dict[str, str | int] = {"status": status, f"{status}_at": int(time.time())}
     if output:
         out = await store_file(
             gw, owner, f"{batch_id}_output.jsonl", "batch_output", "\n".join(output).encode() + b"\n", ttl_s

@@ -24,16 +24,16 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.store import REDIS_ERRORS
-from services.common.wire import TERMINAL
 from services.gateway.batches import (
     ENDPOINTS,
+    FINISHED,
     active_key,
     advance,
     batch_key,
     batch_object,
     counts_of,
-    lines_key,
     owner_index,
+    stop,
 )
 from services.gateway.errors import APIError
 from services.gateway.files_routes import owned_file
@@ -135,7 +135,7 @@ async def _view(gw: Gateway, batch_id: str, owner: str) -> dict[str, Any]:
             404, f"no batch {batch_id!r} (unknown, or expired)", code="not_found", param="batch_id"
         )
     counts = None
-    if record["status"] not in TERMINAL:
+    if record["status"] not in FINISHED:
         counts, _, _ = await counts_of(gw, batch_id)
     return batch_object(record, counts)
 
@@ -153,17 +153,9 @@ async def get_batch(batch_id: str, request: Request) -> dict[str, Any]:
 async def cancel_batch(batch_id: str, request: Request) -> dict[str, Any]:
     gw, owner = gateway(request), owner_of(request)
     view = await _view(gw, batch_id, owner)
-    if view["status"] in TERMINAL:
+    if view["status"] in FINISHED or view["status"] == "cancelling":
         return view
-    client = gw.store.client
-    await client.hset(
-        batch_key(batch_id), mapping={"status": "cancelling", "cancelling_at": int(time.time())}
-    )
-    for raw in await client.lrange(lines_key(batch_id), 0, -1):
-        job_id = json.loads(raw).get("job")
-        if job_id:
-            with contextlib.suppress(*REDIS_ERRORS):
-                await gw.dispatcher.cancel(job_id)
+    await stop(gw, batch_id)
     await advance(gw, batch_id)
     return await _view(gw, batch_id, owner)
 

@@ -37,18 +37,20 @@ def combine(done: list[DoneEvent]) -> DoneEvent:
     )
 
 
-async def events(
+def events(
     subs: list[Subscription], n: int, idle_timeout_s: float, *, flush: bool = False
 ) -> AsyncIterator[Event | Flush | None]:
     """Every prompt's events, choices renumbered, then one combined DoneEvent; ``Subscription.events``'s
-    contract otherwise (None while idle, FLUSH before a wait with ``flush``, StreamError)."""
+    contract otherwise (None while idle, FLUSH before a wait with ``flush``, StreamError). One prompt (the
+    usual case) is its subscription's own iterator: no extra hop per token."""
     if len(subs) == 1:
-        one: AsyncIterator[Event | Flush | None] = (
-            subs[0].events(idle_timeout_s, flush=True) if flush else subs[0].events(idle_timeout_s)
-        )
-        async for event in one:
-            yield event
-        return
+        return subs[0].events(idle_timeout_s, flush=True) if flush else subs[0].events(idle_timeout_s)
+    return _merged(subs, n, idle_timeout_s, flush)
+
+
+async def _merged(
+    subs: list[Subscription], n: int, idle_timeout_s: float, flush: bool
+) -> AsyncIterator[Event | Flush | None]:
     queue: asyncio.Queue[tuple[int, Event | None] | StreamError] = asyncio.Queue()
 
     async def pump(p: int, sub: Subscription) -> None:

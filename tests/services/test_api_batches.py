@@ -94,3 +94,27 @@ def test_refusals_and_cancel(stack: Stack) -> None:
     done = wait_for(cancelled, 120, interval_s=0.5, message="the batch to be cancelled")
     assert done.request_counts is not None and done.request_counts.total == 4
     assert done.request_counts.completed + done.request_counts.failed == 4
+
+
+def test_a_batch_past_its_window_expires(paced_stack: Stack) -> None:
+    # Paced engines: 300 tokens take at least 6 s, so the window ends while the lines still run.
+    client = paced_stack.client()
+    upload = _upload(
+        client, [_line(f"e-{i}", "Long story:", max_tokens=300, ignore_eos=True) for i in range(2)]
+    )
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    assert batch.expires_at is not None and batch.expires_at - batch.created_at == 24 * 3600
+    paced_stack.redis_client().hset(f"inflight:req:{{{batch.id}}}", "expires_at", 1)  # the window is over
+
+    def expired() -> Any:
+        b = client.batches.retrieve(batch.id)
+        return b if b.status == "expired" else None
+
+    done = wait_for(expired, 120, interval_s=0.5, message="the batch to expire")
+    assert done.expired_at is not None and done.request_counts is not None
+    assert done.request_counts.failed >= 1
+    assert done.request_counts.completed + done.request_counts.failed == 2
+    errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert {e["response"]["body"]["error"]["code"] for e in errors} == {"cancelled"}
