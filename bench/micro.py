@@ -125,6 +125,7 @@ class ModelLinearsProbe:
 
         self.calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         for w, bias in model.linear_weights():
+            assert isinstance(w, torch.Tensor), "the probe times float weights (quantization='none')"
             self.calls.append((x(cpu_gemm.features(w)[1]), w, bias))
         self.kernels = kernels
         self.flops = 2 * rows * sum(math.prod(cpu_gemm.features(w)) for _, w, _ in self.calls)

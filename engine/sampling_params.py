@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from engine.structured.spec import StructuredOutput
 
+MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
+
 
 @dataclass
 class SamplingParams:
@@ -33,6 +35,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Constrained decoding: the output must match this (a JSON schema, regex, ...); None: free text.
     structured: StructuredOutput | None = None
+    # Token id -> value added to its logit before anything else (OpenAI's logit_bias); None: none.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +67,13 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logit_bias is not None:
+            # Bounded: the sampler copies one (row, token, bias) triple per entry to the device each step.
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens")
+            if any(t < 0 or not -100.0 <= b <= 100.0 for t, b in self.logit_bias.items()):
+                raise ValueError("logit_bias maps token ids (>= 0) to biases in [-100, 100]")
+            self.logit_bias = self.logit_bias or None
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,7 @@
 """One step of token selection for a batch of rows, on the logits' device.
 
-Order, as in vLLM: penalties (repetition over prompt + output, presence / frequency over output) ->
-min_tokens masking -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> random draw.
+Order, as in vLLM: logit_bias -> penalties (repetition over prompt + output, presence / frequency over
+output) -> min_tokens masking -> greedy argmax, or temperature -> top-k -> top-p -> min-p -> random draw.
 
 Randomness is a function of (seed, output position) only. Each row's draw uses exponential noise
 q ~ Exp(1) over the vocabulary and picks argmax(p / q), which is an exact sample from p (the
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.sampling.logit_bias import apply_logit_bias
 from engine.sampling.sampled import SampledTensors, SamplerOutput, index_on
 from engine.sampling_params import SamplingParams
 
@@ -313,7 +314,7 @@ class Sampler:
         device = logits.device
         if n == 0:
             return SampledTensors(torch.empty(0, dtype=torch.int64, device=device), [], [])
-        work = apply_penalties(logits, rows)
+        work = apply_penalties(apply_logit_bias(logits, rows), rows)
         banned = _min_tokens_mask(rows, vocab)
         if banned:
             if work is logits:

@@ -94,6 +94,9 @@ class Settings:
     tensor_parallel_size: int = 1
     # The context length the gateway checks prompts against; unset: the engine argument, else the model's.
     max_model_len: int | None = None
+    # A Jinja chat template file used instead of the checkpoint's, by the gateway and the workers alike
+    # (vLLM's --chat-template); unset: the checkpoint's own.
+    chat_template: str | None = None
     # ---- gateway ----------------------------------------------------------------------------
     # Comma-separated keys accepted as `Authorization: Bearer KEY`; unset: no authentication. Set but
     # holding no key (empty, blanks, only commas: a Secret that lost its value) the gateway refuses to
@@ -348,6 +351,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_REDIS_MAX_CONNECTIONS": ("redis_max_connections", "int"),
     "INFLIGHT_MODEL": ("model", "str"),
     "INFLIGHT_SERVED_MODEL_NAME": ("served_model_name", "str"),
+    "INFLIGHT_CHAT_TEMPLATE": ("chat_template", "str"),
     "INFLIGHT_ENGINE_ARGS": ("engine_args", "json"),
     "INFLIGHT_TENSOR_PARALLEL_SIZE": ("tensor_parallel_size", "int"),
     "INFLIGHT_MAX_MODEL_LEN": ("max_model_len", "int"),

@@ -194,6 +194,8 @@ class DoneEvent:
     code: str | None = None  # machine-readable error kind, e.g. "engine_error", "lost_by_broker"
     worker: str = ""
     param: str | None = None  # the request field an invalid_request error blames (OpenAI's "param")
+    # Prompt tokens whose K/V came from the engine's prefix cache (OpenAI's usage.prompt_tokens_details).
+    cached_tokens: int = 0
 
     type: Literal["done"] = field(default="done", init=False)
 
@@ -242,6 +244,7 @@ def decode_event(raw: bytes | str) -> Event:
         code=obj.get("code"),
         worker=str(obj.get("worker", "")),
         param=obj.get("param") if isinstance(obj.get("param"), str) else None,
+        cached_tokens=int(obj.get("cached_tokens", 0)),
     )
 
 

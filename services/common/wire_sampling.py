@@ -40,6 +40,7 @@ class WireSampling:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured: StructuredOutput | None = None  # on the wire: {"kind", "value", "param"}
+    logit_bias: dict[int, float] | None = None  # on the wire: {"<token id>": bias}
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> WireSampling:
@@ -97,6 +98,7 @@ _SCHEMA: dict[str, tuple[tuple[type, ...], type | None, bool]] = {
     "include_stop_str_in_output": ((bool,), None, False),
     "skip_special_tokens": ((bool,), None, False),
     "structured": ((dict,), None, True),
+    "logit_bias": ((dict,), None, True),
 }
 _NAMES = tuple(f.name for f in fields(WireSampling))
 assert set(_NAMES) == set(_SCHEMA), "every wire sampling field needs a type check"
@@ -114,6 +116,8 @@ def _check(name: str, value: Any) -> Any:
         raise SamplingWireError(f"sampling field {name!r} has the wrong type: {value!r}")
     if name == "structured":
         return _structured(value)
+    if name == "logit_bias":
+        return _logit_bias(value)
     return float(value) if kinds is _NUM else value
 
 
@@ -124,3 +128,17 @@ def _structured(value: dict[str, Any]) -> StructuredOutput:
         return StructuredOutput(value["kind"], value["value"], value["param"])
     except StructuredOutputError as exc:
         raise SamplingWireError(str(exc)) from None
+
+
+def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
+    # JSON keys are strings: token ids written in decimal.
+    if not all(
+        isinstance(k, str)
+        and k.isascii()
+        and k.isdigit()
+        and isinstance(v, int | float)
+        and not isinstance(v, bool)
+        for k, v in value.items()
+    ):
+        raise SamplingWireError("sampling field 'logit_bias' must map token ids to numbers")
+    return {int(k): float(v) for k, v in value.items()}

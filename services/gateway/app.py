@@ -18,7 +18,15 @@ from services.common.metrics import service_families
 from services.common.process_telemetry import metrics_payload
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
-from services.gateway import errors, jobs_routes, live_routes, openai_routes
+from services.gateway import (
+    batches_routes,
+    errors,
+    files_routes,
+    jobs_routes,
+    live_routes,
+    openai_routes,
+    tokenize_routes,
+)
 from services.gateway.background import Supervisor
 from services.gateway.dispatch import Dispatcher
 from services.gateway.edge import BodyLimit, Counted, KeyGuard, require_usable_keys
@@ -89,6 +97,9 @@ def create_app(settings: Settings) -> FastAPI:
     # (edge.py) checks it on the headers, before the body is read.
     app.include_router(openai_routes.router)
     app.include_router(jobs_routes.router)
+    app.include_router(tokenize_routes.router)
+    app.include_router(files_routes.router)
+    app.include_router(batches_routes.router)
     app.include_router(live_routes.router)
     app.include_router(live_routes.page_router)
 

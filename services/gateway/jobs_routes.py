@@ -24,10 +24,16 @@ from services.common.wire import TERMINAL, DoneEvent, Kind, WireError, decode_ev
 from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
 from services.gateway.openai_routes import _done_error, check_model, prepare
-from services.gateway.prompts import prepare_chat, prepare_completion
+from services.gateway.prompts import Prepared, prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
 from services.gateway.quotas import JobQuota
-from services.gateway.responses import ResponseBuilder, record_tools, response_from_record, sse_data
+from services.gateway.responses import (
+    ResponseBuilder,
+    record_tool_reading,
+    record_tools,
+    response_from_record,
+    sse_data,
+)
 from services.gateway.sse import SSE_HEADERS, TokenStream
 from services.gateway.state import Gateway, gateway, new_request_id
 from services.gateway.tools import ToolMode, tool_mode
@@ -38,30 +44,15 @@ router = APIRouter()
 @router.post("/v1/jobs", status_code=202, response_model=None)
 async def create_job(body: JobRequest, request: Request) -> JSONResponse:
     gw = gateway(request)
-    try:
-        if body.endpoint == "/v1/completions":
-            completion = CompletionRequest.model_validate(body.body)
-            check_model(gw, completion.model)
-            kind: Kind = "completion"
-            prepared = await prepare(request, prepare_completion, completion, gw.info)
-            tools: ToolMode = None
-        else:
-            chat = ChatCompletionRequest.model_validate(body.body)
-            check_model(gw, chat.model)
-            kind = "chat"
-            prepared = await prepare(request, prepare_chat, chat, gw.info)
-            tools = tool_mode(chat.tools, chat.tool_choice, prepared.tool_calls)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        message = f"body.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
-        raise APIError(422, message, code="invalid_value", param="body") from None
+    kind, prepared, tools = await prepare_job(gw, body.endpoint, body.body, request)
     within_s = start_within(request, None)
-    owner = _owner(request)
+    owner = owner_of(request)
     extra: dict[str, str | int | float] = {
         "endpoint": body.endpoint,
         "metadata": json.dumps(body.metadata or {}),
         "owner": owner,
         "tools": tools or "",  # how its result answers tool calls (tools.py): as the chat response does
+        **tool_reading(prepared),
     }
     job_id = new_request_id(kind, job=True)
     quota = JobQuota(gw.store.client, gw.settings.max_jobs_per_key, gw.settings.job_ttl_s)
@@ -114,7 +105,7 @@ async def job_events(job_id: str, request: Request) -> StreamingResponse | Token
     logprobs = int(record["logprobs"]) if record.get("logprobs") else None
     builder = ResponseBuilder(
         kind, job_id, record.get("model", ""), int(float(record.get("created", 0))), int(record.get("n", 1)),
-        gw.info.tokenizer, logprobs, record_tools(record),
+        gw.info.tokenizer, logprobs, record_tools(record), **record_tool_reading(record),
     )  # fmt: skip
     sub = await gw.hub.subscribe(job_id)
     try:
@@ -172,7 +163,39 @@ async def _from_record(job_id: str, record: dict[str, str]) -> AsyncIterator[str
     yield "data: [DONE]\n\n"
 
 
-def _owner(request: Request) -> str:
+async def prepare_job(
+    gw: Gateway, endpoint: str, body: dict[str, Any], request: Request | None = None
+) -> tuple[Kind, Prepared, ToolMode]:
+    """A job's body validated and prepared as its endpoint's (a job or a batch's line); APIError if not.
+    Without ``request`` (a batch's lines) it is prepared on the event loop: each line is one request."""
+    try:
+        if endpoint == "/v1/completions":
+            completion = CompletionRequest.model_validate(body)
+            check_model(gw, completion.model)
+            if completion.echo:  # a job's result is rebuilt from the worker's record, which has no prompt
+                raise APIError(400, "a job does not take echo", code="invalid_value", param="echo")
+            if request is None:
+                return "completion", prepare_completion(completion, gw.info), None
+            return "completion", await prepare(request, prepare_completion, completion, gw.info), None
+        chat = ChatCompletionRequest.model_validate(body)
+        check_model(gw, chat.model)
+        if request is None:
+            prepared = prepare_chat(chat, gw.info)
+        else:
+            prepared = await prepare(request, prepare_chat, chat, gw.info)
+        return "chat", prepared, tool_mode(chat.tools, chat.tool_choice, prepared.tool_calls)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        message = f"body.{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        raise APIError(422, message, code="invalid_value", param="body") from None
+
+
+def tool_reading(prepared: Prepared) -> dict[str, str | int]:
+    """The record fields that say how a job's tool calls read back (responses.record_tool_reading)."""
+    return {"tool_parser": prepared.tool_parser, "parallel_tool_calls": int(prepared.parallel_tool_calls)}
+
+
+def owner_of(request: Request) -> str:
     """Who may see a job: a digest of the API key that created it ("" with keys off: everyone)."""
     return str(getattr(request.state, "key_owner", ""))
 
@@ -180,7 +203,7 @@ def _owner(request: Request) -> str:
 async def _job_record(gw: Gateway, job_id: str, request: Request) -> dict[str, str]:
     record = await gw.store.get_record(job_id) if job_id.startswith("job-") else None
     # Another key's job answers exactly as a missing one: its existence is not disclosed either.
-    if record is None or record.get("job") != "1" or record.get("owner", "") != _owner(request):
+    if record is None or record.get("job") != "1" or record.get("owner", "") != owner_of(request):
         raise APIError(404, f"no job {job_id!r} (unknown, or expired)", code="not_found", param="job_id")
     return record
 

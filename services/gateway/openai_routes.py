@@ -12,9 +12,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from services.common.wire import CANCELLED, COMPLETED, DeltaEvent, DoneEvent, Kind
+from services.gateway import fanout
 from services.gateway.deadlines import start_within
 from services.gateway.errors import APIError, error_body
-from services.gateway.prompts import ModelInfo, Prepared, prepare_chat, prepare_completion
+from services.gateway.prompts import (
+    ModelInfo,
+    Prepared,
+    prepare_chat,
+    prepare_completion,
+    split_prompts,
+)
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from services.gateway.responses import ResponseBuilder
 from services.gateway.sse import TokenStream
@@ -66,8 +73,9 @@ def _model_card(gw: Gateway) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request) -> Any:
     gw = gateway(request)
     check_model(gw, body.model)
-    prepared = await prepare(request, prepare_completion, body, gw.info)
-    return await _serve(gw, request, "completion", body, prepared, body.logprobs)
+    prepared = [await prepare(request, prepare_completion, one, gw.info) for one in split_prompts(body)]
+    echo = [p.echo or "" for p in prepared] if body.echo else None
+    return await _serve(gw, request, "completion", body, prepared, body.logprobs, echo)
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -75,7 +83,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     gw = gateway(request)
     check_model(gw, body.model)
     prepared = await prepare(request, prepare_chat, body, gw.info)
-    return await _serve(gw, request, "chat", body, prepared, prepared.params.logprobs)
+    return await _serve(gw, request, "chat", body, [prepared], prepared.params.logprobs)
 
 
 async def prepare(
@@ -89,29 +97,65 @@ async def prepare(
 
 
 async def _serve(
-    gw: Gateway, request: Request, kind: Kind, body: _Sampling, prepared: Prepared, logprobs: int | None
+    gw: Gateway,
+    request: Request,
+    kind: Kind,
+    body: _Sampling,
+    prepared: list[Prepared],
+    logprobs: int | None,
+    echo: list[str] | None = None,
 ) -> Any:
+    """One engine request per prompt (a batched ``prompt`` has several), answered as one (fanout.py)."""
     within_s = start_within(request, gw.settings.max_queue_wait_s)
-    msg, sub = await gw.enqueue(
-        kind, prepared, job=False, subscribe=True, stream=bool(body.stream), start_within_s=within_s
+    subs: list[Subscription] = []
+    try:
+        for one in prepared:
+            msg, sub = await gw.enqueue(
+                kind, one, job=False, subscribe=True, stream=bool(body.stream), start_within_s=within_s
+            )
+            assert sub is not None
+            subs.append(sub)
+    except BaseException:
+        for sub in subs:  # the prompts already queued: nobody will read them
+            gw.spawn(gw.hub.unsubscribe(sub))
+            gw.spawn(gw.dispatcher.cancel(sub.request_id))
+        raise
+    tools = tool_mode(
+        getattr(body, "tools", None), getattr(body, "tool_choice", None), prepared[0].tool_calls
     )
-    assert sub is not None
-    tools = tool_mode(getattr(body, "tools", None), getattr(body, "tool_choice", None), prepared.tool_calls)
     builder = ResponseBuilder(
-        kind, msg.id, msg.model, int(msg.created), body.n, gw.info.tokenizer, logprobs, tools
+        kind,
+        msg.id,
+        msg.model,
+        int(msg.created),
+        body.n * len(subs),
+        gw.info.tokenizer,
+        logprobs,
+        tools,
+        echo,
+        prepared[0].tool_parser,
+        prepared[0].parallel_tool_calls,
     )
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return TokenStream(
-            gw, sub, builder, include_usage=include_usage, cancel_on_exit=True, error_of=_done_error
+            gw,
+            subs,
+            builder,
+            include_usage=include_usage,
+            cancel_on_exit=True,
+            error_of=_done_error,
+            n=body.n,
         )
     try:
-        done = await _until_disconnect(request, _collect(gw, sub, builder))
+        done = await _until_disconnect(request, _collect(gw, subs, builder, body.n))
     except _ClientGone:
-        gw.spawn(gw.dispatcher.cancel(msg.id))
+        for sub in subs:
+            gw.spawn(gw.dispatcher.cancel(sub.request_id))
         return JSONResponse(error_body(499, "client closed the request"), status_code=499)
     finally:
-        await gw.hub.unsubscribe(sub)
+        for sub in subs:
+            await gw.hub.unsubscribe(sub)
     if done.status != COMPLETED:
         raise _done_error(done)
     if builder.logprobs is None and done.completion_tokens <= INLINE_RENDER_TOKENS:
@@ -127,15 +171,16 @@ def _render(builder: ResponseBuilder, done: DoneEvent) -> bytes:
     return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-async def _collect(gw: Gateway, sub: Subscription, builder: ResponseBuilder) -> DoneEvent:
+async def _collect(gw: Gateway, subs: list[Subscription], builder: ResponseBuilder, n: int) -> DoneEvent:
     try:
-        async for event in sub.events(gw.settings.request_timeout_s):
+        async for event in fanout.events(subs, n, gw.settings.request_timeout_s):
             if isinstance(event, DeltaEvent):
                 builder.add(event)
             elif isinstance(event, DoneEvent):
                 return event
     except StreamError as exc:
-        gw.spawn(gw.dispatcher.cancel(sub.request_id))
+        for sub in subs:
+            gw.spawn(gw.dispatcher.cancel(sub.request_id))
         raise APIError(503, f"the request did not complete: {exc}", code=exc.code) from None
     raise APIError(500, "the token stream ended without a result", code="stream_ended")
 

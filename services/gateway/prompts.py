@@ -7,6 +7,7 @@ can be the prompt's first block. Without it the text goes on and the worker prep
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +27,11 @@ from engine.structured.spec import StructuredOutput
 from engine.tokenizer import Tokenizer, load_tokenizer
 from services.common.settings import Settings
 from services.common.wire_sampling import WireSampling
+from services.gateway import chat_template
 from services.gateway.errors import APIError
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from services.gateway.fields import check_fields
+from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, _Sampling
+from services.gateway.tool_parser import family_of
 from services.gateway.tools import plan_tools, response_format_spec, tools_message
 
 
@@ -37,6 +41,9 @@ class ModelInfo:
     max_model_len: int | None  # None: unknown here, the worker checks
     vocab_size: int | None
     tokenizer: Tokenizer | None
+    # The checkpoint's generation_config.json sampling values (SAMPLING_DEFAULTS), used where a request
+    # leaves the field unset, as vLLM does by default.
+    sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def limits(self) -> PromptLimits:
@@ -48,17 +55,42 @@ def load_model_info(settings: Settings) -> ModelInfo:
     gateway), the gateway forwards text and the worker tokenizes and checks the length."""
     config: dict[str, Any] = {}
     tokenizer = None
+    defaults: dict[str, float] = {}
     if settings.model and (Path(settings.model).is_dir() or is_gguf(settings.model)):
         path = local_tokenizer_files(settings.model)  # a GGUF: its config and tokenizer, no weights
         if (path / "config.json").is_file():
             config = json.loads((path / "config.json").read_text())
         tokenizer = load_tokenizer(path)
+        if tokenizer is not None and settings.chat_template:  # the operator's template over the checkpoint's
+            tokenizer.chat_template = Path(settings.chat_template).read_text(encoding="utf-8")
+        defaults = sampling_defaults(path / "generation_config.json")
     requested = settings.max_model_len or settings.engine_args.get("max_model_len")
     requested = int(requested) if requested else None
     # With the model's config, the engine's own rule (a value the engine would refuse fails here too).
     max_len = ModelContext.from_config(config).max_model_len(requested) if config else requested
     vocab = config.get("vocab_size")
-    return ModelInfo(settings.model_name, max_len, int(vocab) if vocab else None, tokenizer)
+    return ModelInfo(settings.model_name, max_len, int(vocab) if vocab else None, tokenizer, defaults)
+
+
+# generation_config.json keys applied as a request's defaults (vLLM's list, but max_new_tokens: a length
+# default stays this server's own, the room left in the context for chat and 16 for completions).
+SAMPLING_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: Path) -> dict[str, float]:
+    """The checkpoint's sampling defaults; {} without the file. A value of the wrong type is skipped; one
+    out of range stops the gateway here (ValueError), not every request later."""
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    found = {
+        k: int(v) if k == "top_k" else float(v)
+        for k in SAMPLING_DEFAULTS
+        for v in [config.get(k)]
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+    SamplingParams(**found)  # type: ignore[arg-type]
+    return found
 
 
 @dataclass(frozen=True)
@@ -73,6 +105,9 @@ class Prepared:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     tool_calls: bool = False  # the output is a constrained tool call: answer with tool_calls
+    echo: str | None = None  # completions with echo: the prompt text the response repeats
+    tool_parser: str = "hermes"  # chat under tool_choice auto: the call format (tool_parser.py)
+    parallel_tool_calls: bool = True  # False: only a choice's first call is answered
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -80,21 +115,51 @@ def _bad(message: str, param: str | None = None) -> APIError:
 
 
 def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
+    check_fields(req)
+    if req.prompt_logprobs is not None:
+        raise _bad(
+            "prompt_logprobs is not supported (the engine computes no prompt logprobs)", "prompt_logprobs"
+        )
     if req.suffix:
         raise _bad("suffix is not supported", "suffix")
-    if req.echo:
-        raise _bad("echo is not supported", "echo")
+    if req.echo and req.logprobs is not None:
+        raise _bad("echo with logprobs needs prompt logprobs, which the engine does not compute", "echo")
     if req.best_of is not None and req.best_of != req.n:
         raise _bad("best_of must equal n (no server-side ranking)", "best_of")
     structured = response_format_spec(req)
     prompt: Any = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise _bad("send one prompt per request (batched prompts are not supported)", "prompt")
+        if len(prompt) != 1:  # the route splits a batch (split_prompts); a job takes one prompt
+            raise _bad("a job takes one prompt (send a batch of them as separate jobs)", "prompt")
         prompt = prompt[0]
     ids = _prompt_ids(info, req.max_tokens, prompt=prompt)
     text = prompt if isinstance(prompt, str) and not ids else None  # the worker prepares it
-    return _finish(req, info, ids, req.max_tokens, req.logprobs, text=text, structured=structured)
+    prepared = _finish(req, info, ids, req.max_tokens, req.logprobs, text=text, structured=structured)
+    if req.echo:
+        # The prompt as the response repeats it: the text as sent, or the token ids decoded.
+        if isinstance(prompt, str):
+            echoed = prompt
+        elif info.tokenizer is not None:
+            echoed = info.tokenizer.decode(ids, skip_special_tokens=False)
+        else:
+            raise _bad("echo of a token-id prompt needs the tokenizer on the gateway", "echo")
+        prepared = dataclasses.replace(prepared, echo=echoed)
+    return prepared
+
+
+# A batched prompt runs as this many engine requests at most (each is admitted and queued on its own).
+MAX_PROMPTS = 64
+
+
+def split_prompts(req: CompletionRequest) -> list[CompletionRequest]:
+    """A completions body per prompt: several for a batch (a list of strings or of token-id lists),
+    else the body itself. Each is prepared and run on its own; fanout.py merges their answers."""
+    prompt = req.prompt
+    if not (isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list)):
+        return [req]
+    if len(prompt) > MAX_PROMPTS:
+        raise _bad(f"a request takes at most {MAX_PROMPTS} prompts", "prompt")
+    return [req.model_copy(update={"prompt": one}) for one in prompt]
 
 
 def _prompt_ids(
@@ -127,41 +192,41 @@ def _prompt_ids(
 
 
 def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
+    check_fields(req)
     plan = plan_tools(req.tools, req.tool_choice)
     structured = response_format_spec(req)
     if plan.spec is not None and structured is not None:
         raise _bad("a forced tool call cannot also follow a response_format", "response_format")
     structured = plan.spec or structured
-    # Text parts joined into one string, None as "": what every chat template can render.
-    messages: list[dict[str, Any]] = [
-        {
-            "role": m.role,
-            "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []),
-        }
-        | ({"name": m.name} if m.name else {})
-        for m in req.messages
-    ]
-    for m, out in zip(req.messages, messages, strict=True):
-        if m.tool_calls and not out["content"]:
-            # An earlier call, in the shape this server asks the model to write one.
-            out["content"] = "\n".join(
-                "<tool_call>"
-                + json.dumps({"name": f.get("name"), "arguments": _arguments(f.get("arguments"))})
-                + "</tool_call>"
-                for call in m.tool_calls
-                for f in [call.get("function") or {}]
-            )
-    if plan.render:
-        # One system message lists the tools: templates differ in whether (and how) they render them.
-        listing = tools_message(plan.render)
-        if messages[0]["role"] == "system":
-            messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{listing['content']}"}
-        else:
-            messages.insert(0, listing)
+    messages = chat_messages(req.messages)
+    # Tools go to a template that renders them (and calls come back in its family's format); else one
+    # system message lists them and asks for Hermes blocks.
+    template_tools = plan.render if plan.render and chat_template.takes_tools(info.tokenizer) else None
+    parser = (
+        family_of(info.tokenizer.chat_template if info.tokenizer else None) if template_tools else "hermes"
+    )
+    if plan.render and not template_tools:
+        messages = with_tools_message(messages, plan.render)
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    ids = _prompt_ids(info, max_tokens, messages=messages, add_generation_prompt=req.add_generation_prompt)
-    return _finish(
+    if template_tools or req.chat_template_kwargs:
+        ids = chat_template.render(
+            info.tokenizer,
+            info.limits,
+            messages,
+            add_generation_prompt=req.add_generation_prompt,
+            max_tokens=max_tokens,
+            tools=template_tools,
+            kwargs=req.chat_template_kwargs,
+        )
+    else:
+        ids = _prompt_ids(
+            info, max_tokens, messages=messages, add_generation_prompt=req.add_generation_prompt
+        )
+    if parser != "hermes":
+        # Mistral's [TOOL_CALLS] and Llama's <|python_tag|> are special tokens: keep them in the text.
+        req = req.model_copy(update={"skip_special_tokens": False})
+    prepared = _finish(
         req,
         info,
         ids,
@@ -172,6 +237,60 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
         structured=structured,
         tool_calls=plan.calls,
     )
+    return dataclasses.replace(
+        prepared, tool_parser=parser, parallel_tool_calls=req.parallel_tool_calls is not False
+    )
+
+
+def logit_bias(raw: dict[str, float] | None, vocab: int | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON keys) as the engine takes it: ids checked against the
+    vocabulary where it is known, biases clamped to [-100, 100] as OpenAI clamps them."""
+    if not raw:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        if not (key.isascii() and key.isdigit()) or len(key) > 10:
+            raise _bad(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token = int(key)
+        if vocab is not None and token >= vocab:
+            raise _bad(f"logit_bias token {token} is not below the vocabulary size {vocab}", "logit_bias")
+        bias[token] = min(100.0, max(-100.0, value))
+    return bias
+
+
+def with_tools_message(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with the tools listed in the system message (for a template that renders none)."""
+    listing = tools_message(tools)
+    if messages[0]["role"] == "system":
+        return [
+            {**messages[0], "content": f"{messages[0]['content']}\n\n{listing['content']}"},
+            *messages[1:],
+        ]
+    return [listing, *messages]
+
+
+def chat_messages(given: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template gets them (a chat request's and ``/tokenize``'s)."""
+    # Text parts joined into one string, None as "": what every chat template can render.
+    messages: list[dict[str, Any]] = [
+        {
+            "role": m.role,
+            "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []),
+        }
+        | ({"name": m.name} if m.name else {})
+        for m in given
+    ]
+    for m, out in zip(given, messages, strict=True):
+        if m.tool_calls and not out["content"]:
+            # An earlier call, in the shape this server asks the model to write one.
+            out["content"] = "\n".join(
+                "<tool_call>"
+                + json.dumps({"name": f.get("name"), "arguments": _arguments(f.get("arguments"))})
+                + "</tool_call>"
+                for call in m.tool_calls
+                for f in [call.get("function") or {}]
+            )
+    return messages
 
 
 def _arguments(raw: Any) -> Any:
@@ -198,16 +317,17 @@ def _finish(
     tool_calls: bool = False,
 ) -> Prepared:
     # The prompt is prepared already (_prompt_ids): ids, or the text or messages the worker prepares.
-    if req.logit_bias:
-        raise _bad("logit_bias is not supported", "logit_bias")
     vocab = info.vocab_size
     if vocab is not None and req.stop_token_ids and max(req.stop_token_ids) >= vocab:
         raise _bad(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
     room = None if info.max_model_len is None else info.max_model_len - len(ids)
     fields: dict[str, Any] = {
         "n": req.n,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        **info.sampling_defaults,  # the checkpoint's, where the request leaves a field unset (below)
+        "temperature": info.sampling_defaults.get("temperature", 1.0)
+        if req.temperature is None
+        else req.temperature,
+        "top_p": info.sampling_defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,
         "seed": req.seed,
         "presence_penalty": req.presence_penalty,
         "frequency_penalty": req.frequency_penalty,
@@ -220,6 +340,7 @@ def _finish(
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "structured": structured,
+        "logit_bias": logit_bias(req.logit_bias, vocab),
     }
     for name in ("top_k", "min_p", "repetition_penalty"):
         value = getattr(req, name)
@@ -229,7 +350,7 @@ def _finish(
         params = SamplingParams(**fields)
     except ValueError as exc:
         raise _bad(str(exc)) from None
-    session = req.session_id or req.user
+    session = req.session_id or req.prompt_cache_key or req.user
     wire = WireSampling.from_params(params)
     return Prepared(
         ids,

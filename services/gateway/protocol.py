@@ -1,8 +1,10 @@
 """Request bodies of the OpenAI-compatible API, with the engine's extra sampling fields as vLLM has them.
 
-Unknown fields are ignored (vLLM and OpenAI do the same), so clients written for either work unchanged.
-Bounds here are the structural ones; limits that depend on the model (context length, vocabulary) are
-checked in ``prompts.py``.
+No field is dropped silently: a body's fields are each applied, declared as changing nothing (OpenAI's
+``store``, ``metadata``...), or refused with a 400 naming them (``fields.py`` holds the lists and the
+check; an unknown field lands in ``model_extra`` and is refused there, not by pydantic, so the answer
+is OpenAI's 400 with ``param`` set). Bounds here are the structural ones; limits that depend on the
+model (context length, vocabulary) are checked in ``prompts.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 _MAX_SEED = 2**62  # the engine derives seed + i for n completions; keep that inside 63 bits
 _MAX_INT = 2**31 - 1
+# OpenAI's bound on logit_bias entries; values are clamped to [-100, 100] as OpenAI documents.
+MAX_LOGIT_BIAS = 300
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, le=_MAX_INT)]
@@ -61,7 +65,8 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(_Checked):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # "allow": unknown fields are kept in model_extra for fields.check_fields to refuse by name.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
     temperature: float | None = Field(None, ge=0.0, le=100.0)
@@ -74,7 +79,8 @@ class _Sampling(_Checked):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, le=_MAX_SEED)
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    # Token id (as a string, JSON's only key type) -> bias added to its logit; checked in prompts.py.
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # vLLM's extra sampling parameters
     top_k: int | None = Field(None, ge=-1, le=_MAX_INT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -96,6 +102,14 @@ class _Sampling(_Checked):
     guided_regex: str | None = Field(None, min_length=1, max_length=65536)
     guided_choice: list[NonEmptyStr] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = Field(None, min_length=1, max_length=65536)
+    # vLLM's one object for all of them ({"json": ...}, {"regex": ...}, {"choice": [...]}, ...): tools.py.
+    structured_outputs: dict[str, Any] | None = None
+    # Accepted and changing nothing in the output (fields.IGNORED): OpenAI's bookkeeping fields.
+    store: bool | None = None
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
+    service_tier: str | None = Field(None, max_length=64)
+    prompt_cache_key: str | None = Field(None, max_length=256)  # a session key, like session_id
+    safety_identifier: str | None = Field(None, max_length=256)
 
 
 class CompletionRequest(_Sampling):
@@ -105,6 +119,7 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=16)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class TextPart(BaseModel):
@@ -130,6 +145,9 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    parallel_tool_calls: bool | None = None
+    # Variables for the chat template (e.g. {"enable_thinking": false}); services/gateway/chat_template.py.
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=32)
 
 
 class JobRequest(_Checked):

@@ -25,6 +25,9 @@ class ResponseBuilder:
         tokenizer: Tokenizer | None,
         logprobs: int | None = None,
         tools: ToolMode = None,
+        echo: list[str] | None = None,
+        tool_parser: str = "hermes",
+        parallel_tool_calls: bool = True,
     ) -> None:
         self.kind = kind
         self.id = request_id
@@ -38,9 +41,15 @@ class ResponseBuilder:
         # Tool calls (tools.py): a forced call's text is the call; under auto, calls the model wrote are
         # parsed out of its text (tool_parser.py). Either way they are answered as tool_calls.
         self.tools = tools
+        self.tool_parser = tool_parser  # the call format under auto (tool_parser.family_of)
+        self.parallel_tool_calls = parallel_tool_calls  # False: a choice's first call only
         self._calls: dict[int, CallStream] = {}
         self._auto: dict[int, ToolCallStream] = {}
         self._sse_head: str | None = None  # "data: " and the chunk envelope up to its choices (sse)
+        # Completions with echo: each prompt's text (n choices per prompt), sent before the choice's first
+        # tokens; _echoed holds the choices that have had it.
+        self.echo = echo
+        self._echoed: set[int] = set()
 
     @property
     def object(self) -> str:
@@ -53,7 +62,7 @@ class ResponseBuilder:
     def chunk(self, ev: DeltaEvent) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": ev.index}
         if self.kind == "completion":
-            choice["text"] = ev.text
+            choice["text"] = self._echo(ev.index) + ev.text
             choice["logprobs"] = self._completion_logprobs(ev.token_ids, ev.logprobs or [])
         else:
             delta: dict[str, Any] = {"content": ev.text}
@@ -80,6 +89,7 @@ class ResponseBuilder:
         the common case, one per token: its chunk is filled into this request's envelope, encoded once,
         instead of built as dicts and encoded whole."""
         plain = ev.finish_reason is None and self.logprobs is None and self.tools is None
+        plain = plain and (self.echo is None or ev.index in self._echoed)
         if not plain or (self.kind == "chat" and ev.index not in self._role_sent):
             return sse_data(self.chunk(ev))
         if self._sse_head is None:
@@ -91,6 +101,15 @@ class ResponseBuilder:
             return f'{self._sse_head}{{"index":{int(ev.index)},"text":{text}{_PLAIN_TAIL}'
         return f'{self._sse_head}{{"index":{int(ev.index)},"delta":{{"content":{text}}}{_PLAIN_TAIL}'
 
+    def _echo(self, index: int) -> str:
+        """The prompt text to put before choice ``index``'s text, once; "" without echo. Choices are
+        numbered prompt by prompt (fanout.py): with 2 prompts and n = 3 (self.n = 6), choices 0-2 echo
+        prompt 0 and 3-5 prompt 1, i.e. prompt ``index * 2 // 6``."""
+        if self.echo is None or index in self._echoed:
+            return ""
+        self._echoed.add(index)
+        return self.echo[index * len(self.echo) // self.n]
+
     def _call_delta(self, ev: DeltaEvent) -> dict[str, Any]:
         call = self._calls.setdefault(ev.index, CallStream())
         entry = call.feed(ev.text, final=ev.finish_reason is not None)
@@ -99,26 +118,32 @@ class ResponseBuilder:
     def _auto_delta(self, ev: DeltaEvent) -> dict[str, Any]:
         """Content as it streams, but a possible call marker held back; each call whole once its block
         closes (its name and arguments in one delta, as OpenAI's clients accept)."""
-        stream = self._auto.setdefault(ev.index, ToolCallStream())
+        stream = self._auto.setdefault(ev.index, ToolCallStream(self.tool_parser))
         pieces = stream.feed(ev.text, final=ev.finish_reason is not None)
         calls = [p for p in pieces if isinstance(p, ParsedCall)]
         delta: dict[str, Any] = {"content": "".join(p for p in pieces if isinstance(p, str))}
         first = stream.calls - len(calls)
+        if not self.parallel_tool_calls:
+            calls = calls[: max(0, 1 - first)]  # the first call of the choice, none after it
         if calls:
             delta["tool_calls"] = [{"index": first + i, **_call(c)} for i, c in enumerate(calls)]
         return delta
 
     def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
-        return {**self._envelope([], chunk=True), "usage": usage(done.prompt_tokens, done.completion_tokens)}
+        return {**self._envelope([], chunk=True), "usage": done_usage(done)}
 
     # ---- whole response --------------------------------------------------------------------
     def response(self, done: DoneEvent) -> dict[str, Any]:
         choices = []
         for i in range(self.n):
             c = self.choices.choice(i)
-            choices.append(self._choice(i, c.text, c.finish_reason, c.stop_reason, c.token_ids, c.logprobs))
+            choices.append(
+                self._choice(
+                    i, self._echo(i) + c.text, c.finish_reason, c.stop_reason, c.token_ids, c.logprobs
+                )
+            )
         body = self._envelope(choices, chunk=False)
-        body["usage"] = usage(done.prompt_tokens, done.completion_tokens)
+        body["usage"] = done_usage(done)
         return body
 
     def _choice(
@@ -133,7 +158,7 @@ class ResponseBuilder:
                 "finish_reason": finish,
                 "stop_reason": stop_reason,
             }
-        message, finish = chat_message(text, finish, self.tools)
+        message, finish = chat_message(text, finish, self.tools, self.tool_parser, self.parallel_tool_calls)
         lp = self._chat_logprobs(ids, lps)
         return {
             "index": index,
@@ -192,7 +217,9 @@ class ResponseBuilder:
         return {"content": content}
 
 
-def chat_message(text: str, finish: str | None, tools: ToolMode) -> tuple[dict[str, Any], str | None]:
+def chat_message(
+    text: str, finish: str | None, tools: ToolMode, parser: str = "hermes", parallel: bool = True
+) -> tuple[dict[str, Any], str | None]:
     """A whole chat answer's message and finish reason: its tool calls as ``tool_calls`` (finish
     "tool_calls" where the model stopped on its own), else its text as content. Synchronous responses and
     job results are both built here."""
@@ -203,7 +230,8 @@ def chat_message(text: str, finish: str | None, tools: ToolMode) -> tuple[dict[s
         if call is not None:
             content, calls = None, [ParsedCall(*call)]
     elif tools == "auto" and finish in ("stop", "length"):
-        content, calls = parse_tool_calls(text)
+        content, calls = parse_tool_calls(text, parser)
+        calls = calls if parallel else calls[:1]
     if not calls:
         return {"role": "assistant", "content": text}, finish
     message = {"role": "assistant", "content": content, "tool_calls": [_call(c) for c in calls]}
@@ -231,18 +259,30 @@ def sse_data(obj: dict[str, Any]) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the engine's prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def done_usage(done: DoneEvent) -> dict[str, Any]:
+    return usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
 
 
 def record_tools(record: dict[str, str]) -> ToolMode:
     """How a job's result answers tool calls, as its record says (jobs_routes.py stores it)."""
     mode = record.get("tools")
     return "forced" if mode == "forced" else "auto" if mode == "auto" else None
+
+
+def record_tool_reading(record: dict[str, str]) -> dict[str, Any]:
+    """The call format and parallel_tool_calls of a job, as its record says (jobs_routes.py)."""
+    parser = record.get("tool_parser") or "hermes"
+    return {"tool_parser": parser, "parallel_tool_calls": record.get("parallel_tool_calls") != "0"}
 
 
 def response_from_record(record: dict[str, str], request_id: str) -> dict[str, Any] | None:
@@ -254,12 +294,24 @@ def response_from_record(record: dict[str, str], request_id: str) -> dict[str, A
     kind: Kind = "chat" if record.get("kind") == "chat" else "completion"
     created = int(float(record.get("created", 0)))
     builder = ResponseBuilder(
-        kind, request_id, record.get("model", ""), created, 0, None, tools=record_tools(record)
+        kind,
+        request_id,
+        record.get("model", ""),
+        created,
+        0,
+        None,
+        tools=record_tools(record),
+        **record_tool_reading(record),
     )
     choices = [
         builder._choice(c["index"], c["text"], c.get("finish_reason"), c.get("stop_reason"), [], [])
         for c in result.get("choices", [])
     ]
     body = builder._envelope(choices, chunk=False)
-    body["usage"] = usage(int(used.get("prompt_tokens", 0)), int(used.get("completion_tokens", 0)))
+    details = used.get("prompt_tokens_details") or {}
+    body["usage"] = usage(
+        int(used.get("prompt_tokens", 0)),
+        int(used.get("completion_tokens", 0)),
+        int(details.get("cached_tokens", 0)),
+    )
     return body

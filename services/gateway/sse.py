@@ -26,6 +26,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from services.common.wire import CANCELLED, COMPLETED, DeltaEvent, DoneEvent
+from services.gateway import fanout
 from services.gateway.errors import APIError, error_body
 from services.gateway.responses import ResponseBuilder, sse_data
 from services.gateway.token_streams import FLUSH, StreamError, Subscription
@@ -48,16 +49,18 @@ class TokenStream(Response):
     def __init__(
         self,
         gw: Gateway,
-        sub: Subscription,
+        subs: Subscription | list[Subscription],  # several: a batched prompt (services/gateway/fanout.py)
         builder: ResponseBuilder,
         *,
         include_usage: bool,
         cancel_on_exit: bool,
         error_of: Callable[[DoneEvent], APIError],
         headers: Mapping[str, str] = SSE_HEADERS,
+        n: int = 1,  # choices per prompt
     ) -> None:
         self.gw = gw
-        self.sub = sub
+        self.subs = subs if isinstance(subs, list) else [subs]
+        self.n = n
         self.builder = builder
         self.include_usage = include_usage
         self.cancel_on_exit = cancel_on_exit
@@ -71,7 +74,8 @@ class TokenStream(Response):
         self.init_headers(headers)
         if cancel_on_exit:
             # At once: the writer may be stuck on a client that stopped reading; nobody gets these tokens.
-            sub.on_overflow = self._cancel
+            for each in self.subs:
+                each.on_overflow = self._cancel
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -90,12 +94,14 @@ class TokenStream(Response):
                 raise failed
         finally:
             # Never awaited here: this runs also when the response task itself is cancelled.
-            self.gw.spawn(self.gw.hub.unsubscribe(self.sub))
+            for each in self.subs:
+                self.gw.spawn(self.gw.hub.unsubscribe(each))
             if self.cancel_on_exit and not self.finished:
                 self._cancel()
 
     def _cancel(self) -> None:
-        self.gw.spawn(self.gw.dispatcher.cancel(self.sub.request_id))
+        for each in self.subs:
+            self.gw.spawn(self.gw.dispatcher.cancel(each.request_id))
 
     async def _write(self, send: Send) -> None:
         last_write: float | None = None  # None until the first data event went out
@@ -123,7 +129,9 @@ class TokenStream(Response):
         parts: list[str] = []
         builder = self.builder
         try:
-            async for event in self.sub.events(self.gw.settings.request_timeout_s, flush=True):
+            async for event in fanout.events(
+                self.subs, self.n, self.gw.settings.request_timeout_s, flush=True
+            ):
                 if isinstance(event, DeltaEvent):
                     parts.append(builder.sse(event))
                 elif event is FLUSH:

@@ -1,6 +1,6 @@
-"""Structured outputs and tool calls at the edge: OpenAI's ``response_format``, vLLM's ``guided_*`` fields,
-``tools`` / ``tool_choice``, turned into the engine's ``StructuredOutput``; and constrained tool-call text
-turned back into ``tool_calls``.
+"""Structured outputs and tool calls at the edge: OpenAI's ``response_format``, vLLM's
+``structured_outputs`` object and its older ``guided_*`` fields, ``tools`` / ``tool_choice``, turned into
+the engine's ``StructuredOutput``; and constrained tool-call text turned back into ``tool_calls``.
 
 With ``tool_choice`` "required" or a named function the output is constrained to one JSON object
 ``{"name": <a tool's name>, "arguments": <its parameters>}`` (keys in that order, fixed separators), so
@@ -58,6 +58,8 @@ def response_format_spec(body: Any) -> StructuredOutput | None:
             found.append(_spec(lambda: StructuredOutput.json_schema(schema), "response_format"))
         elif kind != "text":
             raise _bad(f"unsupported response_format type {kind!r}", "response_format")
+    if body.structured_outputs is not None:
+        found.append(structured_outputs_spec(body.structured_outputs))
     if body.guided_json is not None:
         schema = body.guided_json
         if isinstance(schema, str):
@@ -76,10 +78,65 @@ def response_format_spec(body: Any) -> StructuredOutput | None:
         found.append(_spec(lambda: StructuredOutput("grammar", grammar, "guided_grammar"), "guided_grammar"))
     if len(found) > 1:
         raise _bad(
-            "give one of response_format, guided_json, guided_regex, guided_choice, guided_grammar",
+            "give one of response_format, structured_outputs, guided_json, guided_regex, guided_choice, "
+            "guided_grammar",
             found[1].param,
         )
     return found[0] if found else None
+
+
+# vLLM's StructuredOutputsParams: the constraint keys (exactly one is set) and the options.
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+# Options whose default changes nothing here; any other value would change the output, so it is refused.
+_OPTION_DEFAULTS: dict[str, Any] = {
+    "disable_fallback": False,  # any value: there is one grammar backend, nothing to fall back to
+    "disable_any_whitespace": False,
+    "disable_additional_properties": False,
+    "whitespace_pattern": None,
+}
+_MAX_TEXT = 65536  # as guided_regex and guided_grammar
+_MAX_CHOICES = 1024
+
+
+def structured_outputs_spec(obj: dict[str, Any]) -> StructuredOutput:
+    """vLLM's ``structured_outputs`` object as the engine's constraint: ``{"json": schema or its text}``,
+    ``{"regex": ...}``, ``{"choice": [...]}``, ``{"grammar": ...}`` or ``{"json_object": true}``, compiled
+    by the same path as ``response_format``. ``structural_tag`` and the options that would loosen or
+    reshape the JSON grammar are refused (400), as is any key vLLM does not define."""
+    param = "structured_outputs"
+    for key, value in obj.items():
+        if key not in _CONSTRAINTS and key not in _OPTION_DEFAULTS:
+            raise _bad(f"structured_outputs has no field {key!r}", param)
+        if key in _OPTION_DEFAULTS and key != "disable_fallback" and value != _OPTION_DEFAULTS[key]:
+            raise _bad(f"structured_outputs.{key} is not supported", param)
+    given = [k for k in _CONSTRAINTS if obj.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise _bad(f"structured_outputs needs exactly one of {', '.join(_CONSTRAINTS)}", param)
+    (key,) = given
+    value = obj[key]
+    if key == "structural_tag":
+        raise _bad("structured_outputs.structural_tag is not supported", param)
+    if key == "json_object":
+        if value is not True:
+            raise _bad("structured_outputs.json_object must be true", param)
+        return _spec(lambda: StructuredOutput("json_object", "", param), param)
+    if key == "json":
+        if isinstance(value, dict):
+            return _spec(lambda: StructuredOutput.json_schema(value, param), param)
+        if not isinstance(value, str) or len(value) > _MAX_TEXT:
+            raise _bad("structured_outputs.json must be a JSON schema (an object or its text)", param)
+        return _spec(lambda: StructuredOutput("json_schema", value, param), param)
+    if key == "choice":
+        if (
+            not isinstance(value, list)
+            or not 0 < len(value) <= _MAX_CHOICES
+            or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise _bad(f"structured_outputs.choice must be 1 to {_MAX_CHOICES} non-empty strings", param)
+        return _spec(lambda: StructuredOutput("choice", json.dumps(value), param), param)
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_TEXT:
+        raise _bad(f"structured_outputs.{key} must be a non-empty string of at most {_MAX_TEXT}", param)
+    return _spec(lambda: StructuredOutput(key, value, param), param)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.common.process_telemetry import setup_telemetry
@@ -71,6 +72,8 @@ async def serve(settings: Settings) -> int:
     model = resolve_model(settings)
     began = time.monotonic()
     engine = await start_engine(model, settings)
+    if settings.chat_template and engine.tokenizer is not None:  # the operator's, over the checkpoint's
+        engine.tokenizer.chat_template = Path(settings.chat_template).read_text(encoding="utf-8")
     log.info("loaded %s in %.1fs", model, time.monotonic() - began)
     spans = instrument_engine(engine, settings)  # before the first request
     live = LivePublisher(settings.worker_id)  # the gateway's live page: recent steps, rate-limited

@@ -190,6 +190,8 @@ class Runner:
             async for out in stream:
                 for c in out.outputs:
                     self._on_completion(run, params, c, out.error)
+                if out.metrics is not None:  # the finished request's record: its prefix-cache hit
+                    run.cached_tokens = min(out.metrics.num_cached_tokens, len(run.prompt_token_ids))
                 if out.error_param is not None:  # the input's fault (a grammar that did not compile): a 400
                     run.error_code, run.error_param = "invalid_request", out.error_param
                 if run.stopping and not out.finished:
@@ -273,6 +275,7 @@ class Runner:
             "prompt_tokens": len(run.prompt_token_ids),
             "completion_tokens": completion_tokens,
             "total_tokens": len(run.prompt_token_ids) + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": run.cached_tokens},
         }
         fields: dict[str, str | int | float] = {
             "status": final.status,

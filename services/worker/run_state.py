@@ -114,6 +114,7 @@ class Run:
     engine_ids: set[str] = field(default_factory=set)  # ids live in the engine now
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
+    cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (usage)
     task: asyncio.Task[Outcome] | None = None
 
     @property
@@ -177,5 +178,6 @@ class Run:
             code=box.final.code,
             worker=worker,
             param=box.final.param,
+            cached_tokens=self.cached_tokens,
         )
         return encode_event(done)

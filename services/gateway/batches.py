@@ -1,0 +1,290 @@
+"""OpenAI's Batch API on the job machinery: each line of the input file becomes a job, at a priority after
+interactive traffic; the output and error files are written when every job has ended.
+
+State lives in Redis, so any gateway can carry a batch on and none holds it alone:
+
+    inflight:req:{batch_id}          hash   the batch (status, file ids, timestamps, cursor); its "status"
+                                            is also what the per-key job quota reads: a batch counts once
+    inflight:req:{batch_id}:lines    list   one entry per line taken, in line order: its custom_id and job
+                                            id, or the error that kept it from running
+    inflight:batches:active:{topic}  set    batches still submitting or running (the sweep's work list)
+    inflight:batches-of:{owner}      zset   a key's batches by creation time (listing)
+
+Progress (``advance``) runs under a short per-batch lock: submit lines from the cursor until the cluster
+is at capacity (a 429 leaves the rest for the next round), then count the jobs' statuses, and once all
+have ended, write the files. A line's job id is derived from the batch id and line index, and a line is
+submitted only if that job has no record yet: a gateway that dies between producing a job and moving the
+cursor leaves a job that the next round adopts instead of running the line twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import Any, cast
+
+from services.common import keys
+from services.common.wire import COMPLETED, TERMINAL
+from services.gateway.errors import APIError
+from services.gateway.files_routes import file_key, store_file
+from services.gateway.jobs_routes import prepare_job, tool_reading
+from services.gateway.responses import response_from_record
+from services.gateway.state import Gateway
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+FINISHED = TERMINAL | {"expired"}  # a batch's final statuses
+# The priority policy runs lower values first: a batch's jobs come after interactive requests (priority
+# 0 unless they set one). Under fcfs, the default policy, they queue by arrival like any job.
+BATCH_PRIORITY = 1_000_000
+
+
+def active_key(gw: Gateway) -> str:
+    """The set of batches still submitting or running, per request topic: a gateway carries on only the
+    batches whose jobs go to its own topic (deployments, or test stacks, may share one Redis)."""
+    return f"{keys.PREFIX}:batches:active:{gw.settings.kafka_topic}"
+
+
+_LOCK_MS = 30_000
+_SUBMIT_PER_ROUND = 256  # lines one advance submits at most: a round stays short
+
+
+def batch_key(batch_id: str) -> str:
+    return keys.record(batch_id)
+
+
+def lines_key(batch_id: str) -> str:
+    return keys.record(batch_id) + ":lines"
+
+
+def owner_index(owner: str) -> str:
+    return f"{keys.PREFIX}:batches-of:{{{owner or 'anonymous'}}}"
+
+
+def line_job_id(batch_id: str, index: int) -> str:
+    return f"job-{batch_id}-{index}"
+
+
+def batch_object(record: dict[str, str], counts: dict[str, int] | None = None) -> dict[str, Any]:
+    def ts(name: str) -> int | None:
+        value = record.get(name)
+        return int(float(value)) if value else None
+
+    return {
+        "id": record["id"],
+        "object": "batch",
+        "endpoint": record["endpoint"],
+        "errors": None,
+        "input_file_id": record["input_file_id"],
+        "completion_window": record["completion_window"],
+        "status": record["status"],
+        "output_file_id": record.get("output_file_id") or None,
+        "error_file_id": record.get("error_file_id") or None,
+        "created_at": ts("created_at"),
+        "in_progress_at": ts("in_progress_at"),
+        "expires_at": ts("expires_at"),
+        "finalizing_at": ts("finalizing_at"),
+        "completed_at": ts("completed_at"),
+        "failed_at": None,
+        "expired_at": ts("expired_at"),
+        "cancelling_at": ts("cancelling_at"),
+        "cancelled_at": ts("cancelled_at"),
+        "request_counts": counts or json.loads(record.get("request_counts") or '{"total": 0}'),
+        "metadata": json.loads(record.get("metadata") or "null"),
+    }
+
+
+def _line_error(index: int, custom_id: Any, status: int | None, error: dict[str, Any]) -> str:
+    """An error file line: a request refused (status: its HTTP answer) or a line that is no request."""
+    custom = custom_id if isinstance(custom_id, str) else None
+    response = None if status is None else {"status_code": status, "request_id": None, "body": error}
+    return json.dumps(
+        {
+            "id": f"batch_req_{index}",
+            "custom_id": custom,
+            "response": response,
+            "error": None if status is not None else error["error"],
+        }
+    )
+
+
+def parse_line(raw: str, endpoint: str) -> tuple[str, dict[str, Any]]:
+    """(custom_id, body) of one input line; ValueError saying what is wrong with it."""
+    obj = json.loads(raw)
+    if not isinstance(obj, dict) or not isinstance(obj.get("custom_id"), str):
+        raise ValueError("each line must be an object with a custom_id string")
+    if obj.get("method", "POST") != "POST" or obj.get("url") != endpoint:
+        raise ValueError(f"each line must be a POST to the batch's endpoint {endpoint}")
+    if not isinstance(obj.get("body"), dict):
+        raise ValueError("each line needs a body object")
+    return obj["custom_id"], obj["body"]
+
+
+async def advance(gw: Gateway, batch_id: str) -> None:
+    """One round of progress (see the module docstring); a no-op while another gateway holds the batch."""
+    client = gw.store.client
+    lock = f"{batch_key(batch_id)}:lock"
+    if not await client.set(lock, gw.settings.instance_id, nx=True, px=_LOCK_MS):
+        return
+    try:
+        record = {str(k): str(v) for k, v in (await client.hgetall(batch_key(batch_id))).items()}
+        if not record or record.get("status") in FINISHED:
+            await client.srem(active_key(gw), batch_id)
+            return
+        if record.get("topic") != gw.settings.kafka_topic:
+            return  # another deployment's batch (one Redis, two topics): its own gateways carry it
+        if record["status"] == "in_progress" and time.time() > float(record["expires_at"]):
+            # The completion window has passed: what has not finished by now is not run.
+            await stop(gw, batch_id, expiring=True)
+            record["status"] = "cancelling"
+        if record["status"] == "in_progress":
+            await _submit(gw, record)
+        await _count_and_finish(gw, record)
+    finally:
+        await client.delete(lock)
+
+
+async def stop(gw: Gateway, batch_id: str, *, expiring: bool = False) -> None:
+    """No more lines are submitted and the unfinished jobs are cancelled (a cancel, or the window's end);
+    the batch is "cancelled" (or "expired") once they have all ended."""
+    client = gw.store.client
+    fields = {"status": "cancelling", "cancelling_at": int(time.time()), "expiring": int(expiring)}
+    await client.hset(batch_key(batch_id), mapping=cast(Any, fields))
+    for raw in await client.lrange(lines_key(batch_id), 0, -1):
+        job_id = json.loads(raw).get("job")
+        if job_id:
+            await gw.dispatcher.cancel(job_id)
+
+
+async def _submit(gw: Gateway, record: dict[str, str]) -> None:
+    client = gw.store.client
+    batch_id, endpoint = record["id"], record["endpoint"]
+    cursor, total = int(record["cursor"]), int(record["total"])
+    if cursor >= total:
+        return
+    content = await client.hget(file_key(record["input_file_id"]), "content")
+    lines = [] if content is None else [ln for ln in str(content).splitlines() if ln.strip()]
+    stop = min(total, cursor + _SUBMIT_PER_ROUND)
+    for index in range(cursor, stop):
+        entry = await _submit_line(gw, record, index, lines[index] if index < len(lines) else "", endpoint)
+        if entry is None:
+            break  # at capacity (or the broker is down): the next round goes on from here
+        pipe = client.pipeline(transaction=True)
+        pipe.rpush(lines_key(batch_id), json.dumps(entry))
+        pipe.hset(batch_key(batch_id), "cursor", index + 1)
+        await pipe.execute()
+        record["cursor"] = str(index + 1)
+
+
+async def _submit_line(
+    gw: Gateway, record: dict[str, str], index: int, raw: str, endpoint: str
+) -> dict[str, Any] | None:
+    """The line's entry once it is a job (or refused); None to retry it later."""
+    batch_id = record["id"]
+    custom_id: Any = None
+    try:
+        custom_id, body = parse_line(raw, endpoint)
+    except ValueError as exc:  # json's errors are ValueErrors too
+        error = {"error": {"code": "invalid_request", "message": f"line {index + 1}: {exc}"}}
+        return {"custom_id": None, "error": _line_error(index, None, None, error)}
+    job_id = line_job_id(batch_id, index)
+    if await gw.store.client.exists(keys.record(job_id)):
+        return {"custom_id": custom_id, "job": job_id}  # produced by a round that died before its cursor
+    try:
+        kind, prepared, tools = await prepare_job(gw, endpoint, body)
+        prepared = dataclasses.replace(prepared, priority=max(prepared.priority, BATCH_PRIORITY))
+        extra: dict[str, str | int | float] = {
+            "endpoint": endpoint,
+            "metadata": "{}",
+            "owner": record["owner"],
+            "tools": tools or "",
+            "batch": batch_id,
+            **tool_reading(prepared),
+        }
+        await gw.enqueue(kind, prepared, job=True, subscribe=False, extra=extra, request_id=job_id)
+    except APIError as exc:
+        if exc.status in (429, 503):
+            return None
+        return {"custom_id": custom_id, "error": _line_error(index, custom_id, exc.status, exc.body())}
+    return {"custom_id": custom_id, "job": job_id}
+
+
+async def counts_of(gw: Gateway, batch_id: str) -> tuple[dict[str, int], list[dict[str, Any]], list[str]]:
+    """request_counts, the line entries, and each entry's job status ("" for a refused line)."""
+    client = gw.store.client
+    entries = [json.loads(e) for e in await client.lrange(lines_key(batch_id), 0, -1)]
+    pipe = client.pipeline(transaction=False)
+    for e in entries:
+        pipe.hget(keys.record(e.get("job") or "-"), "status")
+    statuses = [str(s or "") for s in await pipe.execute()]
+    total = int(await client.hget(batch_key(batch_id), "total") or 0)
+    completed = sum(1 for e, s in zip(entries, statuses, strict=True) if e.get("job") and s == COMPLETED)
+    failed = sum(
+        1 for e, s in zip(entries, statuses, strict=True) if not e.get("job") or s in TERMINAL - {COMPLETED}
+    )
+    return {"total": total, "completed": completed, "failed": failed}, entries, statuses
+
+
+async def _count_and_finish(gw: Gateway, record: dict[str, str]) -> None:
+    client = gw.store.client
+    batch_id = record["id"]
+    counts, entries, statuses = await counts_of(gw, batch_id)
+    await client.hset(batch_key(batch_id), "request_counts", json.dumps(counts))
+    cancelling = record["status"] == "cancelling"
+    submitted_all = int(record["cursor"]) >= int(record["total"])
+    if not (submitted_all or cancelling) or any(
+        e.get("job") and s not in TERMINAL for e, s in zip(entries, statuses, strict=True)
+    ):
+        return
+    await client.hset(batch_key(batch_id), "finalizing_at", int(time.time()))
+    output, errors = [], []
+    for index, (entry, status) in enumerate(zip(entries, statuses, strict=True)):
+        if "error" in entry:
+            errors.append(entry["error"])
+            continue
+        job = await gw.store.get_record(entry["job"]) or {}
+        body = response_from_record(job, entry["job"]) if status == COMPLETED else None
+        if body is not None:
+            response = {"status_code": 200, "request_id": entry["job"], "body": body}
+            output.append(
+                json.dumps(
+                    {
+                        "id": f"batch_req_{index}",
+                        "custom_id": entry["custom_id"],
+                        "response": response,
+                        "error": None,
+                    }
+                )
+            )
+        else:
+            error = {
+                "error": {
+                    "message": job.get("error") or f"the request ended {status or 'expired'}",
+                    "type": "server_error",
+                    "param": None,
+                    "code": job.get("code") or status or "expired",
+                }
+            }
+            errors.append(_line_error(index, entry["custom_id"], 500, error))
+    ttl_s, owner = gw.settings.job_ttl_s, record["owner"]
+    status = ("expired" if record.get("expiring") == "1" else "cancelled") if cancelling else COMPLETED
+    fields: dict[str, str | int] = {"status": status, f"{status}_at": int(time.time())}
+    if output:
+        out = await store_file(
+            gw, owner, f"{batch_id}_output.jsonl", "batch_output", "\n".join(output).encode() + b"\n", ttl_s
+        )
+        fields["output_file_id"] = out["id"]
+    if errors:
+        err = await store_file(
+            gw, owner, f"{batch_id}_error.jsonl", "batch_output", "\n".join(errors).encode() + b"\n", ttl_s
+        )
+        fields["error_file_id"] = err["id"]
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(batch_key(batch_id), mapping=cast(Any, fields))
+    pipe.expire(batch_key(batch_id), ttl_s)
+    pipe.expire(lines_key(batch_id), ttl_s)
+    pipe.srem(active_key(gw), batch_id)
+    await pipe.execute()

@@ -1,0 +1,181 @@
+"""The request fields clients send, through the official ``openai`` client and a real stack: vLLM's
+``structured_outputs``, fields that change nothing, unknown fields refused by name, ``logit_bias``, and
+the prefix-cache hit in ``usage.prompt_tokens_details``."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from services.gateway.fields import CHAT_APPLIED, COMPLETION_APPLIED, IGNORED
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from tests.services.stack import MODEL_NAME, Stack, wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+# Longer than two KV blocks of 16 tokens in any tokenizer: the second request finds them cached.
+LONG_PROMPT = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(8))
+
+
+def _error(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return dict(body["error"])
+
+
+def test_every_declared_field_is_on_one_list_and_in_the_docs() -> None:
+    assert set(CompletionRequest.model_fields) == COMPLETION_APPLIED | IGNORED
+    assert set(ChatCompletionRequest.model_fields) == CHAT_APPLIED | IGNORED
+    assert not (COMPLETION_APPLIED | CHAT_APPLIED) & IGNORED
+    page = DOCS.read_text()
+    for name in COMPLETION_APPLIED | CHAT_APPLIED | IGNORED:
+        assert f"`{name}`" in page, name
+
+
+def test_structured_outputs_choice_is_applied(stack: Stack) -> None:
+    client = stack.client()
+    choices = ["maybe", "never"]
+    resp = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Is the sky green?"}],
+        max_tokens=20,
+        n=3,
+        seed=4,
+        extra_body={"structured_outputs": {"choice": choices}},
+    )
+    assert [c.message.content in choices for c in resp.choices] == [True] * 3
+    comp = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Code:",
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}", "disable_fallback": True}},
+    )
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", comp.choices[0].text)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    for form in ({"json": schema}, {"json": json.dumps(schema)}):
+        comp = client.completions.create(
+            model=MODEL_NAME, prompt="JSON:", max_tokens=40, seed=1, extra_body={"structured_outputs": form}
+        )
+        if comp.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(comp.choices[0].text)["ok"], bool)
+    comp = client.completions.create(
+        model=MODEL_NAME,
+        prompt="Y:",
+        max_tokens=10,
+        extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}},
+    )
+    assert comp.choices[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structural_tag is not supported"),
+        ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "exactly one of"),
+        ({"structured_outputs": {}}, "exactly one of"),
+        ({"structured_outputs": {"choices": ["a"]}}, "no field 'choices'"),
+        ({"structured_outputs": {"choice": ["a"], "disable_any_whitespace": True}}, "not supported"),
+        ({"structured_outputs": {"choice": []}}, "non-empty strings"),
+        ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}, "give one of"),
+    ],
+)
+def test_structured_outputs_refused_forms(stack: Stack, extra: dict[str, Any], says: str) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        stack.client().completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body=extra)
+    error = _error(caught.value)
+    assert error["param"] in ("structured_outputs", "guided_regex")
+    assert says in error["message"]
+
+
+def test_unknown_field_is_400_naming_it(stack: Stack) -> None:
+    client = stack.client()
+    for create, kwargs in (
+        (client.chat.completions.create, {"messages": [{"role": "user", "content": "hi"}]}),
+        (client.completions.create, {"prompt": "hi"}),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            create(model=MODEL_NAME, max_tokens=2, extra_body={"reasoning_effort": "high"}, **kwargs)
+        error = _error(caught.value)
+        assert (error["param"], error["code"]) == ("reasoning_effort", "unsupported_field")
+    # A job's body is held to the same lists.
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 2, "guided_whatever": 1}
+    resp = httpx.post(f"{stack.url}/v1/jobs", json={"endpoint": "/v1/completions", "body": body}, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "guided_whatever"
+
+
+def test_fields_that_change_nothing_are_accepted(stack: Stack) -> None:
+    client = stack.client()
+    kwargs: Any = dict(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+    )
+    plain = client.chat.completions.create(**kwargs)
+    tagged = client.chat.completions.create(
+        **kwargs,
+        store=True,
+        metadata={"team": "a"},
+        service_tier="auto",
+        user="u-1",
+        extra_body={"prompt_cache_key": "k", "safety_identifier": "s"},
+    )
+    assert tagged.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_logit_bias_decides_the_tokens(stack: Stack) -> None:
+    client = stack.client()
+    kwargs: Any = dict(model=MODEL_NAME, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=0)
+    free = client.completions.create(**kwargs)
+    forced = client.completions.create(**kwargs, logit_bias={"300": 150})  # clamped to 100
+    tokens = forced.choices[0].logprobs.tokens
+    assert len(tokens) == 4 and len(set(tokens)) == 1 and tokens != free.choices[0].logprobs.tokens
+    for bias, says in (({"abc": 1}, "token ids"), ({"10000000": 1}, "vocabulary size")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(**kwargs, logit_bias=bias)
+        error = _error(caught.value)
+        assert error["param"] == "logit_bias" and says in error["message"]
+
+
+def test_cached_tokens_show_the_prefix_hit(stack: Stack) -> None:
+    client = stack.client()
+    prompt = f"{LONG_PROMPT} ({time.time_ns()})"  # a prefix no earlier test left in the cache
+    first = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage is not None and first.usage.prompt_tokens > 32
+    # LONG_PROMPT is this test's own: nothing in the cache shares even its first block.
+    assert first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2, temperature=0)
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Whole blocks of 16, all but the one holding the last prompt token (which is always computed).
+    assert cached == (second.usage.prompt_tokens - 1) // 16 * 16
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    last = chunks[-1].usage
+    assert last is not None and last.prompt_tokens_details is not None
+    assert last.prompt_tokens_details.cached_tokens == cached
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    job = httpx.post(
+        f"{stack.url}/v1/jobs", json={"endpoint": "/v1/completions", "body": body}, timeout=30
+    ).json()
+
+    def finished() -> dict[str, Any] | None:
+        view: dict[str, Any] = httpx.get(f"{stack.url}/v1/jobs/{job['id']}", timeout=30).json()
+        return view if view["status"] == "completed" else None
+
+    view = wait_for(finished, 60, message="the job to finish")
+    assert view["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
