@@ -20,7 +20,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models.tiny import write_tiny_checkpoint
-from engine.platform import AUTO_DTYPE_ENV, cpu_auto_dtype, cpu_flags
+from engine.platform.cpu import AUTO_DTYPE_ENV, cpu_auto_dtype, cpu_flags
 from tests.engine.hf_reference import hf_greedy
 
 NEW_TOKENS = 16
