@@ -48,13 +48,17 @@ return redis.call('HINCRBY', KEYS[1], 'engine_failures', 1)
 
 @lru_cache(maxsize=1)
 def engine_failures() -> Counter:
-    return Counter(
+    """The counter, registered on the worker's first call (Worker.__init__): both series scrape as 0."""
+    counter = Counter(
         keys.PREFIX + ":request_engine_failures",
         "Claims that ended with their engine dead or stalled, by what became of the request "
         "(handed_back: another engine resumes it; failed: past the bound, failed and dead-lettered)",
         ["outcome"],
         registry=REGISTRY,
     )
+    for outcome in ("handed_back", "failed"):
+        counter.labels(outcome)
+    return counter
 
 
 async def fail_if_poison(store: Store, settings: Settings, run: Run) -> bool:

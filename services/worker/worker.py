@@ -35,7 +35,7 @@ from services.common.kafka import broker_session_timeout_ms, ensure_topic, make_
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.wire import TERMINAL
-from services.worker import faults, worker_telemetry
+from services.worker import faults, poison, worker_telemetry
 from services.worker.commits import Committer, RebalanceListener
 from services.worker.control import Control
 from services.worker.engine_client import EngineClient
@@ -72,6 +72,7 @@ class Worker:
             settings, self.store, engine, self.tracker, self.runs, self._start_run, self._spawn
         )
         self.load = LoadReporter(self._spawn)
+        poison.engine_failures()  # its series scrape from the start, at 0
         self.consumer: AIOKafkaConsumer | None = None
         self.supervisor = Supervisor()
         self.started = False
