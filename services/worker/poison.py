@@ -61,6 +61,20 @@ def engine_failures() -> Counter:
     return counter
 
 
+async def failed_before(store: Store, settings: Settings, run: Run) -> bool:
+    """At a claim: True when earlier claims already reached the bound (the worker that counted the last
+    one died before it could fail the request): the run is to be failed without an engine. Only a
+    request claimed before (epoch > 1) can have engine failures, so a first claim costs no round trip."""
+    if run.epoch <= 1:
+        return False
+    raw = await store.client.hget(keys.record(run.id), "engine_failures")
+    failures = int(raw or 0)
+    if failures < settings.max_engine_failures:
+        return False
+    await _fail(store, settings, run, failures)
+    return True
+
+
 async def fail_if_poison(store: Store, settings: Settings, run: Run) -> bool:
     """Count this claim's engine death against ``run``; True when that reaches the bound and the run is
     now to be failed (its error is recorded; the caller finishes it)."""
@@ -77,6 +91,11 @@ async def fail_if_poison(store: Store, settings: Settings, run: Run) -> bool:
             )
             engine_failures().labels("handed_back").inc()
         return False
+    await _fail(store, settings, run, failures)
+    return True
+
+
+async def _fail(store: Store, settings: Settings, run: Run, failures: int) -> None:
     message = (
         f"engines died or stalled while running this request {failures} times "
         f"(INFLIGHT_MAX_ENGINE_FAILURES={settings.max_engine_failures}); it is not tried again"
@@ -90,7 +109,6 @@ async def fail_if_poison(store: Store, settings: Settings, run: Run) -> bool:
         failures,
         keys.dead_letter(run.id),
     )
-    return True
 
 
 async def _dead_letter(store: Store, settings: Settings, run: Run, failures: int, message: str) -> None:

@@ -29,7 +29,7 @@ from services.common.store import Store
 from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
 from services.worker.engine_client import EngineClient
 from services.worker.lifecycle import RunEvent, RunStatus
-from services.worker.poison import fail_if_poison
+from services.worker.poison import fail_if_poison, failed_before
 from services.worker.publisher import Publisher
 from services.worker.run_state import Final, Outcome, PendingDelta, Run, record
 from services.worker.worker_telemetry import count_cancelled, engine_attributes
@@ -90,6 +90,8 @@ class Runner:
         if run.cancelled:
             return await self._finish(run)
         if run.errors:  # the worker gave up on it after repeated failures (worker.py): fail it for good
+            return await self._finish(run)
+        if await failed_before(self.store, s, run):  # past the engine-failure bound already (poison.py)
             return await self._finish(run)
         deadline = run.msg.deadline
         if deadline is not None and not run.resumed_from and time.time() > deadline:

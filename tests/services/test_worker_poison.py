@@ -9,24 +9,33 @@ would resume the request if the bound did not end it, and must never claim it.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
 
+from engine.sampling_params import SamplingParams
 from harness.servers import ServerProcess
 from harness.stack import ServiceProcess
 from services.common import keys
-from services.common.wire import DeltaEvent, DoneEvent, decode_event
+from services.common.settings import Settings
+from services.common.store import Store, connect_redis
+from services.common.wire import DeltaEvent, DoneEvent, RequestMessage, decode_event
+from services.common.wire_sampling import WireSampling
+from services.worker.publisher import Publisher
+from services.worker.request_runner import Runner
+from services.worker.run_state import Outcome, Run
 from tests.services.sse import events
-from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for, worker_stats
+from tests.services.stack import MODEL_NAME, REDIS_PASSWORD, Stack, new_stack, wait_for, worker_stats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -172,3 +181,36 @@ def test_a_job_that_kills_every_engine_is_failed(stack: Stack) -> None:
     assert view["error"]["code"] == "engine_failed", view
     assert len(killer.killed) == BOUND
     assert stack.redis_client().hget(keys.record(job_id), "engine_failures") == str(BOUND)
+
+
+async def test_a_claim_past_the_bound_fails_it_without_an_engine(redis_server: ServerProcess) -> None:
+    """The worker that counted the last engine failure died before it could fail the request: the next
+    claim fails it before any engine sees it (the runner is given no engine at all here)."""
+    settings = Settings(redis_url=redis_server.url, redis_password=REDIS_PASSWORD, lease_ttl_s=5)
+    store = Store(connect_redis(settings))
+    publisher = Publisher(store, settings, on_fenced=lambda run: None)
+    publishing = asyncio.create_task(publisher.run_forever())
+    try:
+        params = WireSampling.from_params(SamplingParams(max_tokens=4))
+        msg = RequestMessage(
+            f"cmpl-{uuid.uuid4().hex[:10]}", "completion", "tiny", [5, 6, 7], params, time.time()
+        )
+        await store.admit_and_record(msg.id, 100, 30, {"kind": msg.kind}, 60)
+        earlier = await store.start(msg.id, "dead-worker", lease_s=5, seed=1, ttl_s=60)
+        assert earlier.outcome == "ok"
+        await store.client.hset(keys.record(msg.id), "engine_failures", settings.max_engine_failures)
+        await store.client.delete(keys.owner(msg.id))  # its lease lapsed with it
+        run = Run(msg, prompt_token_ids=[5, 6, 7])
+        assert await Runner(cast(Any, None), store, publisher, settings).execute(run) is Outcome.DONE
+        record = await store.get_record(msg.id)
+        assert record is not None and (record["status"], record["code"]) == ("failed", "engine_failed")
+        assert record["epoch"] == "2"
+        dead = await store.client.hgetall(keys.dead_letter(msg.id))
+        assert dead["engine_failures"] == str(settings.max_engine_failures) == "3"  # the default bound
+        # Never claimed again: a redelivery finds it terminal.
+        again = Run(msg, prompt_token_ids=[5, 6, 7])
+        assert await Runner(cast(Any, None), store, publisher, settings).execute(again) is Outcome.SKIPPED
+    finally:
+        publishing.cancel()
+        await asyncio.gather(publishing, return_exceptions=True)
+        await store.client.aclose()
