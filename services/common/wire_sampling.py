@@ -3,8 +3,9 @@
 The engine's ``SamplingParams`` is the one list of sampling fields: ``WireSampling`` inherits them (and
 their range checks), and each field's JSON check is derived from its type annotation. A field added to
 ``SamplingParams`` travels at once; one whose type the codec cannot carry fails this module's import
-(add its case to ``_codec``). A message from a build with another sampling schema version is refused
-loudly, not misread.
+(add its case to ``_codec``). A field at its default is left out of the message, so a new field that a
+request does not use never reaches an older worker. A message from a build with another sampling schema
+version is refused loudly, not misread.
 
     annotation               on the wire                         decoded
     int, float, bool, str    a number / bool / string            the same (a JSON int is a float's too)
@@ -19,7 +20,7 @@ from __future__ import annotations
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from engine.sampling_params import SamplingParams
@@ -43,7 +44,11 @@ class WireSampling(SamplingParams):
         return SamplingParams(**{name: getattr(self, name) for name in _NAMES})
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SAMPLING_VERSION, **{name: _CODECS[name].encode(getattr(self, name)) for name in _NAMES}}
+        """Fields at their default are left out: a message that does not use a field added since is
+        read by a worker of an older build (which refuses fields it does not know), and is smaller."""
+        values = {name: getattr(self, name) for name in _NAMES}
+        body = {name: _CODECS[name].encode(v) for name, v in values.items() if v != _DEFAULTS[name]}
+        return {"v": SAMPLING_VERSION, **body}
 
     @classmethod
     def from_json(cls, obj: object) -> WireSampling:
@@ -158,3 +163,6 @@ def _codecs() -> dict[str, _Codec]:
 
 _CODECS = _codecs()
 _NAMES = tuple(_CODECS)
+_DEFAULTS = {
+    f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(SamplingParams)
+}

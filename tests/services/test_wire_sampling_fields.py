@@ -55,6 +55,17 @@ def test_every_field_round_trips_through_json() -> None:
     assert decoded.to_params() == params and type(decoded.to_params()) is SamplingParams
 
 
+def test_fields_at_their_default_stay_off_the_wire() -> None:
+    """A worker of an older build refuses fields it does not know: a field added since reaches it only
+    when a request sets it."""
+    assert WireSampling().to_json() == {"v": SAMPLING_VERSION}
+    body = WireSampling(max_tokens=7, stop=["\n"]).to_json()
+    assert body == {"v": SAMPLING_VERSION, "max_tokens": 7, "stop": ["\n"]}
+    assert WireSampling.from_json(body) == WireSampling(max_tokens=7, stop=["\n"])
+    # max_tokens' default is 16; an explicit null (no limit) differs from it and travels.
+    assert WireSampling(max_tokens=None).to_json() == {"v": SAMPLING_VERSION, "max_tokens": None}
+
+
 def test_codecs_follow_the_annotation() -> None:
     # A logit_bias-like field: JSON object keys are strings, the engine's are token ids.
     bias = wire_sampling._codec(dict[int, float] | None)
