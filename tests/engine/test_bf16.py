@@ -99,10 +99,10 @@ def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         expect = torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
         assert cpu_auto_dtype() == expect
         cpu_auto_dtype.cache_clear()
-        monkeypatch.setattr("engine.platform.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+        monkeypatch.setattr("engine.platform.cpu.cpu_flags", lambda: frozenset({"avx2", "fma"}))
         assert cpu_auto_dtype() == torch.float32  # an AVX2-only host: bf16 matmuls would crawl
         cpu_auto_dtype.cache_clear()
-        monkeypatch.setattr("engine.platform.cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+        monkeypatch.setattr("engine.platform.cpu.cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
         assert cpu_auto_dtype() == torch.bfloat16
         cpu_auto_dtype.cache_clear()
         monkeypatch.setenv(AUTO_DTYPE_ENV, "float32")  # the operator's override wins
