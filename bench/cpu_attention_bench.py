@@ -17,7 +17,7 @@ the layout the kernel read from 565be93 until its K pages were key-interleaved; 
 revisions since; token-major for older ones) and times it
 interleaved with the current one, sweep for sweep, in one process. ``--small-pages`` does the same
 for the current kernel on a cache of 4 KiB pages: the caches are otherwise on transparent huge pages,
-as the engine allocates its own (engine.platform.huge_page_zeros). The last column is each row's
+as the engine allocates its own (engine.platform.memory.huge_page_zeros). The last column is each row's
 speed over the first row's. On a busy host read the ratio, not either absolute figure.
 """
 
@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 
 from bench.run_support import run_cpu_kernel_bench
-from engine import platform
 from engine.attention.backend import KVLayout
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels import cpu as cpu_kernels
 from engine.paths import cpu_ext_root
+from engine.platform import memory
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_OPS = "inflight_cpu_baseline"
@@ -109,7 +109,7 @@ def make_caches(
             if small_pages is not None and small_pages[i]:
                 cache = torch.empty(layout.shape(*dims), dtype=dtype)
             else:
-                cache = platform.huge_page_zeros(layout.shape(*dims), dtype)
+                cache = memory.huge_page_zeros(layout.shape(*dims), dtype)
             layout.fill_from_token_major(cache, token_major)
             caches[i].append(cache)
     return caches, tables.to(torch.int32)

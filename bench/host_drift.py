@@ -46,7 +46,7 @@ def _sample(core: int | None, seconds: float, window: float, out: Any) -> None:
     if core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
-    from engine.platform import cpu_has_bf16_matmul
+    from engine.platform.cpu import cpu_has_bf16_matmul
 
     # The dtype the engine would pick here: bf16 only where the CPU multiplies it in hardware (an
     # AVX2-only host runs bf16 GEMMs hundreds of times slower, and a window would hold no loop at all).

@@ -29,7 +29,8 @@ from bench.micro import decode_probe
 from bench.results import write_json
 from bench.run_support import Session, set_threads
 from bench.targets import TargetConfig
-from engine.platform import cpu_auto_dtype, cpu_flags, cpu_model_name, physical_cores
+from engine.platform.cpu import cpu_auto_dtype, cpu_flags, cpu_model_name
+from engine.platform.threads import physical_cores
 from inflight.plan.workload import LengthMix, bench_model_path, synthetic
 
 

@@ -125,7 +125,7 @@ def quiet_collector() -> None:
     (torch, an engine, earlier runs' results). A full collection over it takes tens to hundreds of
     milliseconds, long enough to hold every stream's event loop (or the engine thread's step) still,
     and it lands in some request's TTFT as if the path under test had been slow."""
-    from engine.platform import freeze_heap
+    from engine.platform.memory import freeze_heap
 
     freeze_heap()
 

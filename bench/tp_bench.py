@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.platform import cpu_model_name
+from engine.platform.cpu import cpu_model_name
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from engine.platform import physical_cores
+from engine.platform.threads import physical_cores
 
 log = logging.getLogger(__name__)
 

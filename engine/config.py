@@ -12,7 +12,7 @@ import torch
 
 from engine.async_scheduling import decide_async_scheduling
 from engine.inputs import ModelContext
-from engine.platform import cpu_auto_dtype
+from engine.platform.cpu import cpu_auto_dtype
 
 _DTYPES = {
     "float32": torch.float32,

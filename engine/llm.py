@@ -9,13 +9,13 @@ from typing import Any
 from engine.inputs import EngineRequest
 from engine.llm_engine import LLMEngine, Prompt
 from engine.outputs import ChoiceAccumulator, CompletionOutput, RequestOutput
-from engine.platform import limit_torch_threads
+from engine.platform.threads import limit_torch_threads
 from engine.sampling_params import SamplingParams
 
 
 class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
-        # At most one torch thread per core this process may use (engine/platform.py); a lower count
+        # At most one torch thread per core this process may use (engine/platform/threads.py); a lower count
         # set beforehand with torch.set_num_threads, or OMP_NUM_THREADS, stands.
         limit_torch_threads()
         self.engine = LLMEngine.from_engine_args(model, **engine_args)

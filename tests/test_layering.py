@@ -103,3 +103,56 @@ def test_inflight_dev_outside_a_checkout_says_it_needs_one(tmp_path: Path) -> No
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "source checkout" in done.stderr and "make run" in done.stderr
+
+
+# A worker request's status and errors (services/worker/lifecycle.py): read anywhere, changed there alone.
+_RUN_STATE_ATTRS = {
+    "_status", "status", "_errors", "errors", "_error_code", "error_code", "_error_param", "error_param",
+    "cancelled", "handed_back", "fenced", "engine_died_under", "state",
+}  # fmt: skip
+_PRIVATE_STATE = {"_status", "_errors", "_error_code", "_error_param"}
+
+
+def _state_writes(path: Path) -> list[str]:
+    """Assignments to a run's status attributes (plain, augmented, annotated or through a subscript, as
+    ``run.errors[0] = ...``), and any use of RunState's private fields, in one file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = node.targets
+        flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+        for target in flat:
+            while isinstance(target, ast.Subscript):
+                target = target.value
+            if isinstance(target, ast.Attribute) and target.attr in _RUN_STATE_ATTRS:
+                found.append(f"{path.name}:{node.lineno} assigns .{target.attr}")
+        if isinstance(node, ast.Attribute) and node.attr in _PRIVATE_STATE:
+            found.append(f"{path.name}:{node.lineno} reads .{node.attr}")
+    return found
+
+
+def test_a_worker_requests_status_changes_only_in_lifecycle(tmp_path: Path) -> None:
+    worker = REPO / "services" / "worker"
+    owners = {"lifecycle.py"}
+    offenders = [
+        w for path in sorted(worker.glob("*.py")) if path.name not in owners for w in _state_writes(path)
+    ]
+    # Run's own __post_init__ creates the state object (a new request, or a retry's from the failed one).
+    assert [o.replace(o[o.index(":") : o.index(" ")], "") for o in offenders] == [
+        "run_state.py assigns .state"
+    ]
+    # The check does catch what it looks for: the flags this replaced, set from outside.
+    sample = tmp_path / "control.py"
+    sample.write_text(
+        "run.errors[0] = 'x'\nrun.cancelled = True\nrun.holds_lease, run.fenced = False, True\n"
+    )
+    assert _state_writes(sample) == [
+        "control.py:1 assigns .errors",
+        "control.py:2 assigns .cancelled",
+        "control.py:3 assigns .fenced",
+    ]

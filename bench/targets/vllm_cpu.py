@@ -51,7 +51,7 @@ def resolve_dtype(config: TargetConfig) -> str:
     """The dtype the engine target runs: its engine_args' dtype, float32 when unset (see engine.py)."""
     dtype = str(config.engine_args.get("dtype", "float32"))
     if dtype == "auto":
-        from engine.platform import cpu_auto_dtype
+        from engine.platform.cpu import cpu_auto_dtype
 
         dtype = str(cpu_auto_dtype()).removeprefix("torch.")
     return dtype
@@ -59,11 +59,11 @@ def resolve_dtype(config: TargetConfig) -> str:
 
 def thread_binding(threads: int, cores: list[frozenset[int]] | None = None) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``threads`` compute threads: the first ``threads`` of
-    ``cores`` (this process's allowed CPUs grouped by physical core, engine/platform.py), one logical
+    ``cores`` (this process's allowed CPUs grouped by physical core, engine/platform/threads.py), one logical
     CPU of each ("0" for one, "0-3" for four on a plain host), then their hyperthread siblings if
     there are more threads than cores. vLLM pins one OpenMP thread to each CPU listed."""
     if cores is None:
-        from engine.platform import allowed_cpus, core_groups
+        from engine.platform.threads import allowed_cpus, core_groups
 
         cpus = allowed_cpus()
         cores = core_groups(cpus) or [frozenset({c}) for c in sorted(cpus)]

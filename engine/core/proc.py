@@ -92,7 +92,7 @@ def run_engine_core(
         # A rank that dies while this core idles would only be noticed at the next step: end the core
         # now, so its client fails it (the worker hands its requests back, readyz answers 503).
         ranks.watch(lambda message: os._exit(EXIT_RANK_DIED))
-    from engine.platform import freeze_heap
+    from engine.platform.memory import freeze_heap
 
     # The model, torch and the engine's books live as long as this process: full collections that
     # walked them would stall a step by tens of milliseconds.

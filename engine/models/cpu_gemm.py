@@ -23,9 +23,10 @@ from typing import Literal
 
 import torch
 
-from engine import envs, platform
+from engine import envs
 from engine.models import onednn
-from engine.platform import cpu_flags
+from engine.platform.cpu import cpu_flags
+from engine.platform.memory import on_huge_pages
 
 Gemm = Literal["inflight", "onednn", "torch"]
 
@@ -81,7 +82,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     packed: torch.Tensor = torch.ops.inflight_cpu.pack_linear(weight)
     # Every step streams each weight front to back: on 2 MiB pages (where the host gives them) that
     # stream runs 1-10% faster at 1-16 rows (SmolLM2's layers, Zen 5), one TLB miss per 2 MiB, not 4 KiB.
-    return platform.on_huge_pages(packed)
+    return on_huge_pages(packed)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

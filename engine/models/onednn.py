@@ -36,7 +36,7 @@ import torch
 
 from engine import envs
 from engine.models.row_padding import RowPadding
-from engine.platform import cpu_flags
+from engine.platform.cpu import cpu_flags
 
 __all__ = ["RowPadding", "can_prepack", "linear", "pack", "row_grain", "warm_up"]
 

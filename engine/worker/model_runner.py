@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine import platform
 from engine.attention.backend import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import SINGLE, TensorParallel
@@ -24,6 +23,7 @@ from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
 from engine.models.decoder import DecoderModel
 from engine.models.loader import load_weights
+from engine.platform import memory
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sched.output import SchedulerOutput
 from engine.worker.cuda_graph import GraphedDecode
@@ -85,7 +85,7 @@ class ModelRunner:
         )
         if self.device.type == "cpu":
             # Before the weights: a step's activations then reuse pages instead of faulting new ones.
-            platform.reuse_freed_memory()
+            memory.reuse_freed_memory()
         gemm = cpu_gemm.choose(config.dtype, cpu_kernels=True) if use_cpu_kernels else "torch"
         # oneDNN packs what the engine's own kernels do not take (all of it when it is the choice).
         prepack = gemm != "torch" and onednn.can_prepack(config.dtype)
@@ -187,7 +187,7 @@ class ModelRunner:
     def _kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
             # Blocks are read scattered over the cache: 2 MiB pages spare a TLB miss per block.
-            return platform.huge_page_zeros(shape, self.config.dtype)
+            return memory.huge_page_zeros(shape, self.config.dtype)
         return torch.zeros(shape, dtype=self.config.dtype, device=self.device)
 
     # ---- KV cache sizing -------------------------------------------------------------------

@@ -51,7 +51,7 @@ BUSY_HOST_SHARE = 0.05
 
 
 def host_info(threads: int) -> dict[str, Any]:
-    from engine.platform import cpu_flags, cpu_model_name
+    from engine.platform.cpu import cpu_flags, cpu_model_name
 
     interesting = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
     return {

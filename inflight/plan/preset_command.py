@@ -33,7 +33,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     }
     try:
         assumptions = replace(presets.Assumptions(), **{k: v for k, v in given.items() if v is not None})
-        settings = presets.Settings(
+        settings = presets.EngineLimits(
             args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size
         )
         cost = presets.build(args.gpu, args.model, settings, assumptions, tp=args.tp)

@@ -312,7 +312,9 @@ def activation_reserve(shape: ModelShape, max_num_batched_tokens: int, max_num_s
 
 
 @dataclass(frozen=True)
-class Settings:
+class EngineLimits:
+    """The engine arguments a preset is sized for (the scheduler's bounds and the KV block size)."""
+
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
@@ -331,7 +333,7 @@ class Settings:
 
 
 def kv_memory(
-    gpu: Gpu, shape: ModelShape, settings: Settings, assumptions: Assumptions, tp: int = 1
+    gpu: Gpu, shape: ModelShape, settings: EngineLimits, assumptions: Assumptions, tp: int = 1
 ) -> dict[str, float]:
     """One GPU's HBM budget and the KV blocks left in it (with ``tp`` ranks: each rank's share of the
     weights and of the KV heads); PresetError when the weights do not fit or the cache cannot hold one
@@ -366,7 +368,7 @@ def kv_memory(
     }
 
 
-def _grid_rows(settings: Settings, kv_tokens: int) -> list[list[Row]]:
+def _grid_rows(settings: EngineLimits, kv_tokens: int) -> list[list[Row]]:
     """Batch shapes a server runs: decode batches of 1..max_num_seqs rows at contexts 128..max_model_len
     (as many as the KV cache holds), prefill chunks up to the token budget (a first chunk, and a later
     chunk of a long prompt), and decode batches with a prefill chunk filling the budget."""
@@ -392,14 +394,14 @@ def _grid_rows(settings: Settings, kv_tokens: int) -> list[list[Row]]:
     return shapes
 
 
-def grid_samples(roofline: Roofline, settings: Settings, kv_tokens: int) -> list[StepSample]:
+def grid_samples(roofline: Roofline, settings: EngineLimits, kv_tokens: int) -> list[StepSample]:
     return [roofline.sample(rows) for rows in _grid_rows(settings, kv_tokens)]
 
 
 def build(
     gpu: str | Gpu,
     model: str | ModelShape,
-    settings: Settings = Settings(),
+    settings: EngineLimits = EngineLimits(),
     assumptions: Assumptions = Assumptions(),
     tp: int = 1,
 ) -> StepCostModel:

@@ -14,6 +14,9 @@ Redis Cluster, where a script may only touch keys of one slot.
                                        a synchronous request (its record's "origin") is gone without it
     inflight:workers:{topic}   zset    workers consuming the topic now: member worker id, score the
                                        expiry (ms) of its last heartbeat (the key has a TTL too)
+    inflight:dead:{id}         hash    a request failed because engines kept dying under it (engine_failed):
+                                       what an operator needs to find it and its Kafka message (TTL)
+    inflight:dead              zset    those requests' ids, scored by when they failed (TTL)
 """
 
 from __future__ import annotations
@@ -21,10 +24,15 @@ from __future__ import annotations
 PREFIX = "inflight"
 PENDING = f"{PREFIX}:pending"
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
+DEAD_LETTERS = f"{PREFIX}:dead"
 
 
 def gateway_alive(instance_id: str) -> str:
     return f"{PREFIX}:gateway:{instance_id}"
+
+
+def dead_letter(request_id: str) -> str:
+    return f"{PREFIX}:dead:{{{request_id}}}"
 
 
 def record(request_id: str) -> str:

@@ -170,6 +170,12 @@ class Settings:
     engine_stall_timeout_s: float = 10.0
     # The same bound for the core's first steps, which compile kernels and capture graphs.
     engine_stall_warmup_s: float = 300.0
+    # Engines a request may see die or stall while they run it: each such claim counts, and the claim
+    # that reaches this many fails the request for good (code engine_failed, a dead-letter record in
+    # Redis) instead of handing it to the next engine. A request that kills every engine it lands on
+    # (an OOM, a crashing kernel) then costs 3 engine restarts, not the fleet; requests that merely
+    # shared a batch with it count too, so 1 would fail innocent neighbours of one crash.
+    max_engine_failures: int = 3
     # Tracing: one engine-step span (batch composition) every this many steps; 0 = none. Steps are
     # many and shared by every request's trace, so they are sampled on their own, not per request.
     trace_step_sample_every: int = 0
@@ -209,6 +215,7 @@ class Settings:
             "redis_max_connections": self.redis_max_connections,
             "lease_ttl_s": self.lease_ttl_s,
             "engine_stall_timeout_s": self.engine_stall_timeout_s,
+            "max_engine_failures": self.max_engine_failures,
         }
         for name, value in positive.items():
             if value <= 0:
@@ -377,6 +384,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_ENGINE_PROCESS": ("engine_process", "bool"),
     "INFLIGHT_ENGINE_STALL_TIMEOUT_S": ("engine_stall_timeout_s", "float"),
     "INFLIGHT_ENGINE_STALL_WARMUP_S": ("engine_stall_warmup_s", "float"),
+    "INFLIGHT_MAX_ENGINE_FAILURES": ("max_engine_failures", "int"),
     "INFLIGHT_TRACE_STEP_SAMPLE_EVERY": ("trace_step_sample_every", "int"),
     "INFLIGHT_TRACE_TRUST_CLIENT_SAMPLED": ("trace_trust_client_sampled", "bool"),
     "INFLIGHT_BIND_HOST": ("bind_host", "str"),

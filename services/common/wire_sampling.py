@@ -1,13 +1,26 @@
-"""The sampling settings of a request on the wire: a typed schema with its own version.
+"""The sampling settings of a request on the wire: ``SamplingParams`` itself, with a versioned codec.
 
-Every field is named here and checked on decode, so a field added to the engine's ``SamplingParams``
-changes nothing on the wire until it is added here too (``tests/services/test_wire.py`` fails until
-then), and a message from a build with another sampling schema is refused loudly, not misread.
+The engine's ``SamplingParams`` is the one list of sampling fields: ``WireSampling`` inherits them (and
+their range checks), and each field's JSON check is derived from its type annotation. A field added to
+``SamplingParams`` travels at once; one whose type the codec cannot carry fails this module's import
+(add its case to ``_codec``). A field at its default is left out of the message, so a new field that a
+request does not use never reaches an older worker. A message from a build with another sampling schema
+version is refused loudly, not misread.
+
+    annotation               on the wire                         decoded
+    int, float, bool, str    a number / bool / string            the same (a JSON int is a float's too)
+    list[T]                  an array of T                       a list
+    dict[K, V]               an object (keys as strings)         a dict with keys converted back to K
+    X | None                 X, or null                          X or None
+    StructuredOutput         {"kind", "value", "param"}          a StructuredOutput
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 from engine.sampling_params import SamplingParams
@@ -20,27 +33,8 @@ class SamplingWireError(ValueError):
     """Sampling settings that this build cannot read (``wire.WireError`` wraps it)."""
 
 
-@dataclass(frozen=True)
-class WireSampling:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    structured: StructuredOutput | None = None  # on the wire: {"kind", "value", "param"}
-    logit_bias: dict[int, float] | None = None  # on the wire: {"<token id>": bias}
+class WireSampling(SamplingParams):
+    """``SamplingParams`` as a request message carries it: the same fields and checks, plus the codec."""
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> WireSampling:
@@ -50,12 +44,11 @@ class WireSampling:
         return SamplingParams(**{name: getattr(self, name) for name in _NAMES})
 
     def to_json(self) -> dict[str, Any]:
-        body = {"v": SAMPLING_VERSION, **{name: getattr(self, name) for name in _NAMES}}
-        spec = self.structured
-        body["structured"] = (
-            None if spec is None else {"kind": spec.kind, "value": spec.value, "param": spec.param}
-        )
-        return body
+        """Fields at their default are left out: a message that does not use a field added since is
+        read by a worker of an older build (which refuses fields it does not know), and is smaller."""
+        values = {name: getattr(self, name) for name in _NAMES}
+        body = {name: _CODECS[name].encode(v) for name, v in values.items() if v != _DEFAULTS[name]}
+        return {"v": SAMPLING_VERSION, **body}
 
     @classmethod
     def from_json(cls, obj: object) -> WireSampling:
@@ -68,77 +61,108 @@ class WireSampling:
         unknown = set(obj) - set(_NAMES) - {"v"}
         if unknown:
             raise SamplingWireError(f"unknown sampling fields {sorted(unknown)}")
-        values = {name: _check(name, obj[name]) for name in _NAMES if name in obj}
-        sampling = cls(**values)
+        values = {name: _CODECS[name].decode(name, obj[name]) for name in _NAMES if name in obj}
         try:
-            sampling.to_params()  # the engine's own range checks, so a bad value fails here, not later
+            return cls(**values)  # the engine's own range checks, so a bad value fails here, not later
         except ValueError as exc:
             raise SamplingWireError(str(exc)) from None
-        return sampling
 
 
-# name -> (accepted JSON types, element type for lists, whether null is allowed)
-_INT, _NUM = (int,), (int, float)
-_SCHEMA: dict[str, tuple[tuple[type, ...], type | None, bool]] = {
-    "n": (_INT, None, False),
-    "temperature": (_NUM, None, False),
-    "top_p": (_NUM, None, False),
-    "top_k": (_INT, None, False),
-    "min_p": (_NUM, None, False),
-    "seed": (_INT, None, True),
-    "repetition_penalty": (_NUM, None, False),
-    "presence_penalty": (_NUM, None, False),
-    "frequency_penalty": (_NUM, None, False),
-    "max_tokens": (_INT, None, True),
-    "min_tokens": (_INT, None, False),
-    "stop": ((list,), str, False),
-    "stop_token_ids": ((list,), int, False),
-    "ignore_eos": ((bool,), None, False),
-    "logprobs": (_INT, None, True),
-    "include_stop_str_in_output": ((bool,), None, False),
-    "skip_special_tokens": ((bool,), None, False),
-    "structured": ((dict,), None, True),
-    "logit_bias": ((dict,), None, True),
-}
-_NAMES = tuple(f.name for f in fields(WireSampling))
-assert set(_NAMES) == set(_SCHEMA), "every wire sampling field needs a type check"
+@dataclass(frozen=True)
+class _Codec:
+    """One field's JSON form: ``check`` converts a JSON value (or raises ``TypeError``), ``encode`` the
+    reverse; null passes only where the annotation allows None."""
+
+    check: Callable[[Any], Any]
+    encode_value: Callable[[Any], Any]
+    nullable: bool
+
+    def decode(self, name: str, value: Any) -> Any:
+        if value is None and self.nullable:
+            return None
+        try:
+            return self.check(value)
+        except TypeError:
+            raise SamplingWireError(f"sampling field {name!r} has the wrong type: {value!r}") from None
+        except StructuredOutputError as exc:
+            raise SamplingWireError(str(exc)) from None
+
+    def encode(self, value: Any) -> Any:
+        return None if value is None else self.encode_value(value)
 
 
-def _check(name: str, value: Any) -> Any:
-    kinds, element, nullable = _SCHEMA[name]
-    if value is None and nullable:
-        return None
-    # bool is an int in Python, never in this schema's numbers.
-    ok = isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))
-    if ok and element is not None:
-        ok = all(isinstance(v, element) and not isinstance(v, bool) for v in value)
-    if not ok:
-        raise SamplingWireError(f"sampling field {name!r} has the wrong type: {value!r}")
-    if name == "structured":
-        return _structured(value)
-    if name == "logit_bias":
-        return _logit_bias(value)
-    return float(value) if kinds is _NUM else value
+def _scalar(kind: type) -> Callable[[Any], Any]:
+    """bool is an int in Python, never in this schema's numbers; a float field takes JSON ints."""
+    kinds: tuple[type, ...] = (int, float) if kind is float else (kind,)
+
+    def check(value: Any) -> Any:
+        if not isinstance(value, kinds) or (kind is not bool and isinstance(value, bool)):
+            raise TypeError
+        return float(typing.cast(float, value)) if kind is float else value
+
+    return check
 
 
-def _structured(value: dict[str, Any]) -> StructuredOutput:
+def _structured(value: Any) -> StructuredOutput:
+    if not isinstance(value, dict):
+        raise TypeError
     if set(value) != {"kind", "value", "param"} or not all(isinstance(v, str) for v in value.values()):
-        raise SamplingWireError(f"sampling field 'structured' has the wrong shape: {sorted(value)}")
-    try:
-        return StructuredOutput(value["kind"], value["value"], value["param"])
-    except StructuredOutputError as exc:
-        raise SamplingWireError(str(exc)) from None
+        raise StructuredOutputError(f"sampling field 'structured' has the wrong shape: {sorted(value)}")
+    return StructuredOutput(value["kind"], value["value"], value["param"])
 
 
-def _logit_bias(value: dict[str, Any]) -> dict[int, float]:
-    # JSON keys are strings: token ids written in decimal.
-    if not all(
-        isinstance(k, str)
-        and k.isascii()
-        and k.isdigit()
-        and isinstance(v, int | float)
-        and not isinstance(v, bool)
-        for k, v in value.items()
-    ):
-        raise SamplingWireError("sampling field 'logit_bias' must map token ids to numbers")
-    return {int(k): float(v) for k, v in value.items()}
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _codec(hint: Any) -> _Codec:
+    """The codec of a field annotated ``hint``; TypeError for a type the wire cannot carry yet."""
+    args = typing.get_args(hint)
+    nullable = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args
+    if nullable:
+        (hint,) = [a for a in args if a is not type(None)]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in (int, float, bool, str):
+        return _Codec(_scalar(hint), _identity, nullable)
+    if hint is StructuredOutput:
+        return _Codec(_structured, lambda s: {"kind": s.kind, "value": s.value, "param": s.param}, nullable)
+    if origin is list and args[0] in (int, float, bool, str):
+        item = _scalar(args[0])
+
+        def check_list(value: Any) -> list[Any]:
+            if not isinstance(value, list):
+                raise TypeError
+            return [item(v) for v in value]
+
+        return _Codec(check_list, list, nullable)
+    if origin is dict and args[0] in (int, str) and args[1] in (int, float, bool, str):
+        key_kind, value_check = args[0], _scalar(args[1])
+
+        def check_dict(value: Any) -> dict[Any, Any]:
+            if not isinstance(value, dict):
+                raise TypeError
+            try:  # JSON keys are strings: "50256" -> 50256
+                return {key_kind(k): value_check(v) for k, v in value.items()}
+            except ValueError:
+                raise TypeError from None
+
+        return _Codec(check_dict, lambda d: {str(k): v for k, v in d.items()}, nullable)
+    raise TypeError(f"no wire codec for {hint!r}")
+
+
+def _codecs() -> dict[str, _Codec]:
+    hints = typing.get_type_hints(SamplingParams)
+    out = {}
+    for f in fields(SamplingParams):
+        try:
+            out[f.name] = _codec(hints[f.name])
+        except TypeError as exc:
+            raise TypeError(f"SamplingParams.{f.name}: {exc}; add its case to wire_sampling._codec") from None
+    return out
+
+
+_CODECS = _codecs()
+_NAMES = tuple(_CODECS)
+_DEFAULTS = {
+    f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in fields(SamplingParams)
+}

@@ -10,7 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from engine.platform import freeze_heap
+from engine.platform.memory import freeze_heap
 from services.common.consumers import num_consuming
 from services.common.http_tracing import TracingMiddleware, fastapi_native_tracing_off
 from services.common.kafka import ensure_topic

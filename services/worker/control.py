@@ -15,6 +15,7 @@ from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
 from services.common.wire import CancelMessage, WireError
 from services.worker.engine_client import EngineClient
+from services.worker.lifecycle import RunEvent
 from services.worker.run_state import Run
 from services.worker.worker_telemetry import count_cancelled
 
@@ -69,12 +70,12 @@ class Control:
                 await self._cancel(run)
 
     async def _cancel(self, run: Run) -> None:
-        if run.cancelled:
-            return
+        in_engine = bool(run.engine_ids)
+        if not run.state.send(RunEvent.CANCEL):
+            return  # cancelled already, or on its way out: its next claim reads the cancel key
         log.info("cancelling %s", run.id)
-        count_cancelled("engine" if run.engine_ids else "intake")
+        count_cancelled("engine" if in_engine else "intake")
         run.span.add_event("cancel requested")
-        run.cancelled = True
         await self.abort(run)
 
     async def _recheck_cancels(self) -> None:
@@ -148,7 +149,7 @@ class Control:
 
     def fence(self, run: Run) -> None:
         """Another worker owns ``run`` now (or its events cannot be delivered): stop it here, silently."""
-        run.fenced = True
+        run.state.send(RunEvent.FENCE)
         run.holds_lease = False
         self._spawn(self.abort(run))
 

@@ -98,7 +98,7 @@ async def serve(settings: Settings) -> int:
         await stop_live(live_task)
         await engine.shutdown()
         raise
-    from engine.platform import freeze_heap  # torch-free
+    from engine.platform.memory import freeze_heap  # torch-free
 
     # Started: what is loaded now lives as long as the process (with an in-process engine, the model).
     freeze_heap()
@@ -135,9 +135,9 @@ async def _exit_after_stall(worker: Worker, probes: Probes) -> None:
 
 async def start_engine(model: str, settings: Settings) -> EngineClient:
     """The engine core in its own process (the default), or its loop on a thread of this one."""
-    from engine.platform import torch_threads  # torch-free
+    from engine.platform.threads import torch_threads  # torch-free
 
-    # Unset, the cores this process may run on (affinity, CPU quota, hyperthreads; engine/platform.py)
+    # Unset, the cores this process may run on (affinity, CPU quota, hyperthreads; engine/platform/threads.py)
     # rather than torch's default, which counts every CPU the container can see, less one core kept for
     # this process's own loop (Kafka, Redis for every token, HTTP) where there are two or more: with a
     # thread on every core, each time the loop runs it preempts one, and every other OpenMP thread

@@ -1,7 +1,8 @@
 """Run one consumed request through the engine: claim, resume, generate, finish.
 
     take (no longer pending) -> start (lease, seed, the log so far) -> generate each completion index
-    -> finish (last event + record, lease dropped), or hand back / stop when fenced.
+    -> finish (last event + record, lease dropped), or hand back / stop when fenced. A run whose
+    engine died under it once too often (poison.py) is failed instead of handed back.
 
 A request with n completions is one engine request: the engine fans it out (seeds seed + i); after a
 crash each index resumes from its own tokens in the log, and indexes already finished are not run.
@@ -27,6 +28,8 @@ from services.common.settings import Settings
 from services.common.store import Store
 from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
 from services.worker.engine_client import EngineClient
+from services.worker.lifecycle import RunEvent, RunStatus
+from services.worker.poison import fail_if_poison, failed_before
 from services.worker.publisher import Publisher
 from services.worker.run_state import Final, Outcome, PendingDelta, Run, record
 from services.worker.worker_telemetry import count_cancelled, engine_attributes
@@ -78,15 +81,17 @@ class Runner:
                 return Outcome.HANDED_BACK
             await asyncio.sleep(min(1.0, s.lease_ttl_s / 4))
         run.holds_lease, run.epoch = True, start.epoch
+        run.state.send(RunEvent.CLAIM)
         if any(isinstance(e, DoneEvent) for e in start.events):
             return Outcome.SKIPPED
         self._resume(run, start.events)
-        if start.cancelled or run.cancelled:
-            if not run.cancelled:  # cancelled before this worker claimed it; the listener counts the rest
-                count_cancelled("intake")
-            run.cancelled = True
+        if start.cancelled and run.state.send(RunEvent.CANCEL):
+            count_cancelled("intake")  # cancelled before this worker claimed it; the listener counts the rest
+        if run.cancelled:
             return await self._finish(run)
         if run.errors:  # the worker gave up on it after repeated failures (worker.py): fail it for good
+            return await self._finish(run)
+        if await failed_before(self.store, s, run):  # past the engine-failure bound already (poison.py)
             return await self._finish(run)
         deadline = run.msg.deadline
         if deadline is not None and not run.resumed_from and time.time() > deadline:
@@ -94,19 +99,21 @@ class Runner:
             # before the engine spends a prefill on it. A resumed request has started: it runs on.
             late_s = time.time() - deadline
             log.info("skipping %s: its deadline passed %.1fs ago", run.id, late_s)
-            run.errors[0] = f"no engine could start this request by its deadline ({late_s:.1f}s ago)"
-            run.error_code = "timeout"
+            run.state.fail(
+                0, f"no engine could start this request by its deadline ({late_s:.1f}s ago)", "timeout"
+            )
             return await self._finish(run)
         try:
             params = run.msg.params.to_params()
             run.prompt_token_ids = self._prompt(run, params)
         except Exception as exc:  # bad parameters, or a chat template that cannot render these messages
-            run.errors[0] = str(exc)
-            run.error_code, run.error_param = "invalid_request", getattr(exc, "param", None)
+            run.state.fail(0, str(exc), "invalid_request", getattr(exc, "param", None))
             return await self._finish(run)
         seed = params.seed if params.seed is not None else start.seed
         assert seed is not None
         await self._generate(run, params, seed)
+        if run.handed_back and run.state.engine_died_under and await fail_if_poison(self.store, s, run):
+            return await self._finish(run)  # its engines keep dying under it: failed, not passed on
         if run.handed_back or run.fenced:
             if run.handed_back and run.holds_lease:
                 await self.store.release(run.id, s.worker_id, run.epoch)
@@ -165,6 +172,7 @@ class Runner:
         resumed = {i: list(run.output.choice(i).token_ids) for i in todo}
         engine_id = run.id
         run.engine_ids.add(engine_id)
+        run.state.send(RunEvent.START)
         # The engine names a child "<id>#<index>" when n > 1 (its records and spans use that name).
         child_ids = {i: engine_id if params.n == 1 else f"{engine_id}#{i}" for i in todo}
         if self.spans is not None:
@@ -193,7 +201,7 @@ class Runner:
                 if out.metrics is not None:  # the finished request's record: its prefix-cache hit
                     run.cached_tokens = min(out.metrics.num_cached_tokens, len(run.prompt_token_ids))
                 if out.error_param is not None:  # the input's fault (a grammar that did not compile): a 400
-                    run.error_code, run.error_param = "invalid_request", out.error_param
+                    run.state.blame("invalid_request", out.error_param)
                 if run.stopping and not out.finished:
                     await self.engine.abort(engine_id)
         except Exception as exc:
@@ -205,7 +213,7 @@ class Runner:
                 # The engine died, not the request: no error event; it is handed back (offset left
                 # uncommitted) and another worker resumes it from the log once this one leaves.
                 log.warning("request %s handed back: the engine died", run.id)
-                run.handed_back = True
+                run.state.send(RunEvent.ENGINE_DIED)
                 return
             if not isinstance(exc, ValueError | RuntimeError):
                 raise
@@ -213,10 +221,10 @@ class Runner:
             if isinstance(exc, ValueError):
                 # The engine refused the input (a PromptError names the field to blame): the client's
                 # fault.
-                run.error_code, run.error_param = "invalid_request", getattr(exc, "param", None)
+                run.state.blame("invalid_request", getattr(exc, "param", None))
             for i in todo:
                 if not run.output.finished(i):
-                    run.errors[i] = str(exc)
+                    run.state.fail(i, str(exc))
                     self.publisher.emit(run, PendingDelta(i, [], "", "error"))
         finally:
             run.engine_ids.discard(engine_id)
@@ -237,15 +245,18 @@ class Runner:
         others_done = all(run.output.finished(i) for i in range(params.n) if i != c.index)
         self.publisher.emit(run, pending, last=finish is not None and others_done)
         if finish == "error":
-            run.errors[c.index] = error or "the engine failed this request"
-            if (error or "").startswith("slo_ttft_unmet"):  # the slo policy gave up on it
-                run.error_code = "slo_ttft_unmet"
+            slo = (error or "").startswith("slo_ttft_unmet")  # the slo policy gave up on it
+            run.state.fail(
+                c.index, error or "the engine failed this request", "slo_ttft_unmet" if slo else None
+            )
 
     async def _finish(self, run: Run) -> Outcome:
-        if run.cancelled:
+        run.state.send(RunEvent.FINISH)
+        if run.status is RunStatus.CANCELLED:
             final = Final(CANCELLED, "cancelled by the client", "cancelled")
         elif run.errors:
-            final = Final(FAILED, "; ".join(run.errors.values()), run.error_code, param=run.error_param)
+            err = run.state
+            final = Final(FAILED, "; ".join(err.errors.values()), err.error_code, param=err.error_param)
         else:
             final = Final(COMPLETED)
         final.fields = self._record_fields(run, final)

@@ -1,15 +1,17 @@
 """One request as a worker sees it: what it has emitted, and how it must end.
 
-A ``Run`` holds the request's identity and its stop flags; what it has produced so far lives in
-``Output`` (the one accumulator the final record is built from), what still has to reach Redis in
-``Outbox`` (the publisher's state), and its tracing state in ``RunTrace``.
+A ``Run`` holds the request's identity and its status (``RunState``, whose changes live in lifecycle.py
+alone); what it has produced so far lives in ``Output`` (the one accumulator the final record is built
+from), what still has to reach Redis in ``Outbox`` (the publisher's state), and its tracing state in
+``RunTrace``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
 
 from aiokafka.structs import TopicPartition
@@ -18,6 +20,7 @@ from opentelemetry.context import Context
 
 from engine.outputs import ChoiceAccumulator
 from services.common.wire import DeltaEvent, DoneEvent, RequestMessage, encode_event
+from services.worker.lifecycle import RunState, RunStatus
 
 
 class Outcome(StrEnum):
@@ -102,13 +105,11 @@ class Run:
     output: Output = field(default_factory=Output)
     outbox: Outbox = field(default_factory=Outbox)
     tracing: RunTrace = field(default_factory=RunTrace)
-    errors: dict[int, str] = field(default_factory=dict)  # completion index -> why it failed
-    error_code: str = "engine_error"
-    error_param: str | None = None  # with "invalid_request": the field to blame (ContextLengthError.param)
+    # Its status and errors: changed by events only (lifecycle.py). A retry (worker.py) passes the
+    # failed attempt's as ``retry_of``: the new attempt starts FETCHED with its errors.
+    state: RunState = field(init=False)
+    retry_of: InitVar[RunState | None] = None
     resumed_from: int = 0  # output tokens that came from the log (a crash resume)
-    cancelled: bool = False  # the client asked: finish as cancelled
-    handed_back: bool = False  # drain: stop without finishing, another worker resumes
-    fenced: bool = False  # another worker owns it now: stop silently
     holds_lease: bool = False
     epoch: int = 0  # the claim's fencing token (Store.start): every write to Redis carries it
     engine_ids: set[str] = field(default_factory=set)  # ids live in the engine now
@@ -116,6 +117,9 @@ class Run:
     first_token: float | None = None
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (usage)
     task: asyncio.Task[Outcome] | None = None
+
+    def __post_init__(self, retry_of: RunState | None) -> None:
+        self.state = RunState(self.msg.id) if retry_of is None else retry_of.next_attempt()
 
     @property
     def id(self) -> str:
@@ -125,9 +129,34 @@ class Run:
     def span(self) -> trace.Span:
         return self.tracing.span
 
+    # ---- its status, read-only (lifecycle.py changes it) ---------------------------------------
+    @property
+    def status(self) -> RunStatus:
+        return self.state.status
+
+    @property
+    def cancelled(self) -> bool:
+        """The client asked: it finishes as cancelled."""
+        return self.state.status is RunStatus.CANCELLED
+
+    @property
+    def handed_back(self) -> bool:
+        """It stops without finishing; another worker resumes it."""
+        return self.state.status is RunStatus.HANDED_BACK
+
+    @property
+    def fenced(self) -> bool:
+        """Another worker owns it now: it stops silently."""
+        return self.state.status is RunStatus.FENCED
+
     @property
     def stopping(self) -> bool:
-        return self.cancelled or self.handed_back or self.fenced
+        return self.state.stopping
+
+    @property
+    def errors(self) -> Mapping[int, str]:
+        """Completion index -> why it failed."""
+        return self.state.errors
 
     def number_outbox(self, worker: str) -> None:
         """Merge adjacent pending deltas of one index and number them into ``outbox.unsent``.

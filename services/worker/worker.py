@@ -11,8 +11,9 @@ model step). Each job has one module:
     lease keeper    control.py    extends this worker's leases; a lost lease stops that request here
     load reporting  load.py       requests held (Prometheus), pod-deletion-cost
 The loops run supervised (supervise.py): one that raises is restarted, and /readyz reports it meanwhile.
-A request's state as the worker holds it is a ``Run`` (run_state.py). This module owns the set of runs
-and the lifecycle: start, drain (SIGTERM), stop.
+A request's state as the worker holds it is a ``Run`` (run_state.py), whose status changes only in
+lifecycle.py (the other modules send it events). This module owns the set of runs and the worker's own
+lifecycle: start, drain (SIGTERM), stop.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ from services.common.kafka import broker_session_timeout_ms, ensure_topic, make_
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store, connect_redis
 from services.common.wire import TERMINAL
-from services.worker import faults, worker_telemetry
+from services.worker import faults, poison, worker_telemetry
 from services.worker.commits import Committer, RebalanceListener
 from services.worker.control import Control
 from services.worker.engine_client import EngineClient
 from services.worker.intake import OUTCOMES, Intake
 from services.worker.kafka_compat import leave_first_generation
+from services.worker.lifecycle import RunEvent
 from services.worker.load import LoadReporter
 from services.worker.offsets import OffsetTracker
 from services.worker.publisher import Publisher
@@ -71,6 +73,7 @@ class Worker:
             settings, self.store, engine, self.tracker, self.runs, self._start_run, self._spawn
         )
         self.load = LoadReporter(self._spawn)
+        poison.engine_failures()  # its series scrape from the start, at 0
         self.consumer: AIOKafkaConsumer | None = None
         self.supervisor = Supervisor()
         self.started = False
@@ -142,7 +145,7 @@ class Worker:
         while self.runs and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         for run in list(self.runs.values()):
-            run.handed_back = True
+            run.state.send(RunEvent.HAND_BACK)
             await self.control.abort(run)
         pending = [r.task for r in self.runs.values() if r.task is not None]
         if pending:
@@ -245,17 +248,20 @@ class Worker:
             if worker_failures >= _MAX_ATTEMPTS and not run.errors:
                 # The worker keeps failing this one request: not Redis's fault. Failing it is terminal
                 # (offset committed once Redis has it) rather than a partition stuck on it.
-                run.errors[0] = "the worker failed this request repeatedly"
-                run.error_code = "worker_error"
+                run.state.fail(0, "the worker failed this request repeatedly", "worker_error")
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, 2.0)
             run = self._retry(run)
 
     def _retry(self, old: Run) -> Run:
         """A fresh run of the same delivery: it claims the request again and resumes from the log."""
-        run = Run(old.msg, deliveries=old.deliveries, prompt_token_ids=list(old.msg.prompt_token_ids))
+        run = Run(
+            old.msg,
+            deliveries=old.deliveries,
+            prompt_token_ids=list(old.msg.prompt_token_ids),
+            retry_of=old.state,
+        )
         run.tracing.span = old.tracing.span
-        run.errors, run.error_code = dict(old.errors), old.error_code
         run.task = old.task
         self.runs[run.id] = run
         return run
@@ -281,7 +287,7 @@ class Worker:
         log.error("the engine died (%r): handing back %d requests", self.engine.dead_error, len(self.runs))
         self.intake.stopped = True
         for run in list(self.runs.values()):
-            run.handed_back = True
+            run.state.send(RunEvent.ENGINE_DIED)
             with contextlib.suppress(Exception):
                 await self.control.abort(run)
         pending = [r.task for r in self.runs.values() if r.task is not None]

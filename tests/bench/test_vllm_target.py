@@ -26,7 +26,7 @@ from bench.targets.vllm_cpu import (
     run_result,
     thread_binding,
 )
-from engine.platform import allowed_cpus
+from engine.platform.threads import allowed_cpus
 from inflight.plan.workload import RequestSpec
 
 SPECS = [

@@ -21,7 +21,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.layers.linear import matmul
 from engine.models.tiny import write_tiny_checkpoint
-from engine.platform import AUTO_DTYPE_ENV, cpu_auto_dtype, cpu_flags
+from engine.platform.cpu import AUTO_DTYPE_ENV, cpu_auto_dtype, cpu_flags
 from tests.engine.hf_reference import hf_greedy
 
 NEW_TOKENS = 16
@@ -100,10 +100,10 @@ def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
         expect = torch.bfloat16 if {"avx512_bf16", "amx_bf16"} & cpu_flags() else torch.float32
         assert cpu_auto_dtype() == expect
         cpu_auto_dtype.cache_clear()
-        monkeypatch.setattr("engine.platform.cpu_flags", lambda: frozenset({"avx2", "fma"}))
+        monkeypatch.setattr("engine.platform.cpu.cpu_flags", lambda: frozenset({"avx2", "fma"}))
         assert cpu_auto_dtype() == torch.float32  # an AVX2-only host: bf16 matmuls would crawl
         cpu_auto_dtype.cache_clear()
-        monkeypatch.setattr("engine.platform.cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
+        monkeypatch.setattr("engine.platform.cpu.cpu_flags", lambda: frozenset({"avx512f", "amx_bf16"}))
         assert cpu_auto_dtype() == torch.bfloat16
         cpu_auto_dtype.cache_clear()
         monkeypatch.setenv(AUTO_DTYPE_ENV, "float32")  # the operator's override wins

@@ -1,4 +1,4 @@
-"""The CPU KV cache on transparent huge pages (engine.platform.huge_page_zeros).
+"""The CPU KV cache on transparent huge pages (engine.platform.memory.huge_page_zeros).
 
 What can be checked without depending on the host's free memory: the tensor is what torch.zeros would
 give, starts on a 2 MiB boundary, and the kernel took the advice (the mapping holding it is marked
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import platform
 from engine.config import EngineArgs, EngineConfig
+from engine.platform import memory
 from engine.worker.model_runner import ModelRunner
 
 MIB = 1 << 20
@@ -48,7 +48,7 @@ def _eligible(address: int) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zeroed_and_shaped_like_torch_zeros(dtype: torch.dtype) -> None:
     shape = (2, 37, 3, 16, 64)  # ~1.4-2.7 MiB: both sides of the 2 MiB threshold
-    t = platform.huge_page_zeros(shape, dtype)
+    t = memory.huge_page_zeros(shape, dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
     assert torch.count_nonzero(t) == 0
     t.view(-1)[::2] = 1.5  # writable, and every element is its own
@@ -57,7 +57,7 @@ def test_zeroed_and_shaped_like_torch_zeros(dtype: torch.dtype) -> None:
 
 @needs_thp
 def test_large_cache_is_advised_and_aligned() -> None:
-    t = platform.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)  # 12 MiB
+    t = memory.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)  # 12 MiB
     assert t.data_ptr() % (2 * MIB) == 0
     assert _eligible(t.data_ptr())
     assert _eligible(t.data_ptr() + t.numel() * 4 - 4 * MIB)
@@ -66,14 +66,14 @@ def test_large_cache_is_advised_and_aligned() -> None:
 def test_small_or_thp_off_is_plain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mode = tmp_path / "enabled"
     mode.write_text("always madvise [never]\n")
-    monkeypatch.setattr(platform, "_THP_MODE", mode)
-    platform.thp_available.cache_clear()
+    monkeypatch.setattr(memory, "_THP_MODE", mode)
+    memory.thp_available.cache_clear()
     try:
-        t = platform.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)
+        t = memory.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)
         assert torch.count_nonzero(t) == 0 and t.untyped_storage().nbytes() == t.numel() * 4  # torch's
     finally:
-        platform.thp_available.cache_clear()
-    small = platform.huge_page_zeros((4, 64), torch.float32)
+        memory.thp_available.cache_clear()
+    small = memory.huge_page_zeros((4, 64), torch.float32)
     assert small.untyped_storage().nbytes() == 4 * 64 * 4 and torch.count_nonzero(small) == 0
 
 
@@ -88,11 +88,11 @@ def test_model_runner_kv_cache_on_huge_pages(tiny_llama_path: Path) -> None:
 
 def test_on_huge_pages_copies_large_and_keeps_small() -> None:
     big = torch.randn(1024, 1024)  # 4 MiB
-    moved = platform.on_huge_pages(big)
+    moved = memory.on_huge_pages(big)
     assert torch.equal(moved, big) and moved.shape == big.shape
     small = torch.randn(16, 16)
-    assert platform.on_huge_pages(small) is small
-    if platform.thp_available():
+    assert memory.on_huge_pages(small) is small
+    if memory.thp_available():
         assert moved.data_ptr() != big.data_ptr() and moved.data_ptr() % (2 * MIB) == 0
         assert _eligible(moved.data_ptr())
     else:
@@ -109,16 +109,16 @@ def test_packed_weights_on_huge_pages() -> None:
     packed = cpu_gemm.pack(w)
     x = torch.randn(5, 576)
     torch.testing.assert_close(cpu_gemm.linear(x, packed), x @ w.T, rtol=1e-4, atol=1e-4)
-    if platform.thp_available():
+    if memory.thp_available():
         assert packed.data_ptr() % (2 * MIB) == 0 and _eligible(packed.data_ptr())
 
 
 def test_off_keeps_torch_allocations(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFLIGHT_CPU_HUGE_PAGES", "off")
-    t = platform.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)
+    t = memory.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)
     assert t.untyped_storage().nbytes() == t.numel() * 4 and torch.count_nonzero(t) == 0  # torch's own
     big = torch.randn(1024, 1024)
-    assert platform.on_huge_pages(big) is big
+    assert memory.on_huge_pages(big) is big
     monkeypatch.setenv("INFLIGHT_CPU_HUGE_PAGES", "always")
     with pytest.raises(ValueError, match="madvise or off"):
-        platform.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)
+        memory.huge_page_zeros((2, 512, 3, 16, 64), torch.float32)

@@ -1,4 +1,4 @@
-"""The CPU engine keeps freed memory mapped (engine/platform.py, ``reuse_freed_memory``): once warm, a
+"""The CPU engine keeps freed memory mapped (engine/platform/memory.py, ``reuse_freed_memory``): once warm, a
 prefill step allocates its activations on pages it already has instead of faulting fresh ones in.
 
 Each case runs the engine in a subprocess: malloc's thresholds are process-wide and set once, so the
@@ -29,7 +29,7 @@ import json, random, resource, sys
 import torch
 torch.set_num_threads(1)
 from engine import SamplingParams
-from engine import platform
+from engine.platform import memory
 from engine.llm_engine import LLMEngine
 
 engine = LLMEngine.from_engine_args(
@@ -48,7 +48,7 @@ for round_ in range(int(sys.argv[2])):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     while engine.has_unfinished_requests():
         engine.step()
-print(json.dumps({"reused": platform.reuse_freed_memory(), "faults": faults}))
+print(json.dumps({"reused": memory.reuse_freed_memory(), "faults": faults}))
 """
 
 

@@ -1,6 +1,6 @@
-"""The engine's default thread count, decided from the host (engine/platform.py): the physical cores this
-process may run on, bounded by its cgroup's CPU quota and by one NUMA node. Each test builds a fake
-/sys and /proc under tmp_path and hands the decision that root."""
+"""The engine's default thread count, decided from the host (engine/platform/threads.py): the physical
+cores this process may run on, bounded by its cgroup's CPU quota and by one NUMA node. Each test builds a
+fake /sys and /proc under tmp_path and hands the decision that root."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import platform
-from engine.platform import cpu_quota, decide_torch_threads, parse_cpu_list
+from engine.platform import threads as platform
+from engine.platform.threads import cpu_quota, decide_torch_threads, parse_cpu_list
 
 
 def fake_host(
@@ -122,7 +122,7 @@ def test_a_serving_process_takes_the_operators_count_or_the_hosts(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(platform, "host_torch_threads", lambda: platform.ThreadChoice(3, "3 cores allowed"))
-    with caplog.at_level(logging.INFO, logger="engine.platform"):
+    with caplog.at_level(logging.INFO, logger="engine.platform.threads"):
         assert platform.torch_threads(5) == 5
         assert platform.torch_threads(None) == 3
     assert "torch threads: 5 (set by INFLIGHT_TORCH_THREADS)" in caplog.text
@@ -139,7 +139,7 @@ def test_a_worker_keeps_a_core_for_its_own_loop(
         monkeypatch.setattr(platform, "host_torch_threads", lambda c=choice: c)
         assert platform.torch_threads(None, reserve=1) == expected
     assert platform.torch_threads(2, reserve=1) == 2
-    with caplog.at_level(logging.INFO, logger="engine.platform"):
+    with caplog.at_level(logging.INFO, logger="engine.platform.threads"):
         monkeypatch.setattr(
             platform, "host_torch_threads", lambda: platform.ThreadChoice(4, "4 cores allowed")
         )

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from bench import cpu_attention_bench as bench
-from engine import platform
 from engine.attention.backend import KVLayout
 from engine.kernels import cpu as cpu_kernels
+from engine.platform import memory
 
 
 def test_caches_hold_the_same_values_in_each_layout():
@@ -53,5 +53,5 @@ def test_caches_on_huge_pages_unless_asked():
         shape, torch.float32, 1, [KVLayout.HEAD_MAJOR_KT] * 2, small_pages=[False, True]
     )
     assert torch.equal(huge[0], small[0])
-    if platform.thp_available():
+    if memory.thp_available():
         assert huge[0].data_ptr() % (2 << 20) == 0

@@ -92,7 +92,7 @@ def test_bf16_inputs_give_bf16_within_one_rounding(name: str) -> None:
 
 
 def test_the_host_path_is_the_best_the_cpu_has() -> None:
-    from engine.platform import cpu_flags
+    from engine.platform.cpu import cpu_flags
 
     flags = cpu_flags()
     if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:

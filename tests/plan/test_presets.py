@@ -13,7 +13,7 @@ from engine.cost_model import StepCostModel
 from inflight.cli import main
 from inflight.plan import presets
 from inflight.plan.calibrate import describe
-from inflight.plan.presets import GPUS, MODELS, Assumptions, PresetError, Roofline, Settings
+from inflight.plan.presets import GPUS, MODELS, Assumptions, EngineLimits, PresetError, Roofline
 
 H200, LLAMA = GPUS["h200"], MODELS["llama-3-8b"]
 
@@ -66,7 +66,7 @@ def test_a_big_prefill_is_compute_bound() -> None:
 
 
 def test_kv_blocks_come_from_the_memory_left(h200_llama: StepCostModel) -> None:
-    settings, a = Settings(), Assumptions()
+    settings, a = EngineLimits(), Assumptions()
     reserve = presets.activation_reserve(LLAMA, settings.max_num_batched_tokens, settings.max_num_seqs)
     free = 141e9 * 0.9 - LLAMA.weight_bytes - reserve
     assert h200_llama.engine["num_blocks"] == math.floor(free / (LLAMA.kv_bytes_per_token * 16))
@@ -83,7 +83,7 @@ def test_a_model_that_does_not_fit_is_refused() -> None:
         presets.build("l4", "llama-3-70b")
     # It fits, but a KV cache of ~25k tokens cannot hold one request of 64k.
     with pytest.raises(PresetError, match="lower --max-model-len"):
-        presets.build("l4", "llama-3-8b", Settings(max_num_seqs=8, max_model_len=65536))
+        presets.build("l4", "llama-3-8b", EngineLimits(max_num_seqs=8, max_model_len=65536))
     with pytest.raises(PresetError, match="unknown GPU"):
         presets.build("b200", "llama-3-8b")
     with pytest.raises(PresetError, match="mbu"):
@@ -94,7 +94,7 @@ def test_the_linear_fit_follows_the_roofline_within_its_reported_error(h200_llam
     cost = h200_llama
     roof = Roofline(H200, LLAMA)
     kv_tokens = cost.engine["num_blocks"] * cost.engine["block_size"]
-    rows = presets._grid_rows(Settings(), kv_tokens)
+    rows = presets._grid_rows(EngineLimits(), kv_tokens)
     assert len(rows) == cost.fit["num_samples"] > 50
     errors = []
     for r in rows:
@@ -144,7 +144,7 @@ def test_a_checkpoints_config_json_gives_its_shape(tmp_path: Path) -> None:
     per_layer = 256 * 256 * 2 + 2 * 256 * 64 + 3 * 256 * 512 + 2 * 256
     assert shape.params == 4 * per_layer + 1000 * 256 + 256  # tied: one table
     assert shape.kv_bytes_per_token == 2 * 4 * 2 * 32 * 2
-    cost = presets.build("l4", str(tmp_path), Settings(max_num_seqs=16, max_model_len=1024))
+    cost = presets.build("l4", str(tmp_path), EngineLimits(max_num_seqs=16, max_model_len=1024))
     assert cost.engine["model"] == str(tmp_path) and cost.host["params"] == shape.params
     del config["vocab_size"]
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -10,7 +10,7 @@ import pytest
 from engine.cost_model import StepCostModel
 from inflight.cli import main
 from inflight.plan import presets
-from inflight.plan.presets import GPUS, MODELS, PresetError, Roofline, Settings
+from inflight.plan.presets import GPUS, MODELS, EngineLimits, PresetError, Roofline
 
 H100, LLAMA = GPUS["h100"], MODELS["llama-3-8b"]
 
@@ -26,8 +26,8 @@ def test_a_model_too_big_for_one_gpu_fits_on_two() -> None:
 
 
 def test_each_rank_holds_its_share_of_the_kv_heads() -> None:
-    one = presets.kv_memory(H100, LLAMA, Settings(), presets.Assumptions())
-    four = presets.kv_memory(H100, LLAMA, Settings(), presets.Assumptions(), tp=4)
+    one = presets.kv_memory(H100, LLAMA, EngineLimits(), presets.Assumptions())
+    four = presets.kv_memory(H100, LLAMA, EngineLimits(), presets.Assumptions(), tp=4)
     # 8 KV heads over 4 ranks: a quarter of a token's KV per rank, and more HBM left for it.
     assert presets.kv_bytes_per_token_per_rank(LLAMA, 4) == LLAMA.kv_bytes_per_token // 4
     assert four["num_blocks"] > 4 * one["num_blocks"]
