@@ -130,9 +130,11 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
-        from engine.models.gguf import local_checkpoint  # a .gguf file reads from its converted copy
+        # A .gguf file's config comes from its metadata (engine/models/gguf.py); its weights are read
+        # from the file itself or from the float copy, as EngineArgs.quantization says.
+        from engine.models.gguf import local_tokenizer_files
 
-        cfg = local_checkpoint(path) / "config.json"
+        cfg = local_tokenizer_files(path) / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"no model at {path!s}: {cfg.name} not found")
         return cls.from_dict(json.loads(cfg.read_text()))

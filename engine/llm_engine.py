@@ -365,9 +365,9 @@ class LLMEngine:
 def _load_tokenizer(path: str) -> Tokenizer | None:
     # Imported only when there is one: a GPU host benchmarking a random-weight checkpoint needs no
     # tokenizers package.
-    from engine.models.gguf import local_checkpoint
+    from engine.models.gguf import local_tokenizer_files
 
-    if not (local_checkpoint(path) / "tokenizer.json").is_file():
+    if not (local_tokenizer_files(path) / "tokenizer.json").is_file():
         return None
     from engine.tokenizer import load_tokenizer
 

@@ -211,9 +211,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
 
     Without one the engine serves token-id prompts only. A ``.gguf`` file reads from its converted copy.
     """
-    from engine.models.gguf import local_checkpoint
+    from engine.models.gguf import local_tokenizer_files
 
-    root = local_checkpoint(path)
+    root = local_tokenizer_files(path)
     if not (root / "tokenizer.json").is_file():
         return None
     backend = _Backend.from_file(str(root / "tokenizer.json"))

@@ -37,11 +37,12 @@ def default_model() -> str:
 def main(
     port: int = 8000, model: str | None = None, num_workers: int = 1, served_model_name: str | None = None
 ) -> int:
-    from engine.models.gguf import local_checkpoint, short_name
+    from engine.models.gguf import local_tokenizer_files, short_name
 
     model = model or default_model()
-    # Convert a GGUF here, where its progress bar reaches the terminal (the children log to files).
-    local_checkpoint(model)
+    # Read a GGUF's metadata here, once, where its progress reaches the terminal (the children log to
+    # files); the workers serve its weights in their block formats, from the file.
+    local_tokenizer_files(model)
     name = served_model_name or os.environ.get("INFLIGHT_SERVED_MODEL_NAME") or short_name(model)
     workdir = Path(tempfile.mkdtemp(prefix="inflight-dev-"))
     stopping = False

@@ -155,48 +155,11 @@ class AttentionBackend(Protocol):
         ...
 
 
-class ModelWindowBackend:
-    """A backend that attends within ``sliding_window`` whenever its caller passes no window: how a
-    model whose every layer shares one window (``ModelConfig.kv_free_window``) gets it without passing
-    it per layer. Its KV cache frees blocks outside that window, so attention must never read them."""
-
-    def __init__(self, inner: AttentionBackend, sliding_window: int) -> None:
-        self.inner = inner
-        self.sliding_window = sliding_window
-        self.name = inner.name
-
-    def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout:
-        return self.inner.kv_layout(dtype, head_size, device)
-
-    def prepare(self, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype) -> None:
-        self.inner.prepare(num_heads, num_kv_heads, head_size, dtype)
-
-    def store_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
-    ) -> None:
-        self.inner.store_kv(key, value, kv_cache, metadata)
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        *,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
-        window = self.sliding_window if sliding_window is None else sliding_window
-        return self.inner.forward(
-            query, kv_cache, metadata, scale, sliding_window=window, logits_soft_cap=logits_soft_cap
-        )
-
-
-def get_attention_backend(name: str, model_window: int | None = None) -> AttentionBackend:
-    """The backend ``name``; ``model_window``: the window every layer of the model uses (its KV cache
-    frees blocks outside it), applied to calls that pass none."""
-    backend = _backend(name)
-    return backend if model_window is None else ModelWindowBackend(backend, model_window)
+def get_attention_backend(name: str) -> AttentionBackend:
+    """The backend ``name``. Each attention layer passes its own window and soft cap
+    (engine/layers/attention.py), so a KV cache that frees blocks outside a model-wide window is only
+    ever read within it."""
+    return _backend(name)
 
 
 def _backend(name: str) -> AttentionBackend:

@@ -23,6 +23,10 @@ from engine.quant.linear import quant_linear
 from engine.quant.weight import QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight
+# Up to this many rows a block-format weight is multiplied as stored (engine/quant: a decode step reads
+# each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step. Measured
+# on SmolLM2-135M Q4_1 (docs/benchmarks.md, "Quantized weights").
+QUANT_KERNEL_MAX_ROWS = 32
 
 
 class Linear:
@@ -56,7 +60,11 @@ class Linear:
 def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: Kernels) -> torch.Tensor:
     """One linear product on any weight layout ``Kernels.pack`` returns, or a GGUF block format."""
     if isinstance(weight, QuantizedWeight):
-        return quant_linear(x, weight, bias)
+        if x.shape[0] <= QUANT_KERNEL_MAX_ROWS:
+            return quant_linear(x, weight, bias)
+        # A prefill's many rows are bound by the multiplies, not by reading the weight: dequantising it
+        # once for the whole chunk and multiplying in float beats re-expanding blocks per row tile.
+        return F.linear(x, weight.dequantize().to(x.dtype), bias)
     if weight.dim() == 3:  # column panels (cpu_gemm.pack)
         return cpu_gemm.linear(x, weight, bias)
     if kernels.prepack_rows:

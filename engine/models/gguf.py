@@ -361,7 +361,7 @@ def _dequantized_weights(reader: Any, config: dict[str, Any]) -> dict[str, np.nd
     from tqdm import tqdm
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    arch = config["model_type"]
+    arch = config.get("model_type", "llama")
     weights: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc="dequantizing", unit="tensor", file=sys.stderr, mininterval=0.5):
         name = _hf_name(tensor.name, arch)
@@ -416,3 +416,13 @@ def _progress(message: str) -> None:
 # block formats: the same names, and the same q/k row order restored on rows of blocks.
 hf_name = _hf_name
 unpermute_rows = _unpermute
+
+
+def stored_permuted(arch: str) -> bool:
+    """llama.cpp permuted this architecture's q/k rows (its Llama converter only)."""
+    return arch in _PERMUTED_QK
+
+
+def stores_norm_plus_one(arch: str) -> bool:
+    """llama.cpp stores this architecture's RMSNorm weights as 1 + w (Gemma)."""
+    return arch in _NORM_PLUS_ONE

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.models.gguf import hf_name, unpermute_rows
+from engine.models.gguf import hf_name, stored_permuted, stores_norm_plus_one, unpermute_rows
 from engine.quant.formats import FORMATS, dequantize_rows
 from engine.quant.weight import QuantizedWeight
 
@@ -44,10 +44,10 @@ def _head_counts(reader: Any) -> tuple[int, int]:
     return heads, int(_field(reader, f"{arch}.attention.head_count_kv", heads))
 
 
-def _rows_in_hf_order(name: str, array: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
-    if name.endswith("q_proj.weight"):
+def _rows_in_hf_order(name: str, array: np.ndarray, heads: int, kv_heads: int, permuted: bool) -> np.ndarray:
+    if permuted and name.endswith("q_proj.weight"):
         array = unpermute_rows(array, heads)
-    elif name.endswith("k_proj.weight"):
+    elif permuted and name.endswith("k_proj.weight"):
         array = unpermute_rows(array, kv_heads)
     return np.ascontiguousarray(array)
 
@@ -60,9 +60,11 @@ def read_gguf_weights(path: str | Path, dequantize_embeddings: bool = False) -> 
 
     reader = GGUFReader(str(path))
     heads, kv_heads = _head_counts(reader)
+    arch = str(_field(reader, "general.architecture"))
+    permuted, plus_one = stored_permuted(arch), stores_norm_plus_one(arch)
     weights: dict[str, Weight] = {}
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue  # e.g. rope_freqs, recomputed by the engine
         # ggml shapes are fastest-dimension first; torch's slowest first.
@@ -71,12 +73,15 @@ def read_gguf_weights(path: str | Path, dequantize_embeddings: bool = False) -> 
         linear = name.endswith("_proj.weight") or name == _LM_HEAD
         embedding = name == _EMBEDDING and not dequantize_embeddings
         if len(shape) == 2 and kind in FORMATS and (linear or embedding):
-            rows = _rows_in_hf_order(name, np.asarray(tensor.data).reshape(shape[0], -1), heads, kv_heads)
+            rows = np.asarray(tensor.data).reshape(shape[0], -1)
+            rows = _rows_in_hf_order(name, rows, heads, kv_heads, permuted)
             weights[name] = QuantizedWeight(kind, shape[0], shape[1], torch.from_numpy(rows.copy()))
         else:
             values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
             if len(shape) == 2:
-                values = _rows_in_hf_order(name, values, heads, kv_heads)
+                values = _rows_in_hf_order(name, values, heads, kv_heads, permuted)
+            elif plus_one and name.endswith("norm.weight"):
+                values = values - 1.0
             weights[name] = torch.from_numpy(values.copy())
     embedding_weight = weights.get(_EMBEDDING)
     if _LM_HEAD not in weights and isinstance(embedding_weight, QuantizedWeight):

@@ -76,7 +76,7 @@ class ModelRunner:
 
             plan = ShardPlan(mc, tp.rank, tp.size)
         # A model whose every layer shares one window attends within it (its freed blocks are never read).
-        self.backend = get_attention_backend(config.attention_backend, mc.kv_free_window)
+        self.backend = get_attention_backend(config.attention_backend)
         use_triton_ops = config.attention_backend == "triton" and self.device.type == "cuda"
         # The C++ pointwise ops come with the C++ attention (same build), for the dtypes they take.
         use_cpu_kernels = config.attention_backend == "cpu" and config.dtype in (

@@ -38,7 +38,8 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(checkpoint: Path, out: Path, arch: str) -> Path:
+def write_gguf(checkpoint: Path, out: Path, arch: str, quantize: str | None = None) -> Path:
+    """``quantize``: a GGUF type name (Q8_0, Q4_0, ...) the 2-D projection weights are stored in."""
     import gguf
 
     cfg = json.loads((checkpoint / "config.json").read_text())
@@ -89,6 +90,11 @@ def write_gguf(checkpoint: Path, out: Path, arch: str) -> Path:
                 array = _permute(array, kv_heads)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             array = array + 1.0
+        if quantize is not None and "_proj" in name:
+            kind = gguf.GGMLQuantizationType[quantize]
+            blocks = gguf.quants.quantize(np.ascontiguousarray(array), kind)
+            writer.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
+            continue
         writer.add_tensor(gguf_name, np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -246,20 +246,11 @@ def test_cpu_backend_through_either_prefill_route(
     _check(got, dense_window_attention(batch, SCALE, window, cap), torch.float32)
 
 
-def test_model_window_backend_applies_the_window_unless_the_caller_passes_one() -> None:
-    batch = _batch(1, (4, 2), 16, 4, torch.float32)
-    poison_before_windows(batch, 13)
-    backend = get_attention_backend("torch", model_window=13)
-    assert backend.name == "torch"
-    got = backend.forward(batch.query, batch.kv_cache, _metadata(batch), SCALE)
-    _check(got, dense_window_attention(batch, SCALE, 13, None), torch.float32)
-    narrower = backend.forward(batch.query, batch.kv_cache, _metadata(batch), SCALE, sliding_window=5)
-    _check(narrower, dense_window_attention(batch, SCALE, 5, None), torch.float32)
-
-
 def test_triton_backend_passes_window_and_cap() -> None:
     batch = _batch(1, (4, 2), 16, 4, torch.float32)
     poison_before_windows(batch, 13)
-    backend = get_attention_backend("triton", model_window=13)
-    got = backend.forward(batch.query, batch.kv_cache, _metadata(batch), SCALE, logits_soft_cap=1.5)
+    backend = get_attention_backend("triton")
+    got = backend.forward(
+        batch.query, batch.kv_cache, _metadata(batch), SCALE, sliding_window=13, logits_soft_cap=1.5
+    )
     _check(got, dense_window_attention(batch, SCALE, 13, 1.5), torch.float32)
