@@ -39,7 +39,7 @@ def test_block_formats_decode_as_their_float_copy(
 
 def test_gguf_quantization_needs_a_gguf_file(tmp_path: Path) -> None:
     checkpoint = write_hf_checkpoint(tmp_path / "hf", "llama3", seed=1)
-    with pytest.raises(ValueError, match="needs a .gguf checkpoint"):
+    with pytest.raises(ValueError, match=r"needs a \.gguf checkpoint"):
         LLM(str(checkpoint), quantization="gguf")
     with pytest.raises(ValueError, match="unsupported quantization 'fp8'"):
         LLM(str(checkpoint), quantization="fp8")
