@@ -55,6 +55,8 @@ typecheck: setup
 # suite waits (for stacks to start, sessions to lapse, paced steps), so two processes fill two cores. The
 # tests marked `serial` compare a prediction or a cost with a timed run; they run afterwards, alone, in
 # one process, so no other test's CPU moves their figures (exit status 5 there: none was selected).
+# Tests marked `slow` (minutes of a real model's forwards: the quantized perplexity) run with
+# `make test-slow`, not here.
 # 0: everything in one process.
 # PYTEST_ARGS="-p tests.cpu_report" adds, at the end, each test file's wall and CPU seconds (pytest and the
 # stacks and interpreters it started): where the suite's time goes, most CPU first.
@@ -62,11 +64,15 @@ PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 pytest: setup
 ifeq ($(PYTEST_WORKERS),0)
-	$(PYTEST) $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 else
-	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial" $(PYTEST_ARGS)
+	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial and not slow" $(PYTEST_ARGS)
 	$(PYTEST) -m serial $(PYTEST_ARGS) || test $$? -eq 5  # 5: the selection held no serial test
 endif
+
+.PHONY: test-slow
+test-slow: setup
+	$(PYTEST) -m slow $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/python -m bench engine --out bench-results

@@ -194,7 +194,10 @@ class RankSet:
 
     def close(self, wait_s: float = 10.0) -> None:
         """End the ranks: EOF on their pipes ends their loops; what is still running after
-        ``wait_s`` (one stuck in a collective) is killed."""
+        ``wait_s`` (one stuck in a collective) is killed. Once only: a later call (the finaliser of an
+        engine closed before) must not leave the group another engine has joined since."""
+        if self._closing:
+            return
         self._closing = True
         for proc in self.procs:
             if proc.stdin is not None:

@@ -167,7 +167,7 @@ def note_shape(tokens: int) -> int:
 
 def engine_padding(engine: Any) -> RowPadding:
     """The in-process engine's row padding (grain 1 where it pads none)."""
-    padding: RowPadding | None = engine.runner.model.ops.row_padding
+    padding: RowPadding | None = engine.runner.model.kernels.row_padding
     return padding or RowPadding(1, 0)
 
 

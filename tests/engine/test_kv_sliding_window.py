@@ -115,7 +115,8 @@ def test_max_blocks_held_bounds_a_whole_run() -> None:
 
 def _windowed(sched: Scheduler, window: int) -> Scheduler:
     """The same scheduler over a KV manager that frees outside ``window``."""
-    model = dataclasses.replace(sched.config.model, kv_free_window=window)
+    layers = sched.config.model.num_hidden_layers
+    model = dataclasses.replace(sched.config.model, layer_windows=(window,) * layers)
     cfg = dataclasses.replace(sched.config, model=model)
     kv = KVCacheManager(sched.kv.num_total_blocks, sched.kv.block_size, True, free_window=window)
     return Scheduler(cfg, kv, {EOS})
