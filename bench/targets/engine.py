@@ -37,6 +37,10 @@ class EngineTarget:
             dtype="float32",
             seed=config.seed,
         )
+        if str(config.model).endswith(".gguf"):
+            # The peers read a GGUF's float copy (vLLM cannot run its blocks on a CPU): so does the
+            # engine here, so that both multiply the same float weights.
+            args["quantization"] = "none"
         args.update(config.engine_args)
         self.engine_args = args
         self.engine = LLMEngine.from_engine_args(config.model, **args)

@@ -143,4 +143,4 @@ def test_the_bench_prints_each_format_per_row_count(capsys: pytest.CaptureFixtur
     assert quant_gemm_bench.main([*argv, "--head-dim", "32"]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("Q")]
     assert [(r[0], int(r[2])) for r in rows] == [("Q8_0", 1), ("Q8_0", 3), ("Q4_K", 1), ("Q4_K", 3)]
-    assert all(float(value) > 0 for row in rows for value in row[3:])
+    assert all(float(value) >= 0 for row in rows for value in row[3:])  # tiny shapes may print 0.00
