@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from bench.run_support import cpu_kernel_parser, run_cpu_kernel_bench
+from bench.run_support import add_layer_shape, cpu_kernel_parser, run_cpu_kernel_bench
 from engine.models import cpu_gemm, onednn
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -41,12 +41,7 @@ def best_pass(calls: list[tuple[Linear, torch.Tensor, torch.Tensor]]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = cpu_kernel_parser(__doc__, 3, "passes per path")
     parser.add_argument("--rows", default="1,4,8,16,32,64,256,1024", help="comma list of row counts")
-    parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--heads", type=int, default=9)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, default=64)
+    add_layer_shape(parser)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--head-rows", type=int, default=64, help="most rows the LM head multiplies")
     parser.add_argument("--torch", action="store_true", help="also time torch's own matmul")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench.run_support import cpu_kernel_parser, run_cpu_kernel_bench
+from bench.run_support import add_layer_shape, cpu_kernel_parser, run_cpu_kernel_bench
 from engine.quant import FORMATS, QuantizedWeight, random_quantized
 from engine.quant.linear import cpu_isa, quant_linear
 
@@ -58,12 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = cpu_kernel_parser(__doc__, 3, "passes per path")
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--rows", default="1,8,16,64", help="comma list of row counts")
-    parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--heads", type=int, default=9)
-    parser.add_argument("--kv-heads", type=int, default=3)
-    parser.add_argument("--head-dim", type=int, default=64)
+    add_layer_shape(parser)
     args = parser.parse_args(argv)
     return run_cpu_kernel_bench("quant_gemm_bench", args.threads, lambda: report(args))
 

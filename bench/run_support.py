@@ -132,3 +132,13 @@ class Session:
     def close(self) -> None:
         for name in list(self.targets):
             self.release(name)
+
+
+def add_layer_shape(parser: argparse.ArgumentParser) -> None:
+    """The decoder layer's shape the CPU linear benches time (defaults: SmolLM2-135M's)."""
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
