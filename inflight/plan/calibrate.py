@@ -211,6 +211,7 @@ def _settings(model: str, eng: Any) -> dict[str, Any]:
         "max_model_len": cfg.max_model_len,
         "block_size": cfg.block_size,
         "num_blocks": eng.kv.num_total_blocks,
+        "kv_free_window": cfg.model.kv_free_window,
         "enable_prefix_caching": cfg.enable_prefix_caching,
         "enable_chunked_prefill": cfg.enable_chunked_prefill,
         "device": str(cfg.device),

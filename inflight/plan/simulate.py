@@ -80,13 +80,16 @@ def simulate(
 
     wall0 = time.perf_counter()
     cfg = engine_config(cost, fleet.engine)
+    # A model whose every layer slides one window frees the blocks that leave it (the engine's
+    # KVCacheManager does the same): its KV capacity is counted in windows, not whole contexts.
+    free_window = {**cost.engine, **fleet.engine}.get("kv_free_window")
     n_part = fleet.num_partitions
     simulated = min(fleet.workers, fleet.sample_workers or fleet.workers)
     share = simulated / fleet.workers
     max_pending = None if fleet.max_pending is None else max(1, round(fleet.max_pending * share))
     workers: list[_Worker] = []
     for w in range(simulated):
-        kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=False)
+        kv = KVCacheManager(cfg.num_blocks, cfg.block_size, enable_caching=False, free_window=free_window)
         worker = _Worker(w, None, deque(), deque())  # type: ignore[arg-type]
         worker.seen = OrderedDict.fromkeys(sorted(fleet.warm_shapes)) if fleet.cold_shapes else None
         worker.sched = Scheduler(cfg, kv, {-1}, cost=cost, clock=_clock_of(worker))

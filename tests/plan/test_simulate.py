@@ -187,3 +187,19 @@ def test_cli_policies_writes_the_comparison(tmp_path: Path, capsys: pytest.Captu
     fcfs = result["rows"][0]
     assert ceiling(fcfs) == fcfs["num_requests"] / fcfs["num_good"] > 1.0
     assert all(r["num_requests"] == fcfs["num_requests"] for r in result["rows"])
+
+
+def test_a_sliding_window_model_holds_only_its_window_in_kv() -> None:
+    # Eight requests of 64 + 200 tokens need 17 blocks of 16 each (136): 40 blocks hold two at a time
+    # unless, as a model whose every layer slides a 32-token window, each holds cdiv(31 + 1, 16) + 1
+    # blocks a step. Then all eight run together, exactly as with room for every whole context.
+    reqs = [SimRequest(0.0, 64, 200, 0) for _ in range(8)]
+
+    def run(blocks: int, window: int | None) -> dict[str, Any]:
+        engine = {**COST.engine, "num_blocks": blocks, "kv_free_window": window}
+        return simulate(reqs, replace(COST, engine=engine), FleetConfig(workers=1))
+
+    roomy, tight, windowed = run(1000, None), run(40, None), run(40, 32)
+    assert windowed["num_completed"] == tight["num_completed"] == 8
+    assert windowed["duration_s"] == pytest.approx(roomy["duration_s"], rel=1e-12)
+    assert tight["duration_s"] > 1.5 * roomy["duration_s"]
