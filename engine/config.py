@@ -69,6 +69,9 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
+    # Qwen3-MoE's router rounds the chosen weights to the model dtype before the experts; Mixtral's
+    # keeps them in float32. Bit-equal routing to HF in bf16 needs the same rounding.
+    moe_weights_in_model_dtype: bool = False
     moe_layers: tuple[bool, ...] = ()  # per layer: sparse (True) or dense MLP
 
     def window_for_layer(self, i: int) -> int | None:

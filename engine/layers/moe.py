@@ -29,6 +29,7 @@ class FusedMoE:
         activation: str,
         kernels: Kernels,
         tp: TensorParallel,
+        round_weights: bool = False,  # the chosen weights rounded to the router's dtype (Qwen3-MoE)
     ) -> None:
         self.router = Linear(router, kernels)
         self.w13 = w13
@@ -38,9 +39,11 @@ class FusedMoE:
         # engine/kernels/moe.py's names for the gated activations.
         self.activation = {"gelu_pytorch_tanh": "gelu_tanh"}.get(activation, activation)
         self.tp = tp
+        self.round_weights = round_weights
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         logits = self.router(x)  # [T, E]
-        weights, ids = route_topk(logits, self.top_k, self.renormalize)
+        rounding = logits.dtype if self.round_weights else None
+        weights, ids = route_topk(logits, self.top_k, self.renormalize, weights_dtype=rounding)
         out = fused_moe(x, self.w13, self.w2, weights, ids, activation=self.activation)
         return self.tp.all_reduce(out)

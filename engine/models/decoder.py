@@ -176,6 +176,7 @@ class DecoderModel:
                 c.hidden_act,
                 k,
                 tp,
+                round_weights=c.moe_weights_in_model_dtype,
             )
         else:
             mlp = DenseMLP(

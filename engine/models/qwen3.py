@@ -36,6 +36,7 @@ def _qwen3_moe(raw: Mapping[str, Any], common: Mapping[str, Any]) -> dict[str, A
         num_experts_per_tok=int(raw["num_experts_per_tok"]),
         moe_intermediate_size=int(raw["moe_intermediate_size"]),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        moe_weights_in_model_dtype=True,
         # As HF: a layer is sparse unless listed dense, and only every `step`-th one (counting from 1).
         moe_layers=tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers)),
     )

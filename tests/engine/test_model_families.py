@@ -88,6 +88,8 @@ def test_family_configs_read_their_fields(checkpoints: dict[str, Path]) -> None:
     assert config("smollm3").layer_rope[1] is None and config("smollm3").layer_rope[0] is not None
     assert config("mistral").kv_free_window == WINDOW
     assert config("qwen3_moe").moe_layers == (True,) * 4 and config("qwen3_moe").num_experts == 8
+    # HF's Qwen3-MoE router rounds its chosen weights to the model dtype, Mixtral's does not.
+    assert config("qwen3_moe").moe_weights_in_model_dtype and not config("mixtral").moe_weights_in_model_dtype
     assert config("phi3").rope_scaling is not None and config("phi3").partial_rotary_factor == 0.75
 
 
