@@ -28,7 +28,7 @@ from typing import Any, cast
 from services.common import keys
 from services.common.wire import COMPLETED, TERMINAL
 from services.gateway.errors import APIError
-from services.gateway.files_routes import file_key, store_file
+from services.gateway.files_routes import content_key, store_file
 from services.gateway.jobs_routes import prepare_job, tool_reading
 from services.gateway.responses import response_from_record
 from services.gateway.state import Gateway
@@ -165,7 +165,7 @@ async def _submit(gw: Gateway, record: dict[str, str]) -> None:
     cursor, total = int(record["cursor"]), int(record["total"])
     if cursor >= total:
         return
-    content = await client.hget(file_key(record["input_file_id"]), "content")
+    content = await client.get(content_key(record["input_file_id"]))
     lines = [] if content is None else [ln for ln in str(content).splitlines() if ln.strip()]
     stop = min(total, cursor + _SUBMIT_PER_ROUND)
     for index in range(cursor, stop):
