@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
         "service", help="the full service path (arguments go to bench/service_bench.py)", add_help=False
     )
     sub.add_parser("chaos", help="fault-injection soak (arguments go to bench/chaos.py)", add_help=False)
+    sub.add_parser(
+        "batch-interference",
+        help="interactive TTFT with and without a batch running (bench/batch_interference.py)",
+        add_help=False,
+    )
     host_drift.add_arguments(sub.add_parser("host", help="how steady this host's speed is, core by core"))
     policy_bench.add_arguments(sub.add_parser("policies", help="fcfs vs priority vs slo on the real engine"))
     plan_validate.add_arguments(
@@ -64,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         # Imported by name: another module owns it, and it pulls in the service stack.
         service_bench = importlib.import_module("bench.service_bench")
         return int(service_bench.main(argv[1:]) or 0)
+    if argv[:1] == ["batch-interference"]:
+        # Starts servers and services: imported on demand, and owns its arguments.
+        batch_interference = importlib.import_module("bench.batch_interference")
+        return int(batch_interference.main(argv[1:]))
     if argv[:1] == ["chaos"]:
         chaos = importlib.import_module("bench.chaos")  # starts servers and services: imported on demand
         return int(chaos.main(argv[1:]))

@@ -13,9 +13,10 @@ of policy. It never branches on which policy it holds:
     end_step           the step is planned: record what the policy plans with next
     observe_step_time  a step ran: its measured time next to what the plan expected
 
-``SchedulingPolicy`` answers as fcfs does: arrival order, whole chunks, every request admitted, the
-most recently admitted preempted. ``PriorityPolicy`` orders by priority and lets an urgent request
-displace a less urgent one; ``SLOPolicy`` (engine/sched/slo_policy.py) plans against deadlines.
+``SchedulingPolicy`` answers as fcfs does: arrival order (background work after the rest), whole
+chunks, every request admitted, the most recently admitted preempted. ``PriorityPolicy`` orders by
+priority and lets an urgent request displace a less urgent one; ``SLOPolicy``
+(engine/sched/slo_policy.py) plans against deadlines.
 """
 
 from __future__ import annotations
@@ -42,31 +43,44 @@ class WaitingQueue(Protocol):
     def __iter__(self) -> Iterator[Request]: ...
 
 
+# Background work (a batch's lines: the gateway's BATCH_PRIORITY) sets at least this priority. fcfs keeps
+# arrival order but for it: it waits behind every other waiting request, so a batch queued first does not
+# hold back interactive requests that arrive after it. (priority and slo order by priority anyway.)
+BACKGROUND_PRIORITY = 1_000_000
+
+
 class FCFSQueue:
+    """Arrival order, in two bands: foreground requests, then background ones (``BACKGROUND_PRIORITY``).
+    Worked example, arrivals b1 b2 (background) then i1 (interactive): the order is i1 b1 b2."""
+
     def __init__(self) -> None:
         self._q: deque[Request] = deque()
+        self._background: deque[Request] = deque()
+
+    def _band(self, request: Request) -> deque[Request]:
+        return self._background if request.priority >= BACKGROUND_PRIORITY else self._q
 
     def add(self, request: Request) -> None:
-        self._q.append(request)
+        self._band(request).append(request)
 
     def add_front(self, request: Request) -> None:
-        # A preempted request arrived before everything still waiting: it goes first.
-        self._q.appendleft(request)
+        # A preempted request arrived before everything still waiting in its band: it goes first there.
+        self._band(request).appendleft(request)
 
     def peek(self) -> Request:
-        return self._q[0]
+        return self._q[0] if self._q else self._background[0]
 
     def pop(self) -> Request:
-        return self._q.popleft()
+        return self._q.popleft() if self._q else self._background.popleft()
 
     def remove(self, request: Request) -> None:
-        self._q.remove(request)
+        self._band(request).remove(request)
 
     def __len__(self) -> int:
-        return len(self._q)
+        return len(self._q) + len(self._background)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
+        return itertools.chain(self._q, self._background)
 
 
 def priority_key(request: Request) -> tuple[int, float]:

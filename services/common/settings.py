@@ -29,6 +29,10 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
+# INFLIGHT_TOOL_PARSER's values; "auto" reads the family from the chat template (gateway/tool_parser.py).
+TOOL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
+
+
 class SettingsError(ValueError):
     """An environment variable holds a value the services cannot use."""
 
@@ -97,6 +101,10 @@ class Settings:
     # A Jinja chat template file used instead of the checkpoint's, by the gateway and the workers alike
     # (vLLM's --chat-template); unset: the checkpoint's own.
     chat_template: str | None = None
+    # How tool calls the model writes under tool_choice "auto" are read back: auto (the family the chat
+    # template writes: Mistral's [TOOL_CALLS], Llama 3's JSON, else Hermes <tool_call> blocks), hermes,
+    # llama3_json, mistral, or none (calls stay text in content).
+    tool_parser: str = "auto"
     # ---- gateway ----------------------------------------------------------------------------
     # Comma-separated keys accepted as `Authorization: Bearer KEY`; unset: no authentication. Set but
     # holding no key (empty, blanks, only commas: a Secret that lost its value) the gateway refuses to
@@ -140,6 +148,16 @@ class Settings:
     # the default pending bound, so one key cannot fill the whole queue. Without API keys every client
     # shares one quota.
     max_jobs_per_key: int = 128
+    # The bytes of one uploaded batch file (POST /v1/files), counted while it streams into Redis: past it
+    # the upload is refused (413) and nothing of it is kept. OpenAI allows 200 MB; the default is lower
+    # because Redis holds every file in memory until it expires (a day or two after its batch).
+    max_file_bytes: int = 64 * 1024 * 1024
+    max_file_lines: int = 50_000  # The lines (requests) of one batch file, as OpenAI bounds them.
+    # A batch's lines submitted and not yet taken by a worker: the batch tops this up each round (about
+    # once a second) instead of filling the queue, so an interactive request waits behind at most this
+    # many batch lines in the broker; lines a worker has taken wait in its engine behind interactive ones.
+    # 16: one worker's fetch bound (INFLIGHT_FETCH_MAX_WAITING), enough to keep its engine fed.
+    batch_max_queued: int = 16
     # ---- worker -----------------------------------------------------------------------------
     # A worker fetches from Kafka only while fewer than this many of its requests wait to run (the
     # engine's waiting queue plus those fetched and not yet handed to it), so the backlog stays in Kafka,
@@ -211,6 +229,9 @@ class Settings:
             "stream_buffer_bytes": self.stream_buffer_bytes,
             "max_live_viewers": self.max_live_viewers,
             "max_jobs_per_key": self.max_jobs_per_key,
+            "max_file_bytes": self.max_file_bytes,
+            "max_file_lines": self.max_file_lines,
+            "batch_max_queued": self.batch_max_queued,
             "fetch_max_waiting": self.fetch_max_waiting,
             "redis_max_connections": self.redis_max_connections,
             "lease_ttl_s": self.lease_ttl_s,
@@ -248,6 +269,10 @@ class Settings:
         if self.kafka_sasl_mechanism and not (self.kafka_sasl_username and self.kafka_sasl_password):
             raise SettingsError(
                 "INFLIGHT_KAFKA_SASL_MECHANISM needs INFLIGHT_KAFKA_SASL_USERNAME and _PASSWORD"
+            )
+        if self.tool_parser not in TOOL_PARSERS:
+            raise SettingsError(
+                f"INFLIGHT_TOOL_PARSER must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_parser!r}"
             )
         if self.log_level.upper() not in logging.getLevelNamesMapping():
             raise SettingsError(f"INFLIGHT_LOG_LEVEL {self.log_level!r} is not a logging level")
@@ -359,6 +384,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_MODEL": ("model", "str"),
     "INFLIGHT_SERVED_MODEL_NAME": ("served_model_name", "str"),
     "INFLIGHT_CHAT_TEMPLATE": ("chat_template", "str"),
+    "INFLIGHT_TOOL_PARSER": ("tool_parser", "str"),
     "INFLIGHT_ENGINE_ARGS": ("engine_args", "json"),
     "INFLIGHT_TENSOR_PARALLEL_SIZE": ("tensor_parallel_size", "int"),
     "INFLIGHT_MAX_MODEL_LEN": ("max_model_len", "int"),
@@ -376,6 +402,9 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_SSE_KEEPALIVE_S": ("sse_keepalive_s", "float"),
     "INFLIGHT_MAX_LIVE_VIEWERS": ("max_live_viewers", "int"),
     "INFLIGHT_MAX_JOBS_PER_KEY": ("max_jobs_per_key", "int"),
+    "INFLIGHT_MAX_FILE_BYTES": ("max_file_bytes", "int"),
+    "INFLIGHT_MAX_FILE_LINES": ("max_file_lines", "int"),
+    "INFLIGHT_BATCH_MAX_QUEUED": ("batch_max_queued", "int"),
     "INFLIGHT_FETCH_MAX_WAITING": ("fetch_max_waiting", "int"),
     "INFLIGHT_DRAIN_TIMEOUT_S": ("drain_timeout_s", "float"),
     "INFLIGHT_LEASE_TTL_S": ("lease_ttl_s", "float"),

@@ -29,11 +29,12 @@ from services.gateway import (
 )
 from services.gateway.background import Supervisor
 from services.gateway.dispatch import Dispatcher
-from services.gateway.edge import BodyLimit, Counted, KeyGuard, require_usable_keys
+from services.gateway.edge import Counted, KeyGuard, require_usable_keys
 from services.gateway.live_feed import LiveFeed
 from services.gateway.prompts import load_model_info
 from services.gateway.state import Gateway
 from services.gateway.token_streams import Hub
+from services.gateway.uploads import BodyLimitButUploads
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +151,8 @@ def create_app(settings: Settings) -> FastAPI:
         return get_redoc_html(openapi_url="/openapi.json", title="inflight API")
 
     # Added innermost first: the server span covers everything, the counter every response, and the key
-    # is checked before the body is read.
-    app.add_middleware(BodyLimit, max_body_bytes=settings.max_body_bytes)
+    # is checked before the body is read. Uploads (POST /v1/files) stream under bounds of their own.
+    app.add_middleware(BodyLimitButUploads, max_body_bytes=settings.max_body_bytes)
     app.add_middleware(KeyGuard, api_keys=settings.api_keys)
     app.add_middleware(Counted, routes=app.routes)
     app.add_middleware(TracingMiddleware)

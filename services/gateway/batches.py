@@ -26,9 +26,9 @@ import time
 from typing import Any, cast
 
 from services.common import keys
-from services.common.wire import COMPLETED, TERMINAL
+from services.common.wire import COMPLETED, QUEUED, TERMINAL
 from services.gateway.errors import APIError
-from services.gateway.files_routes import file_key, store_file
+from services.gateway.files_routes import content_key, store_file
 from services.gateway.jobs_routes import prepare_job, tool_reading
 from services.gateway.responses import response_from_record
 from services.gateway.state import Gateway
@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 FINISHED = TERMINAL | {"expired"}  # a batch's final statuses
-# The priority policy runs lower values first: a batch's jobs come after interactive requests (priority
-# 0 unless they set one). Under fcfs, the default policy, they queue by arrival like any job.
+# Lower values run first: a batch's jobs come after interactive requests (priority 0 unless they set one).
+# It is the engine's BACKGROUND_PRIORITY (engine/sched/policy.py, not imported: it pulls in torch), so
+# under fcfs, the default policy, they also wait behind every interactive request in an engine's queue.
 BATCH_PRIORITY = 1_000_000
 
 
@@ -159,15 +160,40 @@ async def stop(gw: Gateway, batch_id: str, *, expiring: bool = False) -> None:
             await gw.dispatcher.cancel(job_id)
 
 
+async def _num_queued(gw: Gateway, record: dict[str, str]) -> int:
+    """The batch's lines submitted and not yet taken by a worker. Lines are taken about in order, so only
+    those from ``queued_from`` (the first line that may still be queued) on are looked at, and it moves
+    past the lines taken since. Worked example: lines 0-9 submitted, 0-5 and 7 taken: 6, 8 and 9 are
+    queued and ``queued_from`` becomes 6."""
+    client = gw.store.client
+    batch_id, cursor = record["id"], int(record["cursor"])
+    low = int(record.get("queued_from") or 0)
+    pipe = client.pipeline(transaction=False)
+    for index in range(low, cursor):
+        pipe.hget(keys.record(line_job_id(batch_id, index)), "status")
+    queued = [str(s or "") == QUEUED for s in await pipe.execute()]
+    moved = next((i for i, q in enumerate(queued) if q), len(queued))
+    if moved:
+        await client.hset(batch_key(batch_id), "queued_from", low + moved)
+        record["queued_from"] = str(low + moved)
+    return sum(queued)
+
+
 async def _submit(gw: Gateway, record: dict[str, str]) -> None:
+    """Submit lines from the cursor until ``batch_max_queued`` of them wait to be taken (or the cluster is
+    at capacity). The broker then holds few of the batch's lines ahead of interactive requests, and the
+    lines a worker has taken wait in its engine, where background work waits behind the rest."""
     client = gw.store.client
     batch_id, endpoint = record["id"], record["endpoint"]
     cursor, total = int(record["cursor"]), int(record["total"])
     if cursor >= total:
         return
-    content = await client.hget(file_key(record["input_file_id"]), "content")
+    room = gw.settings.batch_max_queued - await _num_queued(gw, record)
+    if room <= 0:
+        return
+    content = await client.get(content_key(record["input_file_id"]))
     lines = [] if content is None else [ln for ln in str(content).splitlines() if ln.strip()]
-    stop = min(total, cursor + _SUBMIT_PER_ROUND)
+    stop = min(total, cursor + min(room, _SUBMIT_PER_ROUND))
     for index in range(cursor, stop):
         entry = await _submit_line(gw, record, index, lines[index] if index < len(lines) else "", endpoint)
         if entry is None:

@@ -44,6 +44,7 @@ class ModelInfo:
     # The checkpoint's generation_config.json sampling values (SAMPLING_DEFAULTS), used where a request
     # leaves the field unset, as vLLM does by default.
     sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
+    tool_parser: str = "auto"  # INFLIGHT_TOOL_PARSER: how calls under "auto" are read back
 
     @property
     def limits(self) -> PromptLimits:
@@ -69,7 +70,8 @@ def load_model_info(settings: Settings) -> ModelInfo:
     # With the model's config, the engine's own rule (a value the engine would refuse fails here too).
     max_len = ModelContext.from_config(config).max_model_len(requested) if config else requested
     vocab = config.get("vocab_size")
-    return ModelInfo(settings.model_name, max_len, int(vocab) if vocab else None, tokenizer, defaults)
+    vocab_size = int(vocab) if vocab else None
+    return ModelInfo(settings.model_name, max_len, vocab_size, tokenizer, defaults, settings.tool_parser)
 
 
 # generation_config.json keys applied as a request's defaults (vLLM's list, but max_new_tokens: a length
@@ -200,11 +202,13 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     structured = plan.spec or structured
     messages = chat_messages(req.messages)
     # Tools go to a template that renders them (and calls come back in its family's format); else one
-    # system message lists them and asks for Hermes blocks.
+    # system message lists them and asks for Hermes blocks. INFLIGHT_TOOL_PARSER, unless "auto", decides
+    # the format calls are read in whatever the template.
     template_tools = plan.render if plan.render and chat_template.takes_tools(info.tokenizer) else None
     parser = (
         family_of(info.tokenizer.chat_template if info.tokenizer else None) if template_tools else "hermes"
     )
+    parser = parser if info.tool_parser == "auto" else info.tool_parser
     if plan.render and not template_tools:
         messages = with_tools_message(messages, plan.render)
     max_tokens = req.max_completion_tokens or req.max_tokens
@@ -223,7 +227,7 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
         ids = _prompt_ids(
             info, max_tokens, messages=messages, add_generation_prompt=req.add_generation_prompt
         )
-    if parser != "hermes":
+    if plan.render and parser in ("mistral", "llama3_json"):
         # Mistral's [TOOL_CALLS] and Llama's <|python_tag|> are special tokens: keep them in the text.
         req = req.model_copy(update={"skip_special_tokens": False})
     prepared = _finish(

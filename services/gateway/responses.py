@@ -8,7 +8,7 @@ from typing import Any
 from engine.outputs import ChoiceAccumulator
 from engine.tokenizer import Tokenizer
 from services.common.wire import DeltaEvent, DoneEvent, Kind
-from services.gateway.tool_parser import ParsedCall, ToolCallStream, parse_tool_calls
+from services.gateway.tool_parser import CallDelta, ParsedCall, ToolCallStream, parse_tool_calls
 from services.gateway.tools import CallStream, ToolMode, new_call_id, parse_call
 
 
@@ -116,18 +116,27 @@ class ResponseBuilder:
         return {"content": None, "tool_calls": [entry]} if entry is not None else {}
 
     def _auto_delta(self, ev: DeltaEvent) -> dict[str, Any]:
-        """Content as it streams, but a possible call marker held back; each call whole once its block
-        closes (its name and arguments in one delta, as OpenAI's clients accept)."""
+        """Content as it streams, a possible call marker held back; calls as OpenAI streams them: a call's
+        first entry has its index, id, type and name, the next ones fragments of its arguments."""
         stream = self._auto.setdefault(ev.index, ToolCallStream(self.tool_parser))
         pieces = stream.feed(ev.text, final=ev.finish_reason is not None)
-        calls = [p for p in pieces if isinstance(p, ParsedCall)]
-        delta: dict[str, Any] = {"content": "".join(p for p in pieces if isinstance(p, str))}
-        first = stream.calls - len(calls)
-        if not self.parallel_tool_calls:
-            calls = calls[: max(0, 1 - first)]  # the first call of the choice, none after it
-        if calls:
-            delta["tool_calls"] = [{"index": first + i, **_call(c)} for i, c in enumerate(calls)]
-        return delta
+        text = "".join(p for p in pieces if isinstance(p, str))
+        entries: list[dict[str, Any]] = []
+        for p in pieces:
+            if not isinstance(p, CallDelta) or (not self.parallel_tool_calls and p.index > 0):
+                continue  # text, or a call after the first where only one is answered
+            if p.name is None and entries and entries[-1]["index"] == p.index:
+                entries[-1]["function"]["arguments"] += p.arguments  # one entry per call and chunk
+            elif p.name is not None:
+                function = {"name": p.name, "arguments": p.arguments}
+                entries.append(
+                    {"index": p.index, "id": new_call_id(), "type": "function", "function": function}
+                )
+            else:
+                entries.append({"index": p.index, "function": {"arguments": p.arguments}})
+        if not entries:
+            return {"content": text}
+        return {"content": text or None, "tool_calls": entries}
 
     def usage_chunk(self, done: DoneEvent) -> dict[str, Any]:
         return {**self._envelope([], chunk=True), "usage": done_usage(done)}

@@ -8,7 +8,14 @@ import json
 import pytest
 
 from services.gateway.responses import chat_message
-from services.gateway.tool_parser import ParsedCall, ToolCallStream, family_of, parse_tool_calls
+from services.gateway.tool_parser import (
+    CallDelta,
+    ParsedCall,
+    ToolCallStream,
+    assemble,
+    family_of,
+    parse_tool_calls,
+)
 
 ADD = ParsedCall("add", json.dumps({"a": 1, "b": 2}))
 MUL = ParsedCall("mul", json.dumps({"x": 3}))
@@ -31,10 +38,15 @@ def test_whole_and_streamed_outputs_give_the_same_calls(family: str) -> None:
     assert content == ("Sure." if family != "llama3_json" else None)
     for size in (1, 3, 7):
         stream = ToolCallStream(family)
-        pieces = []
+        pieces: list[str | CallDelta] = []
         for i in range(0, len(text), size):
             pieces += stream.feed(text[i : i + size], final=i + size >= len(text))
-        assert [p for p in pieces if isinstance(p, ParsedCall)] == [ADD, MUL]
+        assert assemble(pieces) == [ADD, MUL]
+        # Each call's name comes in its first piece, before any of its arguments are complete.
+        named = [p for p in pieces if isinstance(p, CallDelta) and p.name is not None]
+        assert [(p.index, p.name) for p in named] == [(0, "add"), (1, "mul")]
+        if size == 1:
+            assert sum(1 for p in pieces if isinstance(p, CallDelta) and p.index == 0) > 5
         assert "".join(p for p in pieces if isinstance(p, str)).strip() == (content or "")
 
 

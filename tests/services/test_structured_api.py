@@ -346,14 +346,16 @@ def test_auto_answers_a_hermes_call_as_tool_calls(stack: Stack) -> None:
     (call,) = whole.message.tool_calls or []
     assert call.function.name == "add"
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
-    content, args, finish = "", "", None
+    content, args, finish, names = "", "", None, []
     for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
             content += c.delta.content or ""
             finish = c.finish_reason or finish
             for d in c.delta.tool_calls or []:
-                assert d.function is not None and d.function.name == "add"
+                # The call's first delta names it; the next ones carry fragments of its arguments.
+                assert d.function is not None and d.index == 0
+                names += [d.function.name] if d.function.name else []
                 args += d.function.arguments or ""
             assert "<tool" not in (c.delta.content or "")  # the marker never leaks as content
-    assert finish == "tool_calls" and content.strip() == "Sure."
+    assert finish == "tool_calls" and content.strip() == "Sure." and names == ["add"]
     assert json.loads(args) == json.loads(call.function.arguments)  # same seed: the same call

@@ -11,7 +11,7 @@ import pytest
 
 from services.common.wire import COMPLETED, DeltaEvent, DoneEvent
 from services.gateway.responses import ResponseBuilder, chat_message
-from services.gateway.tool_parser import ParsedCall, ToolCallStream, parse_tool_calls
+from services.gateway.tool_parser import CallDelta, ParsedCall, ToolCallStream, assemble, parse_tool_calls
 
 ADD = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
 
@@ -56,18 +56,18 @@ def _chunked(text: str, rng: random.Random) -> list[str]:
         f"Sure. {ADD} anything else?",
         f"{ADD}{ADD}",
         "plain text with a < sign and <tool and <tool_cal",
-        '<tool_call>{"name": "add", "arguments": {bad}}</tool_call> after',
+        '<tool_call>{"arguments": {"a": 1}, "name": "add"}</tool_call> after',  # no head: parsed whole
     ],
 )
 def test_streamed_pieces_add_up_to_the_whole_parse(text: str) -> None:
     rng = random.Random(0)
     for _ in range(50):
         stream = ToolCallStream()
-        pieces: list[str | ParsedCall] = []
+        pieces: list[str | CallDelta] = []
         chunks = _chunked(text, rng)
         for i, chunk in enumerate(chunks):
             pieces += stream.feed(chunk, final=i == len(chunks) - 1)
-        streamed_calls = [p for p in pieces if isinstance(p, ParsedCall)]
+        streamed_calls = assemble(pieces)
         content, calls = parse_tool_calls(text)
         assert streamed_calls == calls
         text_pieces = "".join(p for p in pieces if isinstance(p, str))
@@ -78,8 +78,22 @@ def test_a_marker_is_held_back_until_decided() -> None:
     stream = ToolCallStream()
     assert stream.feed("Hi <tool", final=False) == ["Hi "]
     assert stream.feed('_call>{"name": "f", ', final=False) == []
-    assert stream.feed('"arguments": {}}</tool_call>', final=False) == [ParsedCall("f", "{}")]
+    assert stream.feed('"arguments": {}}</tool_call>', final=False) == [CallDelta(0, "f", "{}")]
     assert stream.feed(" <b>", final=False) == [" <b>"]
+
+
+def test_a_call_streams_its_name_then_its_arguments_as_written() -> None:
+    stream = ToolCallStream()
+    assert stream.feed('Hi <tool_call>{"name": "add", "argu', final=False) == ["Hi "]
+    assert stream.feed('ments": {"a": ', final=False) == [CallDelta(0, "add", '{"a": ')]
+    assert stream.feed('1, "b": 2', final=False) == [CallDelta(0, None, '1, "b": 2')]
+    assert stream.feed("}}</tool", final=False) == [CallDelta(0, None, "}")]
+    assert stream.feed("_call> ok", final=True) == [" ok"]
+    # Once its head is read a block is a call: arguments that turn out malformed stream as written.
+    stream = ToolCallStream()
+    pieces = stream.feed('<tool_call>{"name": "add", "arguments": {b', final=False)
+    pieces += stream.feed("ad}}</tool_call>", final=True)
+    assert assemble(pieces) == [ParsedCall("add", "{bad}")]
 
 
 def _events(text: str, rng: random.Random) -> list[DeltaEvent]:
@@ -106,10 +120,13 @@ def test_auto_stream_reassembles_into_the_whole_response() -> None:
         whole = whole_builder.response(DoneEvent("r", 99, COMPLETED))["choices"][0]
         assert finish == whole["finish_reason"] == "tool_calls"
         assert content.strip() == whole["message"]["content"] == "Checking."
-        (call,) = calls
+        # The first entry names the call; the arguments come in fragments that add up to its JSON.
+        assert calls[0]["index"] == 0 and calls[0]["type"] == "function" and calls[0]["id"]
+        assert all(c["index"] == 0 and "id" not in c for c in calls[1:])
+        arguments = "".join(c["function"]["arguments"] for c in calls)
         (whole_call,) = whole["message"]["tool_calls"]
-        assert call["index"] == 0 and call["function"] == whole_call["function"]
-        assert json.loads(call["function"]["arguments"]) == {"a": 1, "b": 2}
+        assert calls[0]["function"]["name"] == whole_call["function"]["name"] == "add"
+        assert json.loads(arguments) == json.loads(whole_call["function"]["arguments"]) == {"a": 1, "b": 2}
 
 
 def test_the_one_message_builder() -> None:

@@ -1,0 +1,170 @@
+"""``python -m bench batch-interference``: what a running batch costs interactive traffic.
+
+On a loopback stack (tansu, Redis, one gateway, one worker), the same interactive load runs twice:
+alone, then while a batch of ``--lines`` requests (the OpenAI Batch API, 1,000 by default) runs. Each
+interactive request is a streamed completion sent one at a time, ``--interval-s`` apart; its TTFT is
+taken at the client (request sent to first text chunk). Reported, as JSON under ``--out``:
+
+    interactive TTFT p50 / p99 without and with the batch, and their ratio (target: p99 within 1.2x)
+    the batch's completion time (create to "completed") and its request_counts
+    whether the batch was still running when the last interactive request finished (else the "with"
+    figures cover only part of the window and say less)
+
+Figures from a shared or busy host are noise: run it on a quiet machine for numbers to quote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from bench.results import write_json
+from bench.service_load_args import resolve_model
+from harness.stack import build_stack
+
+PROMPT = "The quick brown fox jumps over the lazy dog. A continuous batching server"
+MODEL = "bench"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m bench batch-interference", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--out", default="bench-results", help="directory for batch_interference.json")
+    p.add_argument("--model", default="tiny", help="tiny, bench, smollm2 or a checkpoint path (default tiny)")
+    p.add_argument("--lines", type=int, default=1000, help="requests in the batch (default 1000)")
+    p.add_argument("--batch-max-tokens", type=int, default=32, help="tokens per batch line (default 32)")
+    p.add_argument("--interactive", type=int, default=50, help="interactive requests per phase (default 50)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per interactive request (default 8)")
+    p.add_argument("--interval-s", type=float, default=0.2, help="gap between interactive requests")
+    p.add_argument("--torch-threads", type=int, default=None, help="the worker's torch threads")
+    p.add_argument(
+        "--batch-max-queued",
+        type=int,
+        default=None,
+        help="INFLIGHT_BATCH_MAX_QUEUED for the stack (default: the setting's default)",
+    )
+    return p
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _ttfts(client: openai.OpenAI, num: int, max_tokens: int, interval_s: float) -> list[float]:
+    """Client-side time to first text of ``num`` streamed completions, sent one after another."""
+    out = []
+    for i in range(num):
+        sent = time.perf_counter()
+        first = None
+        stream = client.completions.create(
+            model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=max_tokens, temperature=0, stream=True
+        )
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter() - sent
+        out.append(first if first is not None else time.perf_counter() - sent)
+        time.sleep(interval_s)
+    return out
+
+
+def _summary(ttfts: list[float]) -> dict[str, float]:
+    return {
+        "n": len(ttfts),
+        "p50_ms": round(1e3 * statistics.median(ttfts), 2),
+        "p99_ms": round(1e3 * _percentile(ttfts, 0.99), 2),
+    }
+
+
+def _batch_file(lines: int, max_tokens: int) -> bytes:
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    rows = [
+        json.dumps(
+            {
+                "custom_id": f"line-{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {**body, "prompt": f"Story {i}:"},
+            }
+        )
+        for i in range(lines)
+    ]
+    return ("\n".join(rows) + "\n").encode()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    env = {"INFLIGHT_SERVED_MODEL_NAME": MODEL, "INFLIGHT_LOG_LEVEL": "WARNING"}
+    if args.torch_threads:
+        env["INFLIGHT_TORCH_THREADS"] = str(args.torch_threads)
+    if args.batch_max_queued:
+        env["INFLIGHT_BATCH_MAX_QUEUED"] = str(args.batch_max_queued)
+    stack = build_stack(
+        resolve_model(args.model),
+        Path(tempfile.mkdtemp(prefix="inflight-bench-")),
+        tag="bench-batch",
+        env=env,
+    )
+    try:
+        client = openai.OpenAI(
+            base_url=f"{stack.gateways[0].url}/v1", api_key="bench", max_retries=0, timeout=120
+        )
+        _ttfts(client, 3, args.max_tokens, 0.0)  # warm-up: first requests compile and fill caches
+        print(f"interactive alone: {args.interactive} requests ...", flush=True)
+        alone = _ttfts(client, args.interactive, args.max_tokens, args.interval_s)
+        upload = client.files.create(
+            file=("batch.jsonl", io.BytesIO(_batch_file(args.lines, args.batch_max_tokens))), purpose="batch"
+        )
+        started = time.perf_counter()
+        batch = client.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        time.sleep(2.0)  # the batch's first rounds: its lines are queued and running
+        print(f"interactive with a {args.lines}-line batch running ...", flush=True)
+        beside = _ttfts(client, args.interactive, args.max_tokens, args.interval_s)
+        running_throughout = client.batches.retrieve(batch.id).status == "in_progress"
+        print("waiting for the batch to complete ...", flush=True)
+        while True:
+            state = client.batches.retrieve(batch.id)
+            if state.status in ("completed", "failed", "cancelled", "expired"):
+                break
+            time.sleep(1.0)
+        completion_s = time.perf_counter() - started
+    finally:
+        stack.close()
+    without, with_batch = _summary(alone), _summary(beside)
+    counts = state.request_counts
+    return {
+        "model": args.model,
+        "lines": args.lines,
+        "batch_max_tokens": args.batch_max_tokens,
+        "batch_max_queued": args.batch_max_queued,
+        "interactive_max_tokens": args.max_tokens,
+        "interactive_without_batch": without,
+        "interactive_with_batch": with_batch,
+        "p99_ratio": round(with_batch["p99_ms"] / without["p99_ms"], 3) if without["p99_ms"] else None,
+        "batch": {
+            "status": state.status,
+            "completion_s": round(completion_s, 2),
+            "request_counts": None if counts is None else counts.model_dump(),
+            "running_throughout": running_throughout,
+        },
+    }
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "batch_interference.json", result)
+    print(json.dumps(result, indent=1))
+    return 0
