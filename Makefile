@@ -29,7 +29,11 @@ $(STAMP): pyproject.toml
 run: setup
 	$(BIN)/inflight dev $(RUN_ARGS)
 
-test: setup browser lint typecheck pytest
+# The steps overlap where they can: the browser's apt-get beside the virtualenv's pip, then ruff and mypy
+# beside the test suite (which spends a good part of its time waiting on servers, not computing).
+test:
+	$(MAKE) --no-print-directory -j2 setup browser
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint typecheck pytest
 
 # The live page's browser test drives Debian's chromium through playwright (PyPI); nothing downloads a
 # browser of its own. Installed here when missing and root can apt-get; otherwise that test skips, saying so.
@@ -51,8 +55,9 @@ typecheck: setup
 	$(BIN)/mypy engine services inflight bench harness
 
 # PYTEST_WORKERS=N runs test files side by side in N processes (pytest-xdist; tests/conftest.py keeps a
-# file's tests together so its fixtures start once, and hands out the longest files first). Most of the
-# suite waits (for stacks to start, sessions to lapse, paced steps), so two processes fill two cores. The
+# file's tests together so its fixtures start once, and hands out the longest files first). Much of the
+# suite waits (for stacks to start, sessions to lapse, paced steps), so on two cores three processes
+# keep both busy where two leave them idle close to half the time. The
 # tests marked `serial` compare a prediction or a cost with a timed run; they run afterwards, alone, in
 # one process, so no other test's CPU moves their figures (exit status 5 there: none was selected).
 # Tests marked `slow` (minutes of a real model's forwards: the quantized perplexity) run with
@@ -60,7 +65,7 @@ typecheck: setup
 # 0: everything in one process.
 # PYTEST_ARGS="-p tests.cpu_report" adds, at the end, each test file's wall and CPU seconds (pytest and the
 # stacks and interpreters it started): where the suite's time goes, most CPU first.
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 pytest: setup
 ifeq ($(PYTEST_WORKERS),0)
