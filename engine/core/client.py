@@ -43,11 +43,13 @@ from engine.core.messages import (
     Inspect,
     Ready,
     Reply,
+    SeqOutput,
     Shutdown,
     Step,
+    StopSequence,
     client_codec,
-    request_output,
 )
+from engine.core.output_processor import OutputProcessor
 from engine.core.watchdog import EngineStalled, StallPolicy, StepClock
 from engine.inputs import PromptLimits
 from engine.metrics import EngineMetrics, SchedulerStats
@@ -97,7 +99,10 @@ class EngineCoreClient:
         self._seq = itertools.count()
         self._outbox: queue.SimpleQueue[_Outgoing | None] = queue.SimpleQueue()
         self._aborting: set[str] = set()  # requests with an abort in the outbox
-        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # the reader thread's only
+        # Requests sent and not yet taken, by the seq of their AddRequest: the reader thread hands each
+        # to the output processor when the core's Added arrives, before any step can report it.
+        self._adding: dict[int, tuple[EngineRequest, str | None]] = {}
+        self.processor: OutputProcessor | None = None  # once the core is ready (it needs the tokenizer)
         self._dispatches = threading.BoundedSemaphore(_MAX_DISPATCHES)
         self._dead_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -165,6 +170,7 @@ class EngineCoreClient:
 
         self.tokenizer = await asyncio.to_thread(load_tokenizer, first.model_path)
         self.prompt_limits = first.limits
+        self.processor = OutputProcessor(self.tokenizer, first.limits, self._stop_sequence)
         self.load = first.load
         self.description = first.description
         logger.info("engine core running in process %d: %s", self._proc.pid, first.description)
@@ -195,16 +201,24 @@ class EngineCoreClient:
     def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Stream delta outputs. Leaving the iterator early (or cancelling) aborts the request."""
         request_id = request.request_id
-
-        def add(seq: int) -> AddRequest:
-            return AddRequest(seq, request)
+        text = request.prompt if isinstance(request.prompt, str) else None
 
         async def send() -> None:
             if self._proc is None:
                 await self.start()
+            assert self.processor is not None
             # Counted from here until the core's answer: the load shows it only from then on.
             self._num_unacknowledged += 1
             try:
+                if text is None:
+                    prepared = self.processor.prepare(request)
+                else:  # tokenizing text takes a while: off the event loop
+                    prepared = await asyncio.to_thread(self.processor.prepare, request)
+
+                def add(seq: int) -> AddRequest:
+                    self._adding[seq] = (prepared, text)
+                    return AddRequest(seq, prepared)
+
                 await self._ask(add)
             finally:
                 self._num_unacknowledged -= 1
@@ -228,6 +242,12 @@ class EngineCoreClient:
         """Ask the core a read-only question between steps (see ``engine.core.proc.INSPECTIONS``)."""
         return await self._ask(lambda seq: Inspect(seq, what))
 
+    def _stop_sequence(self, request_id: str, index: int, stop: str) -> SeqOutput | None:
+        """The output processor (on the reader thread) found a stop string: the core finishes the
+        sequence, and its answer comes with a later step."""
+        self._outbox.put((msgspec.msgpack.encode(StopSequence(request_id, index, stop)), False, None))
+        return None
+
     def _send_abort(self, request_id: str) -> None:
         if request_id not in self._aborting:  # one abort of a request in the outbox at a time
             self._aborting.add(request_id)
@@ -241,6 +261,7 @@ class EngineCoreClient:
         try:
             data = self._codec.encode(make(seq))
         except (TypeError, ValueError, msgspec.EncodeError) as exc:
+            self._adding.pop(seq, None)
             raise ValueError(f"this request cannot be sent to the engine: {exc}") from exc
         reply: asyncio.Future[Any] = self._loop.create_future()
         self._replies[seq] = reply
@@ -249,6 +270,7 @@ class EngineCoreClient:
             return await reply
         finally:
             self._replies.pop(seq, None)
+            self._adding.pop(seq, None)
 
     # ---- the threads ---------------------------------------------------------------------------
     def _write(self) -> None:
@@ -294,7 +316,9 @@ class EngineCoreClient:
             if isinstance(message, Step):
                 self._on_step(message, now)
             elif isinstance(message, Added):
-                self._prompts[message.request_id] = (message.prompt, message.prompt_token_ids)
+                added = self._adding.pop(message.seq, None)
+                if added is not None and self.processor is not None:
+                    self.processor.add(*added)
                 self.load = message.load  # before the answer: the request is never counted nowhere
                 self.clock.on_answer(now, core_busy=True)
                 loop.call_soon_threadsafe(self._resolve, message.seq, None, None)
@@ -317,14 +341,12 @@ class EngineCoreClient:
             self.metrics.on_request_record(record)
         if message.load is not None:
             self.load = message.load
-        if not message.outputs:
+        if not message.outputs or self.processor is None:
             return
-        outputs = []
-        for out in message.outputs:
-            prompt, ids = self._prompts.get(out.request_id, (None, []))
-            outputs.append(request_output(out, prompt, ids))
-            if out.finished:
-                self._prompts.pop(out.request_id, None)
+        # Text, stop strings and n > 1 grouping run here, on this thread: never on the core's.
+        outputs = self.processor.process(message.outputs)
+        if not outputs:
+            return
         if not self._dispatches.acquire(blocking=False):
             self.clock.pause(True)  # the event loop is behind: wait for it, not the core
             while not self._dispatches.acquire(timeout=1.0):
