@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from engine.kv_cache.manager import KVCacheManager
     from engine.metrics import EngineMetrics, SchedulerStats
     from engine.outputs import RequestOutput
+    from engine.runner.model_runner import ModelRunner
     from engine.sched.scheduler import Scheduler
     from engine.tokenizer import Tokenizer
-    from engine.worker.model_runner import ModelRunner
 
 Prompt = str | list[int]
 

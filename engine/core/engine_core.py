@@ -25,13 +25,13 @@ from engine.inputs import EngineRequest, PromptLimits, check_context_length, pre
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineMetrics, RequestRecord, SchedulerStats, StepRecord
 from engine.request import Request, RequestStatus
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_io import RunnerOutput
+from engine.runner.step_overlap import StepHandle
 from engine.sched.async_scheduler import AsyncScheduler
 from engine.sched.output import SchedulerOutput
 from engine.sched.scheduler import Scheduler
 from engine.structured.background import BackgroundCompiles
-from engine.worker.model_runner import ModelRunner
-from engine.worker.step_io import RunnerOutput
-from engine.worker.step_overlap import StepHandle
 
 logger = logging.getLogger(__name__)
 
