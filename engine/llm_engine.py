@@ -32,6 +32,7 @@ class LLMEngine:
         self.core = EngineCore(config)
         self.tokenizer: Tokenizer | None = load_tokenizer_if_any(config.model_path)
         self.processor = OutputProcessor(self.tokenizer, self.core.prompt_limits, self.core.stop_sequence)
+        self._pending: list[RequestOutput] = []  # outputs made between steps (aborts)
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
@@ -88,17 +89,19 @@ class LLMEngine:
         return ids
 
     def abort_request(self, request_id: str) -> None:
-        """Abort a caller's request (all n sequences). Unknown or finished ids are a no-op."""
-        self.core.abort_request(request_id)
+        """Abort a caller's request (all n sequences); its last output comes with the next ``step()``.
+        Unknown or finished ids are a no-op."""
+        self._pending += self.processor.process(self.core.abort_request(request_id))
 
     # ---- the loop --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return bool(self._pending) or self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """One step's outputs. With async scheduling these are the previous step's tokens: this call
         schedules and starts the next step before it waits for them."""
-        return self.processor.process(self.core.step())
+        outputs, self._pending = self._pending, []
+        return outputs + self.processor.process(self.core.step())
 
 
 def load_tokenizer_if_any(path: str) -> Tokenizer | None:

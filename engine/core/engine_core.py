@@ -84,7 +84,7 @@ class EngineCore:
         self._grammars = BackgroundCompiles(config)
         # Per caller's request id, its sequences not yet reported finished, by completion index.
         self._groups: dict[str, dict[int, Request]] = {}
-        self._pending: list[SeqOutput] = []  # outputs produced between steps (aborts, stops)
+        self._pending: list[SeqOutput] = []  # outputs produced between steps, sent with the next
         self._inflight: _Submitted | None = None  # async scheduling: the step still running
         self._rng = random.Random(config.seed)
         self._step = 0
@@ -163,19 +163,23 @@ class EngineCore:
         self.load = self.scheduler.stats()
         return ids
 
-    def abort_request(self, request_id: str) -> None:
-        """Abort a caller's request (all n sequences); its last outputs come with the next step.
-        Unknown or finished ids are a no-op."""
+    def abort_request(self, request_id: str) -> list[SeqOutput]:
+        """Abort a caller's request (all n sequences); returns its sequences' last outputs (a caller
+        that steps another thread's core passes them on with ``defer``). Unknown or finished ids are a
+        no-op. The id is free again at once: its outputs are returned now, not with a later step, so
+        they never reach a new request under the same id."""
         group = self._groups.get(request_id)
         if group is None:
-            return
+            return []
         self._grammars.drop(request_id)
+        ended = []
         for child in list(group.values()):
             if self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED):
                 self.metrics.on_finished(child)
             if child.finished:
-                self._pending.append(self._ended(child))
+                ended.append(self._ended(child))
         self.load = self.scheduler.stats()
+        return ended
 
     def stop_sequence(self, request_id: str, index: int, stop: str) -> SeqOutput | None:
         """The client found stop string ``stop`` in one sequence's text: finish it as stopped. Returns

@@ -187,7 +187,8 @@ class _Loop:
                 answer = Reply(command.seq, error=Failure.of(exc))
             self._answer(answer)
         elif isinstance(command, AbortRequest):
-            engine.abort_request(command.request_id)
+            for ended in engine.abort_request(command.request_id):
+                engine.defer(ended)
         elif isinstance(command, StopSequence):
             ended = engine.stop_sequence(command.request_id, command.index, command.stop)
             if ended is not None:

@@ -1,14 +1,16 @@
 """EngineCoreClient: the caller's side of an engine core running in its own process.
 
-It answers the calls ``AsyncLLMEngine`` answers (generate, abort, load, tokenizer, metrics), from a
-torch-free process: the worker's Kafka, Redis and HTTP work then never competes with the model step
-for a GIL, which measured +13% (SmolLM2) to +77% (a tiny model) on the step inside a worker
-(``bench/step_overhead.py``). Commands are encoded on the event loop (a value that cannot cross the
-pipe fails its own call) and three threads do the rest: a sender, so a full pipe never blocks the event
-loop; a reader, which decodes the core's messages, fires the metric listeners with its step and request
-records (as the core's own thread would in-process) and hands each step's outputs to the event loop in
-one callback; and a watchdog, which kills a core that has work and stops stepping (``watchdog.py``).
-Anything unexpected in those threads marks the engine dead: every stream fails, no call hangs.
+It answers the calls ``InprocClient`` answers (the ``EngineClient`` interface of client.py: generate,
+abort, load, tokenizer, metrics), from a torch-free process: the worker's Kafka, Redis and HTTP work then
+never competes with the model step for a GIL, which measured +13% (SmolLM2) to +77% (a tiny model) on the
+step inside a worker (``bench/step_overhead.py``). Commands are encoded on the event loop (a value that
+cannot cross the pipe fails its own call) and three threads do the rest: a sender, so a full pipe never
+blocks the event loop; a reader, which decodes the core's messages, fires the metric listeners with its
+step and request records (as the core's own thread would in-process), runs the step's token ids through
+the output processor (text, stop strings, n > 1 grouping: none of it on the core's process) and hands the
+resulting outputs to the event loop in one callback; and a watchdog, which kills a core that has work and
+stops stepping (``watchdog.py``). Anything unexpected in those threads marks the engine dead: every stream
+fails, no call hangs.
 
 What is bounded, and by what:
 - the sender's queue: one ``AddRequest`` and at most one ``AbortRequest`` per stream (aborts of one
