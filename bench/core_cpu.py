@@ -61,8 +61,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                 tokens += sum(len(c.token_ids) for c in out.outputs)
         return tokens
 
+    rows: list[int] = []  # sequences per step: fewer means more steps, each with its fixed cost
     try:
         await one(-1)  # warm-up
+        client.metrics.step_listeners.append(lambda step: rows.append(len(step.batch)))
         cpu0, began = cpu_s(pid), time.perf_counter()
         tokens = sum(await asyncio.gather(*(one(i) for i in range(args.requests))))
         wall, cpu = time.perf_counter() - began, cpu_s(pid) - cpu0
@@ -78,6 +80,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "core_cpu_ms_per_token": round(1e3 * cpu / max(tokens, 1), 4),
         "tok_per_s": round(tokens / wall, 1),
         "wall_s": round(wall, 3),
+        "steps": len(rows),
+        "mean_batch": round(sum(rows) / max(len(rows), 1), 2),
     }
 
 
@@ -90,6 +94,7 @@ def main(args: argparse.Namespace) -> int:
         f"{result['core_cpu_ms_per_token']:.3f} CPU-ms per generated token"
     )
     print(f"throughput: {result['tok_per_s']:.1f} tok/s over {result['wall_s']:.2f} s wall")
+    print(f"steps: {result['steps']}, {result['mean_batch']:.2f} sequences a step on average")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))
     return 0
