@@ -29,9 +29,9 @@ import torch
 
 from engine.attention.backend import AttentionMetadata
 from engine.llm_engine import LLMEngine
+from engine.runner.cuda_graph import GraphedDecode
+from engine.runner.piecewise_graph import PiecewiseGraphs
 from engine.sampling_params import SamplingParams
-from engine.worker.cuda_graph import GraphedDecode
-from engine.worker.piecewise_graph import PiecewiseGraphs
 
 SMALL_LLAMA: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],

@@ -3,7 +3,7 @@
 Three measurements, one command (``make bench-service``), JSON plus a plot under ``--out``:
 
 * Low load, one request at a time: the latency the service path (HTTP, admission, Kafka, worker,
-  Redis pub/sub, SSE) adds over the same request run by an in-process ``AsyncLLMEngine``. Each request
+  Redis pub/sub, SSE) adds over the same request run by an in-process ``InprocClient``. Each request
   is sent both ways, identical and greedy, so the pairwise difference is the service's overhead:
       added_i = service_latency_i - engine_latency_i        (p50 and p99 reported)
   for the whole response (non-streaming) and for the first token (streaming).
@@ -93,11 +93,11 @@ def _summary(values_s: list[float]) -> dict[str, float]:
 
 # ---- the in-process engine ---------------------------------------------------------------------
 async def _engine_latencies(model: str, n: int, max_tokens: int) -> tuple[list[float], list[float]]:
-    from engine.async_engine import AsyncLLMEngine
+    from engine.core.inproc_client import InprocClient
     from engine.inputs import EngineRequest
     from engine.sampling_params import SamplingParams
 
-    engine = AsyncLLMEngine.from_engine_args(model=model)
+    engine = InprocClient.from_engine_args(model=model)
     await engine.start()
     totals, firsts = [], []
     try:

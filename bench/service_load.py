@@ -1,6 +1,6 @@
 """The stack under load beside the engine alone: the third measurement of ``python -m bench service``.
 
-Capacity first, on the engine alone: an in-process ``AsyncLLMEngine`` with the worker's engine arguments
+Capacity first, on the engine alone: an in-process ``InprocClient`` with the worker's engine arguments
 and torch threads, every request of the load's length mix at t = 0. Its saturation throughput sets the
 load. Saturation throughput, on either path: requests completed per second from t = 0 until the
 completion that leaves max_num_seqs requests unfinished (after it no batch can be full, and the drain's
@@ -138,7 +138,7 @@ async def _engine_stream(engine: Any, spec: RequestSpec, t0: float) -> Streamed:
 
 
 async def engine_replay(engine: Any, specs: Sequence[RequestSpec]) -> list[Streamed]:
-    """Every spec at its arrival time from now, into an ``AsyncLLMEngine``; results in spec order."""
+    """Every spec at its arrival time from now, into an ``InprocClient``; results in spec order."""
     quiet_collector()
     t0 = time.monotonic()
     return list(await asyncio.gather(*(_engine_stream(engine, s, t0) for s in specs)))
@@ -255,9 +255,9 @@ def _resolve_threads(threads: int) -> None:
 
 
 async def _engine_runs(cfg: LoadConfig, vocab_size: int, say: Callable[[str], None]) -> dict[str, Any]:
-    from engine.async_engine import AsyncLLMEngine
+    from engine.core.inproc_client import InprocClient
 
-    engine = AsyncLLMEngine.from_engine_args(model=cfg.model, **cfg.engine_args)
+    engine = InprocClient.from_engine_args(model=cfg.model, **cfg.engine_args)
     await engine.start()
     try:
         await engine_replay(engine, warmup_specs(vocab_size, engine.max_model_len))

@@ -81,14 +81,14 @@ async def _through_worker(
     or a model path: an engine core is spawned for it (the worker's default), pinned to core 0 while
     this process's threads move to the other cores.
     """
-    from engine.async_engine import AsyncLLMEngine
     from engine.core.client import EngineCoreClient
+    from engine.core.inproc_client import InprocClient
     from services.common.settings import Settings
     from services.worker.worker import Worker
     from services.worker.worker_telemetry import instrument_engine
 
     settings = Settings.from_env(env)
-    eng: AsyncLLMEngine | EngineCoreClient
+    eng: InprocClient | EngineCoreClient
     if isinstance(engine, str):
         eng = EngineCoreClient(
             engine, {"max_num_seqs": max(args.concurrency, 8)}, torch_threads=args.torch_threads
@@ -99,7 +99,7 @@ async def _through_worker(
             os.sched_setaffinity(0, set(range(1, os.cpu_count() or 1)))
         await _warm_up(args, eng)
     else:
-        eng = AsyncLLMEngine(engine)
+        eng = InprocClient(engine)
     spans = instrument_engine(eng, settings)  # as the worker's main does
     eng.metrics.step_listeners.append(recorded.append)
     worker = Worker(settings, eng, spans)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.async_engine import AsyncLLMEngine
     from engine.config import EngineArgs
+    from engine.core.inproc_client import AsyncLLMEngine
     from engine.inputs import EngineRequest
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 _EXPORTS = {
     "LLM": "engine.llm",
-    "AsyncLLMEngine": "engine.async_engine",
+    "AsyncLLMEngine": "engine.core.inproc_client",
     "EngineArgs": "engine.config",
     "EngineRequest": "engine.inputs",
     "SamplingParams": "engine.sampling_params",

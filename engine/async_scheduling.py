@@ -2,7 +2,7 @@
 
 With it on, the scheduler plans step N+1 while step N runs, assuming every request that samples in
 step N gets exactly one token (a placeholder); the tokens arrive one step late. See
-engine/sched/async_scheduler.py (the bookkeeping) and engine/worker/step_overlap.py (the execution).
+engine/sched/async_scheduler.py (the bookkeeping) and engine/runner/step_overlap.py (the execution).
 
 The automatic rule (``async_scheduling=None``):
   * CUDA: on. The host only launches kernels; the GPU runs them while the host plans the next step.

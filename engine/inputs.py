@@ -214,7 +214,7 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     """
 
     request_id: str
-    prompt: list[int] | str  # token ids, or text for the engine's tokenizer
+    prompt: list[int] | str  # token ids, or text for the front end's tokenizer (the core takes ids)
     params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     priority: int = 0  # lower runs first (priority policy)
     arrival_time: float | None = None  # time.monotonic() when it arrived; None: when the engine takes it
@@ -223,6 +223,9 @@ class EngineRequest(msgspec.Struct, frozen=True, array_like=True):
     indexes: list[int] | None = None
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # Set by the front end that tokenized the prompt: its tokenizer's eos ids, the primary first. The
+    # core itself holds no tokenizer; without these it stops at the model config's eos ids only.
+    eos_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):

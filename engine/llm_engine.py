@@ -1,116 +1,78 @@
-"""The engine loop: schedule -> execute -> update, one bounded step at a time.
+"""LLMEngine: the engine core and its output processing in one process, stepped by the caller.
 
-Control returns here after every step, so finished requests leave and new ones join at each step
-boundary (iteration-level scheduling).
+``step()`` runs one core step (``engine.core.engine_core``: token ids) and turns its outputs into text
+deltas (``engine.core.output_processor``) on the same thread; the offline ``LLM`` and the in-process
+client (``engine.core.client.InprocClient``) step it. A stop string found in the text finishes its
+sequence in the core before ``step()`` returns, so the next step never runs it.
 """
 
 from __future__ import annotations
 
-import logging
-import random
-import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from engine.config import EngineArgs, EngineConfig
-from engine.cost_model import StepCostModel
-from engine.inputs import EngineRequest, PromptLimits, check_context_length, prepare_prompt
-from engine.kv_cache.manager import KVCacheManager
-from engine.metrics import EngineMetrics, SchedulerStats, StepRecord
-from engine.outputs import RequestOutput
-from engine.request import Request, RequestStatus
-from engine.request_group import Deltas, RequestGroup
-from engine.sampling.detokenizer import IncrementalDetokenizer
+from engine.core.engine_core import EngineCore
+from engine.core.output_processor import OutputProcessor
+from engine.inputs import EngineRequest, PromptLimits
 from engine.sampling_params import SamplingParams
-from engine.sched.async_scheduler import AsyncScheduler
-from engine.sched.output import SchedulerOutput
-from engine.sched.scheduler import Scheduler
-from engine.structured.background import BackgroundCompiles
-from engine.worker.model_runner import ModelRunner
-from engine.worker.step_io import RunnerOutput
-from engine.worker.step_overlap import StepHandle
 
 if TYPE_CHECKING:
+    from engine.kv_cache.manager import KVCacheManager
+    from engine.metrics import EngineMetrics, SchedulerStats
+    from engine.outputs import RequestOutput
+    from engine.runner.model_runner import ModelRunner
+    from engine.sched.scheduler import Scheduler
     from engine.tokenizer import Tokenizer
 
-logger = logging.getLogger(__name__)
-
 Prompt = str | list[int]
-# How long an engine with nothing to run but compiling grammars waits for one before it steps again.
-_GRAMMAR_WAIT_S = 0.02
-
-
-@dataclass
-class _Submitted:
-    """A scheduled step on its way through the runner (async scheduling: still running)."""
-
-    out: SchedulerOutput
-    handle: StepHandle | None  # async scheduling: what to collect its tokens from
-    start: float  # time.monotonic() when its scheduling began
-    scheduled_at: float
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.tokenizer: Tokenizer | None = _load_tokenizer(config.model_path)
-        eos = set(config.model.eos_token_ids)
-        if self.tokenizer is not None:
-            eos.update(self.tokenizer.eos_token_ids)
-        self.eos_token_ids = eos
-        self.runner = ModelRunner(config)
-        self.kv = KVCacheManager(
-            self.runner.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            free_window=config.model.kv_free_window,
-        )
-        cost = StepCostModel.load(config.slo_cost_model) if config.slo_cost_model else None
-        scheduler_cls = AsyncScheduler if config.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(config, self.kv, eos, cost=cost)
-        logger.info(
-            "engine: %s on %s, dtype %s, attention %s, linear layers %s, %d torch threads, %d KV blocks of "
-            "%d tokens, async scheduling %s (%s)",
-            config.model.architecture,
-            config.device,
-            str(config.dtype).removeprefix("torch."),
-            config.attention_backend,
-            self.runner.model.kernels.gemm,
-            torch.get_num_threads(),
-            self.runner.num_blocks,
-            config.block_size,
-            "on" if config.async_scheduling else "off",
-            config.async_scheduling_reason,
-        )
-        self.metrics = EngineMetrics()
-        # Structured outputs' grammars compile on a helper thread; their requests wait meanwhile.
-        self._grammars = BackgroundCompiles(config)
-        self._groups: dict[str, RequestGroup] = {}
-        self._pending: list[RequestOutput] = []  # outputs produced between steps (aborts)
-        self._inflight: _Submitted | None = None  # async scheduling: the step still running
-        self._rng = random.Random(config.seed)
-        self._step = 0
-        # The engine's load as of its last change (a step, an arrival, an abort): an immutable snapshot
-        # replaced whole, so other threads (the worker's event loop, a metrics scrape) read it instead
-        # of the live scheduler and KV cache.
-        self.load: SchedulerStats = self.scheduler.stats()
+        self.core = EngineCore(config)
+        self.tokenizer: Tokenizer | None = load_tokenizer_if_any(config.model_path)
+        self.processor = OutputProcessor(self.tokenizer, self.core.prompt_limits, self.core.stop_sequence)
+        self._pending: list[RequestOutput] = []  # outputs made between steps (aborts)
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.resolve(EngineArgs.from_kwargs(model, **kwargs)))
 
-    # ---- intake ----------------------------------------------------------------------------
+    # ---- the core's parts, for callers that inspect them between steps ----------------------
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.core.kv
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self.core.metrics
+
+    @property
+    def load(self) -> SchedulerStats:
+        return self.core.load
+
     @property
     def prompt_limits(self) -> PromptLimits:
-        return PromptLimits(self.config.max_model_len, self.config.model.vocab_size)
+        return self.core.prompt_limits
 
+    # ---- intake ----------------------------------------------------------------------------
     def add_request(
         self, request: EngineRequest | str, prompt: Prompt | None = None, params: SamplingParams | None = None
     ) -> list[int]:
-        """Add a request (see ``EngineRequest``); with ``params.n`` > 1 it fans out here. Returns the
-        prompt's token ids (text is tokenized here).
+        """Add a request (see ``EngineRequest``); with ``params.n`` > 1 it fans out in the core. Returns
+        the prompt's token ids (text is tokenized here).
 
         ``add_request(request_id, prompt, params)`` is short for ``add_request(EngineRequest(request_id,
         prompt, params))``; every other field is set on an ``EngineRequest``.
@@ -121,248 +83,29 @@ class LLMEngine:
             request = EngineRequest(request, prompt, params or SamplingParams())
         elif prompt is not None or params is not None:
             raise TypeError("add_request(EngineRequest) takes no other argument: set its fields")
-        params = request.params
-        request_id = request.request_id
-        if request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in flight")
-        ids = prepare_prompt(request.prompt, self.prompt_limits, self.tokenizer)
-        text = request.prompt if isinstance(request.prompt, str) else None
-        indexes = list(range(params.n)) if request.indexes is None else sorted(set(request.indexes))
-        if not indexes or not all(0 <= i < params.n for i in indexes):
-            raise ValueError(f"indexes must be a non-empty subset of range({params.n}), got {indexes}")
-        by_index, every = request.resume_by_index, request.resume_token_ids
-        resumed = {i: list(by_index.get(i, ()) if by_index is not None else every or ()) for i in indexes}
-        for i in indexes:
-            if resumed[i]:  # the tokens already streamed are prefilled again with the prompt
-                check_context_length(len(ids) + len(resumed[i]), self.config.max_model_len)
-            if params.max_tokens is not None and len(resumed[i]) >= params.max_tokens:
-                raise ValueError("resumed stream already reached max_tokens")
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        eos = self.tokenizer.eos_token_id if self.tokenizer else None
-        if eos is None and self.config.model.eos_token_ids:
-            eos = self.config.model.eos_token_ids[0]
-        slo_ttft_s = self.config.slo_ttft_s if request.slo_ttft_s is None else request.slo_ttft_s
-        slo_tpot_s = self.config.slo_tpot_s if request.slo_tpot_s is None else request.slo_tpot_s
-        children = [
-            Request(
-                request_id if params.n == 1 else f"{request_id}#{i}",
-                ids,
-                params,
-                eos,
-                arrival_time=request.arrival_time,
-                priority=request.priority,
-                parent_id=request_id,
-                index=i,
-                resumed_output_token_ids=resumed[i],
-                seed=seed + i,
-                slo_ttft_s=slo_ttft_s,
-                slo_tpot_s=slo_tpot_s,
-            )
-            for i in indexes
-        ]
-        added: list[Request] = []
-        try:
-            for child in children:
-                self.scheduler.add_request(child)
-                added.append(child)
-        except Exception:
-            for child in added:
-                self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED)
-            raise
-        detoks = {
-            i: IncrementalDetokenizer(
-                self.tokenizer,
-                ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-            for i in indexes
-        }
-        for i, detok in detoks.items():
-            if resumed[i]:
-                # Replay the tokens another engine already streamed, discarding their text, so the
-                # detokenizer (held-back bytes, stop-string prefixes) continues exactly where it left off.
-                detok.replay(resumed[i])
-        self._groups[request_id] = RequestGroup(request_id, text, ids, children, detoks)
-        if params.structured is not None:
-            # Off the step loop: the children wait until their grammar is compiled (or fail with it).
-            self._grammars.submit(request_id, params.structured, children)
-        self.load = self.scheduler.stats()
+        prepared = self.processor.prepare(request)
+        ids = self.core.add_request(prepared)
+        self.processor.add(prepared, request.prompt if isinstance(request.prompt, str) else None)
         return ids
 
     def abort_request(self, request_id: str) -> None:
-        """Abort a caller's request (all n sequences). Unknown or finished ids are a no-op."""
-        group = self._groups.get(request_id)
-        if group is None:
-            return
-        self._grammars.drop(request_id)
-        for child in group.children:
-            if self.scheduler.finish_request(child.request_id, RequestStatus.FINISHED_ABORTED):
-                self.metrics.on_finished(child)
-        self._pending.extend(self._collect([group], {}))
-        self.load = self.scheduler.stats()
+        """Abort a caller's request (all n sequences); its last output comes with the next ``step()``.
+        Unknown or finished ids are a no-op."""
+        self._pending += self.processor.process(self.core.abort_request(request_id))
 
     # ---- the loop --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups or self._pending or self._inflight)
+        return bool(self._pending) or self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """One step's outputs. With async scheduling these are the previous step's tokens: this call
         schedules and starts the next step before it waits for them."""
-        start = time.monotonic()
-        if self._grammars.num_pending:
-            self._take_compiled()
-        out = self.scheduler.schedule()
-        if out.is_empty and self._inflight is None and self._grammars.num_pending:
-            # Nothing runs but grammars compile: wait for one (briefly, so commands are still taken)
-            # instead of spinning through empty steps.
-            self._grammars.wait(_GRAMMAR_WAIT_S)
-        scheduled_at = time.monotonic()
         outputs, self._pending = self._pending, []
-        if self.scheduler.rejected:  # the policy finished these early, with an error (slo: lost TTFT)
-            outputs.extend(self._report_rejected())
-        if self.config.async_scheduling:
-            return outputs + self._step_overlapped(_Submitted(out, None, start, scheduled_at))
-        if out.is_empty:
-            self.runner.update_rows(out)  # still drop the rows of requests finished since last step
-            self.load = self.scheduler.stats()  # the policy may have rejected requests
-            return outputs
-        try:
-            result = self.runner.execute(out)
-        except Exception as exc:  # the step failed: fail its requests, keep the engine serving
-            return outputs + self._fail_step(out, exc)
-        return outputs + self._process(_Submitted(out, None, start, scheduled_at), result)
-
-    def _step_overlapped(self, step: _Submitted) -> list[RequestOutput]:
-        """Start ``step`` behind the one in flight, then take the in-flight one's tokens."""
-        prev, self._inflight = self._inflight, None
-        outputs: list[RequestOutput] = []
-        failed: Exception | None = None
-        if step.out.is_empty:
-            self.runner.update_rows(step.out)
-        else:
-            try:
-                step.handle = self.runner.submit(step.out, prev.handle if prev else None)
-                self._inflight = step
-            except Exception as exc:  # failed after its predecessor reports (steps report in order)
-                failed = exc
-        if prev is not None:
-            outputs += self._finish_overlapped(prev)
-        if failed is not None:
-            outputs += self._fail_step(step.out, failed)
-        if self._inflight is not None and not self.scheduler.has_unfinished():
-            # Everything finished on the tokens just seen: the running step is wasted work. Wait for
-            # it now, so has_unfinished_requests() turns false with the last outputs.
-            last, self._inflight = self._inflight, None
-            outputs += self._finish_overlapped(last)
-        if prev is None:  # no step reported: arrivals, aborts or rejections may still have changed it
-            self.load = self.scheduler.stats()
-        return outputs
-
-    def _finish_overlapped(self, step: _Submitted) -> list[RequestOutput]:
-        assert step.handle is not None
-        try:
-            result = self.runner.collect(step.handle)
-        except Exception as exc:
-            return self._fail_step(step.out, exc)
-        return self._process(step, result)
-
-    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> list[RequestOutput]:
-        """The step failed: fail its requests, keep the engine serving."""
-        logger.exception("model step failed", exc_info=exc)
-        if isinstance(self.scheduler, AsyncScheduler):
-            self.scheduler.discard(out)
-        failed = [
-            self.scheduler.requests[i] for i in out.num_scheduled_tokens if i in self.scheduler.requests
-        ]
-        outputs = self._fail(failed, f"{type(exc).__name__}: {exc}")
-        self.load = self.scheduler.stats()
-        return outputs
-
-    def _process(self, step: _Submitted, result: RunnerOutput) -> list[RequestOutput]:
-        """A step's tokens: into the requests, through the detokenizers, out as deltas."""
-        executed_at = time.monotonic()
-        got_token = self.scheduler.update_from_output(step.out, result.sampled)
-        touched: dict[str, RequestGroup] = {}
-        deltas: Deltas = {}
-        for request in got_token:
-            group = self._groups[request.parent_id]
-            touched[group.request_id] = group
-            token = request.output_token_ids[-1]
-            lp = result.logprobs.get(request.request_id)
-            if lp is not None:
-                request.logprobs.append(lp)
-            detok = group.detoks[request.index]
-            delta = detok.update([token])
-            text = delta.text
-            if delta.stop_str is not None and not request.finished:
-                request.stop_reason = delta.stop_str
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            elif request.finished:
-                text += detok.flush()
-            if request.finished:
-                self.metrics.on_finished(request)
-            deltas[request.request_id] = (text, token, lp)
-        outputs = self._collect(list(touched.values()), deltas)
-        if not self.config.async_scheduling:
-            # The whole step, as calibration timed it (schedule to outputs). An overlapped step's
-            # span holds its predecessor's tail, so async scheduling keeps the calibrated level.
-            self.scheduler.observe_step_time(step.out.modelled_s, time.monotonic() - step.start)
-        self._step += 1
-        self.load = self.scheduler.stats(step.out)
-        self.metrics.on_step(
-            StepRecord(
-                step=self._step,
-                start=step.start,
-                schedule_time=step.scheduled_at - step.start,
-                execute_time=result.execute_time or executed_at - step.scheduled_at,
-                stats=self.load,
-                batch=list(step.out.batch()),
-                prepare_time=result.prepare_time,
-            )
-        )
-        return outputs
-
-    def _report_rejected(self) -> list[RequestOutput]:
-        rejected, self.scheduler.rejected = self.scheduler.rejected, []
-        groups: dict[str, RequestGroup] = {}
-        for request in rejected:
-            self.metrics.on_finished(request)
-            groups[request.parent_id] = self._groups[request.parent_id]
-        return self._collect(list(groups.values()), {})
-
-    def _take_compiled(self) -> None:
-        """Requests whose grammar compile ended: compiled ones may be scheduled now (the scheduler sees
-        their flag drop); a refused grammar fails its requests, naming the field (they hold no block)."""
-        for requests, error in self._grammars.ready():
-            live = [r for r in requests if not r.finished]
-            if error is None or not live:
-                continue
-            for request in live:
-                request.error_param = error.param
-            self._pending.extend(self._fail(live, str(error)))
-        self.load = self.scheduler.stats()
-
-    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
-        groups: dict[str, RequestGroup] = {}
-        for request in requests:
-            if self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ERROR):
-                request.error = message
-                self.metrics.on_finished(request)
-            groups[request.parent_id] = self._groups[request.parent_id]
-        return self._collect(list(groups.values()), {})
-
-    def _collect(self, groups: list[RequestGroup], deltas: Deltas) -> list[RequestOutput]:
-        """Delta outputs for the touched groups; drops groups whose every child has been reported."""
-        outputs = [group.delta_output(deltas) for group in groups]
-        for group in groups:
-            if group.all_reported:
-                del self._groups[group.request_id]
-        return outputs
+        return outputs + self.processor.process(self.core.step())
 
 
-def _load_tokenizer(path: str) -> Tokenizer | None:
+def load_tokenizer_if_any(path: str) -> Tokenizer | None:
+    """The checkpoint's tokenizer, or None where it has no tokenizer.json."""
     # Imported only when there is one: a GPU host benchmarking a random-weight checkpoint needs no
     # tokenizers package.
     from engine.models.gguf import local_tokenizer_files

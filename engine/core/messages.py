@@ -1,14 +1,16 @@
 """What crosses the pipe between an engine core and its client: typed msgspec messages, torch-free.
 
-Client -> core (``Command``): ``AddRequest`` (an ``EngineRequest``, answered by ``Added`` or a ``Reply``
-with the refusal), ``AbortRequest``, ``Inspect`` (answered by a ``Reply``), ``Shutdown``.
+Client -> core (``Command``): ``AddRequest`` (an ``EngineRequest`` with its prompt as token ids, answered by
+``Added`` or a ``Reply`` with the refusal), ``AbortRequest``, ``StopSequence`` (the client's output processor
+found a stop string), ``Inspect`` (answered by a ``Reply``), ``Shutdown``.
 Core -> client (``Event``): ``Ready`` once, then a ``Step`` per step (or per change of load while idle),
 ``Added`` / ``Reply`` to the commands that ask, and ``CoreDied`` if its loop fails.
 
 Every message is a msgspec Struct in a tagged union, encoded as msgpack with ``send_bytes``; nothing is
 pickled, so a value that cannot be rebuilt on the other side fails where it is encoded (the one request
 that sent it), never in a reader thread. The hot message, ``Step``, is encoded as arrays (no field
-names) and carries each request's new tokens only: its prompt went back once, in ``Added``.
+names) and carries each sequence's new token ids, finish reason and logprob ids (``SeqOutput``): text is
+made on the client's side (engine/core/output_processor.py).
 Errors cross as data (``Failure``) and become typed exceptions again on the caller's side.
 """
 
@@ -20,7 +22,6 @@ import msgspec
 
 from engine.inputs import ContextLengthError, EngineRequest, PromptError, PromptLimits
 from engine.metrics import RequestRecord, SchedulerStats, StepRecord
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.structured.spec import StructuredOutputError
 
 
@@ -66,6 +67,14 @@ class AbortRequest(msgspec.Struct, tag="abort", array_like=True, frozen=True):
     request_id: str
 
 
+class StopSequence(msgspec.Struct, tag="stop", array_like=True, frozen=True):
+    """The client's text of one sequence reached a stop string: finish it as stopped there."""
+
+    request_id: str
+    index: int
+    stop: str
+
+
 class Inspect(msgspec.Struct, tag="inspect", array_like=True, frozen=True):
     """A read-only question about the core's state, between steps (tests and tools)."""
 
@@ -77,24 +86,22 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, frozen=True):
     pass
 
 
-Command = AddRequest | AbortRequest | Inspect | Shutdown
+Command = AddRequest | AbortRequest | StopSequence | Inspect | Shutdown
 
 
 # ---- core -> client ---------------------------------------------------------------------------
 class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
-    model_path: str  # the local checkpoint: the client loads the same tokenizer from it
+    model_path: str  # the local checkpoint: the client loads its tokenizer from it
     limits: PromptLimits  # what the core checks prompts against: the client prepares them the same way
     load: SchedulerStats
     description: str  # for the client's start-up log line
 
 
 class Added(msgspec.Struct, tag="added", array_like=True, frozen=True):
-    """The core took the request: its prompt as the core tokenized it, and the load with it queued."""
+    """The core took the request: the load with it queued."""
 
     seq: int
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     load: SchedulerStats
 
 
@@ -104,31 +111,28 @@ class Reply(msgspec.Struct, tag="reply", array_like=True, frozen=True):
     error: Failure | None = None
 
 
-class Completion(msgspec.Struct, array_like=True, frozen=True):
-    """One index's delta of a step: ``CompletionOutput`` on the wire."""
+class SeqOutput(msgspec.Struct, array_like=True, frozen=True):
+    """What the core says of one sequence in a step: its new token ids, and how it ended if it did.
 
-    index: int
-    text: str
+    The core's whole output: token ids, finish reasons it knows itself (a stop token, length, abort,
+    error) and logprob ids. Text, stop strings and the grouping of n sequences into a request's output
+    are the client's (``engine.core.output_processor``).
+    """
+
+    request_id: str  # the caller's id (n > 1 sequences share it)
+    index: int  # which of its n completions
     token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: int | str | None
-    logprobs: list[dict[int, float]] | None
-    num_output_tokens: int
-
-
-class Output(msgspec.Struct, array_like=True, frozen=True):
-    """One request's delta of a step: ``RequestOutput`` without the prompt (sent once, in Added)."""
-
-    request_id: str
-    outputs: list[Completion]
-    finished: bool
-    metrics: RequestRecord | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id (or the stop string the client sent)
+    logprobs: list[dict[int, float]] | None = None  # one per token in token_ids
+    num_output_tokens: int = 0  # cumulative
+    metrics: RequestRecord | None = None  # with a finish: the sequence's record
     error: str | None = None
-    error_param: str | None = None  # the request field an input error blames (RequestOutput's)
+    error_param: str | None = None  # the request field an input error blames (a grammar that failed)
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):
-    outputs: list[Output] = msgspec.field(default_factory=list)
+    outputs: list[SeqOutput] = msgspec.field(default_factory=list)
     steps: list[StepRecord] = msgspec.field(default_factory=list)
     finished: list[RequestRecord] = msgspec.field(default_factory=list)
     load: SchedulerStats | None = None  # the load after this step (None: unchanged)
@@ -140,36 +144,6 @@ class CoreDied(msgspec.Struct, tag="died", array_like=True, frozen=True):
 
 
 Event = Ready | Added | Reply | Step | CoreDied
-
-
-# ---- the edges: engine objects <-> wire structs -------------------------------------------------
-def wire_output(out: RequestOutput) -> Output:
-    completions = [
-        Completion(
-            c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.num_output_tokens
-        )
-        for c in out.outputs
-    ]
-    return Output(out.request_id, completions, out.finished, out.metrics, out.error, out.error_param)
-
-
-def request_output(out: Output, prompt: str | None, prompt_token_ids: list[int]) -> RequestOutput:
-    completions = [
-        CompletionOutput(
-            c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.num_output_tokens
-        )
-        for c in out.outputs
-    ]
-    return RequestOutput(
-        out.request_id,
-        prompt,
-        prompt_token_ids,
-        completions,
-        out.finished,
-        out.metrics,
-        out.error,
-        error_param=out.error_param,
-    )
 
 
 class Codec:

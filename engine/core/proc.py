@@ -33,9 +33,9 @@ from engine.core.messages import (
     Reply,
     Shutdown,
     Step,
+    StopSequence,
     core_codec,
     seq_of,
-    wire_output,
 )
 from engine.metrics import RequestRecord, StepRecord
 
@@ -72,9 +72,9 @@ def run_engine_core(
 
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        from engine.llm_engine import LLMEngine
+        from engine.core.engine_core import EngineCore
 
-        engine = LLMEngine.from_engine_args(model, **engine_args)
+        engine = EngineCore.from_engine_args(model, **engine_args)
         if setup is not None:
             setup(engine)
     except BaseException:
@@ -135,7 +135,7 @@ class _Loop:
                 if not self.running:
                     break
                 if engine.has_unfinished_requests():
-                    outputs = [wire_output(out) for out in engine.step()]
+                    outputs = engine.step()
                     busy = engine.has_unfinished_requests()
                     message = Step(outputs, self.steps, self.finished, engine.load, busy)
                 elif changed:  # an abort of the last request, say: the load changed with no step
@@ -181,14 +181,18 @@ class _Loop:
         if isinstance(command, AddRequest):
             request = command.request
             try:
-                ids = engine.add_request(request)
-                text = request.prompt if isinstance(request.prompt, str) else None
-                answer: Added | Reply = Added(command.seq, request.request_id, text, ids, engine.load)
+                engine.add_request(request)
+                answer: Added | Reply = Added(command.seq, request.request_id, engine.load)
             except Exception as exc:  # refused (bad input, queue full): the caller raises it
                 answer = Reply(command.seq, error=Failure.of(exc))
             self._answer(answer)
         elif isinstance(command, AbortRequest):
-            engine.abort_request(command.request_id)
+            for ended in engine.abort_request(command.request_id):
+                engine.defer(ended)
+        elif isinstance(command, StopSequence):
+            ended = engine.stop_sequence(command.request_id, command.index, command.stop)
+            if ended is not None:
+                engine.defer(ended)
         elif isinstance(command, Inspect):
             try:
                 answer = Reply(command.seq, INSPECTIONS[command.what](engine))

@@ -32,7 +32,7 @@ def main() -> int:
 
     from engine.distributed.launcher import RankInit, join_group
     from engine.distributed.pipe import read_message
-    from engine.worker.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
     stdin = sys.stdin.buffer
     init = read_message(stdin)

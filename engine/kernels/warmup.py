@@ -8,7 +8,7 @@ A variant is a set of constexpr values. Per model and dtype, the per-step choice
 
 Integer arguments that change every step are not specialised on (``do_not_specialize``), and the
 other kernels (norms, rotary, SiLU, KV store) have one variant per model, compiled by the first
-forward (the CUDA-graph warm-up). The piecewise graphs of mixed steps (engine/worker/
+forward (the CUDA-graph warm-up). The piecewise graphs of mixed steps (engine/runner/
 piecewise_graph.py) add no variant: their token-wise segments compile in each size's warm-up
 before capture, and the attention between them launches on the views the eager model passes (q, k,
 v of a fused QKV row, the step's real rows and metadata), so it picks the prefill variants below.

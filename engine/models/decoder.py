@@ -229,7 +229,7 @@ class DecoderModel:
     # ---- the forward, in segments --------------------------------------------------------------
     # forward() runs embed, then per layer pre_attention -> attention -> post_attention, then
     # final_norm. Everything but attention is token-wise, so the piecewise CUDA graphs
-    # (engine/worker/piecewise_graph.py) capture those segments over padded rows and run attention
+    # (engine/runner/piecewise_graph.py) capture those segments over padded rows and run attention
     # eagerly between them: both paths run these same functions. Between segments the stream travels
     # as (hidden, residual): the last sublayer's output, not yet added, and the sum of all before it.
 

@@ -156,8 +156,13 @@ class IncrementalDetokenizer:
         """
         longest = 0
         for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:k]):
-                    longest = k
+            # Candidates start where stop[0] occurs in the last len(stop) - 1 characters, leftmost (the
+            # longest) first: a scan of that tail, not a try of every length.
+            first, end = stop[0], len(text)
+            at = text.find(first, max(end - len(stop) + 1, 0), end - longest)
+            while at >= 0:
+                if stop.startswith(text[at:]):
+                    longest = end - at
                     break
+                at = text.find(first, at + 1, end - longest)
         return longest

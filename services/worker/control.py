@@ -10,11 +10,11 @@ from typing import Any
 
 from redis.asyncio.client import PubSub
 
+from engine.core.client import EngineClient
 from services.common import keys
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
 from services.common.wire import CancelMessage, WireError
-from services.worker.engine_client import EngineClient
 from services.worker.lifecycle import RunEvent
 from services.worker.run_state import Run
 from services.worker.worker_telemetry import count_cancelled

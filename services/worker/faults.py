@@ -27,7 +27,8 @@ TASK_FAILS = "INFLIGHT_FAULT_TASK_FAILS"
 
 
 def install(core: Any) -> None:
-    """Wrap ``core.step`` (an ``LLMEngine``'s: in the engine core process, or in the worker's)."""
+    """Wrap ``core.step`` (an ``EngineCore``'s in the engine core process, or the in-process
+    ``LLMEngine``'s in the worker's)."""
     raw_limit = os.environ.get(ENGINE_DIES_AFTER_STEPS)
     raw_delay = os.environ.get(STEP_DELAY_S)
     if raw_delay:

@@ -23,13 +23,13 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import ConsumerStoppedError, KafkaError
 from aiokafka.structs import ConsumerRecord, TopicPartition
 
+from engine.core.client import EngineClient
 from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import Store
 from services.common.wire import RequestMessage, WireError
 from services.worker import worker_telemetry
 from services.worker.control import Spawn
-from services.worker.engine_client import EngineClient
 from services.worker.offsets import OffsetTracker
 from services.worker.run_state import Outcome, Run
 

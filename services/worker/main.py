@@ -20,11 +20,11 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.core.client import EngineClient, make_client
 from services.common.process_telemetry import setup_telemetry
 from services.common.settings import Settings
 from services.common.tracing import shutdown_tracing
 from services.worker import faults
-from services.worker.engine_client import EngineClient
 
 if TYPE_CHECKING:
     from services.worker.http import Probes
@@ -143,30 +143,21 @@ async def start_engine(model: str, settings: Settings) -> EngineClient:
     # thread on every core, each time the loop runs it preempts one, and every other OpenMP thread
     # spins at the next barrier until it is back. vLLM's CPU backend keeps one for its scheduler too.
     threads = torch_threads(settings.torch_threads, reserve=1)
-    if settings.engine_process:
-        from engine.core.client import EngineCoreClient  # torch-free: the core process imports torch
-        from engine.core.watchdog import StallPolicy
+    from engine.core.watchdog import StallPolicy  # torch-free
 
-        stall = StallPolicy(floor_s=settings.engine_stall_timeout_s, warmup_s=settings.engine_stall_warmup_s)
-        client = EngineCoreClient(
-            model,
-            settings.engine_args,
-            torch_threads=threads,
-            log_level=settings.log_level,
-            setup=faults.install,
-            stall=stall,
-        )
-        await client.start()
-        return client
-    import torch
-
-    from engine.async_engine import AsyncLLMEngine  # torch: the engine runs in this process
-
-    torch.set_num_threads(threads)
-    engine = AsyncLLMEngine.from_engine_args(model=model, **settings.engine_args)
-    faults.install(engine.engine)
-    await engine.start()
-    return engine
+    stall = StallPolicy(floor_s=settings.engine_stall_timeout_s, warmup_s=settings.engine_stall_warmup_s)
+    # The core process imports torch; in process (engine_process off), this one does.
+    client = make_client(
+        model,
+        settings.engine_args,
+        in_process=not settings.engine_process,
+        torch_threads=threads,
+        log_level=settings.log_level,
+        setup=faults.install,
+        stall=stall,
+    )
+    await client.start()
+    return client
 
 
 def main(settings: Settings) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from engine.core.client import EngineClient
 from engine.inputs import EngineRequest, prepare_prompt
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
@@ -27,7 +28,6 @@ from services.common.engine_spans import EngineSpanExporter
 from services.common.settings import Settings
 from services.common.store import Store
 from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
-from services.worker.engine_client import EngineClient
 from services.worker.lifecycle import RunEvent, RunStatus
 from services.worker.poison import fail_if_poison, failed_before
 from services.worker.publisher import Publisher

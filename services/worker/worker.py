@@ -30,6 +30,7 @@ from aiokafka.errors import KafkaError
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
+from engine.core.client import EngineClient
 from services.common import consumers
 from services.common.engine_spans import EngineSpanExporter
 from services.common.kafka import broker_session_timeout_ms, ensure_topic, make_consumer, make_probe
@@ -39,7 +40,6 @@ from services.common.wire import TERMINAL
 from services.worker import faults, poison, worker_telemetry
 from services.worker.commits import Committer, RebalanceListener
 from services.worker.control import Control
-from services.worker.engine_client import EngineClient
 from services.worker.intake import OUTCOMES, Intake
 from services.worker.kafka_compat import leave_first_generation
 from services.worker.lifecycle import RunEvent

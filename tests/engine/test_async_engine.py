@@ -1,4 +1,4 @@
-"""AsyncLLMEngine: streaming deltas, abort, and a step loop that never blocks the event loop."""
+"""InprocClient: streaming deltas, abort, and a step loop that never blocks the event loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
-from engine.async_engine import AsyncLLMEngine
+from engine.core.inproc_client import InprocClient
 from engine.inputs import EngineRequest
 from engine.llm import LLM
 
@@ -18,13 +18,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 @pytest.fixture
 async def engine(tiny_llama_path: Path):  # type: ignore[no-untyped-def]
-    eng = AsyncLLMEngine.from_engine_args(str(tiny_llama_path), block_size=8, max_model_len=256)
+    eng = InprocClient.from_engine_args(str(tiny_llama_path), block_size=8, max_model_len=256)
     await eng.start()
     yield eng
     await eng.shutdown()
 
 
-async def kv_clean(eng: AsyncLLMEngine) -> bool:
+async def kv_clean(eng: InprocClient) -> bool:
     def check() -> bool:
         eng.engine.kv.check_integrity()
         return eng.engine.kv.num_free_blocks == eng.engine.kv.num_total_blocks
@@ -33,7 +33,7 @@ async def kv_clean(eng: AsyncLLMEngine) -> bool:
 
 
 async def test_stream_deltas_add_up_to_the_offline_result(
-    engine: AsyncLLMEngine, tiny_llama_path: Path
+    engine: InprocClient, tiny_llama_path: Path
 ) -> None:
     prompt = "streaming is the point"
     deltas = [out async for out in engine.generate(EngineRequest("s1", prompt, GREEDY))]
@@ -46,7 +46,7 @@ async def test_stream_deltas_add_up_to_the_offline_result(
     assert await kv_clean(engine)
 
 
-async def test_concurrent_streams(engine: AsyncLLMEngine) -> None:
+async def test_concurrent_streams(engine: InprocClient) -> None:
     async def run(i: int) -> int:
         n = 0
         async for out in engine.generate(EngineRequest(f"c{i}", [10 + i, 11, 12], GREEDY)):
@@ -58,7 +58,7 @@ async def test_concurrent_streams(engine: AsyncLLMEngine) -> None:
     assert await kv_clean(engine)
 
 
-async def test_abort_mid_stream_frees_blocks(engine: AsyncLLMEngine) -> None:
+async def test_abort_mid_stream_frees_blocks(engine: InprocClient) -> None:
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     seen = 0
     last = None
@@ -72,7 +72,7 @@ async def test_abort_mid_stream_frees_blocks(engine: AsyncLLMEngine) -> None:
     assert await kv_clean(engine)
 
 
-async def test_leaving_the_iterator_early_aborts(engine: AsyncLLMEngine) -> None:
+async def test_leaving_the_iterator_early_aborts(engine: InprocClient) -> None:
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     gen = engine.generate(EngineRequest("quitter", [6] * 30, params))
     await gen.__anext__()
@@ -84,7 +84,7 @@ async def test_leaving_the_iterator_early_aborts(engine: AsyncLLMEngine) -> None
     assert await kv_clean(engine)
 
 
-async def test_bad_input_raises_to_the_caller(engine: AsyncLLMEngine) -> None:
+async def test_bad_input_raises_to_the_caller(engine: InprocClient) -> None:
     with pytest.raises(ValueError, match="empty"):
         async for _ in engine.generate(EngineRequest("bad", [], GREEDY)):
             pass
@@ -96,7 +96,7 @@ async def test_bad_input_raises_to_the_caller(engine: AsyncLLMEngine) -> None:
     await gen.aclose()
 
 
-async def test_event_loop_keeps_ticking_during_slow_steps(engine: AsyncLLMEngine) -> None:
+async def test_event_loop_keeps_ticking_during_slow_steps(engine: InprocClient) -> None:
     """A model step that takes 200 ms must not stall the event loop (Kafka heartbeats live there)."""
     runner = engine.engine.runner
     # The forward: both the synchronous step and async scheduling's device side run it.

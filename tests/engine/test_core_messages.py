@@ -20,21 +20,20 @@ from engine.core.messages import (
     Failure,
     Inspect,
     Reply,
+    SeqOutput,
     Shutdown,
     Step,
+    StopSequence,
     client_codec,
     core_codec,
-    request_output,
     seq_of,
-    wire_output,
 )
 from engine.inputs import ContextLengthError, EngineRequest
 from engine.metrics import RequestRecord, SchedulerStats, StepRecord
-from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 
-def step_outputs(num_requests: int = 64, prompt_len: int = 256) -> tuple[list[RequestOutput], StepRecord]:
+def step_outputs(num_requests: int = 64, prompt_len: int = 256) -> tuple[list[SeqOutput], StepRecord]:
     """A decode step of ``num_requests`` requests, two of them finishing (with their records)."""
     rnd = random.Random(0)
     stats = SchedulerStats(num_requests, 3, num_requests, num_requests, 0.4, 100, 5000, 1200, 2, 0, 0, 512)
@@ -48,11 +47,9 @@ def step_outputs(num_requests: int = 64, prompt_len: int = 256) -> tuple[list[Re
                 f"r{i}", "length", prompt_len, 100, 64, 1.0, 1.1, 1.2, 1.2, 2.0, 0, 0.1, 0.2, 0.01, 0, events
             )
         logprobs = [{rnd.randrange(32000): -0.5, 7: -1.25}] if i % 8 == 0 else None
-        completion = CompletionOutput(
-            0, " word", [rnd.randrange(32000)], "length" if done else None, None, logprobs, 57
-        )
-        prompt_ids = [rnd.randrange(32000) for _ in range(prompt_len)]
-        outputs.append(RequestOutput(f"r{i}", None, prompt_ids, [completion], done, record))
+        # The core's output is token ids: the prompt went with the request, text is the client's.
+        token = [rnd.randrange(32000)]
+        outputs.append(SeqOutput(f"r{i}", 0, token, "length" if done else None, None, logprobs, 57, record))
     batch = [(f"r{i}", 1, 300) for i in range(num_requests)]
     return outputs, StepRecord(1234, 100.0, 0.001, 0.02, stats, batch, 0.002)
 
@@ -60,14 +57,11 @@ def step_outputs(num_requests: int = 64, prompt_len: int = 256) -> tuple[list[Re
 def test_a_step_crosses_with_every_field() -> None:
     outputs, record = step_outputs()
     finished = [o.metrics for o in outputs if o.metrics is not None]
-    raw = core_codec().encode(Step([wire_output(o) for o in outputs], [record], finished, record.stats, True))
+    raw = core_codec().encode(Step(outputs, [record], finished, record.stats, True))
     step = client_codec().decode(raw)
     assert isinstance(step, Step) and step.busy and step.load == record.stats
     assert step.steps == [record] and step.finished == finished
-    rebuilt = [
-        request_output(o, None, p.prompt_token_ids) for o, p in zip(step.outputs, outputs, strict=True)
-    ]
-    assert rebuilt == outputs  # int logprob keys, the stop reason's union, the records: all as sent
+    assert step.outputs == outputs  # int logprob keys, the stop reason's union, the records: all as sent
 
 
 def test_commands_cross_and_sampling_params_are_validated_on_arrival() -> None:
@@ -76,6 +70,7 @@ def test_commands_cross_and_sampling_params_are_validated_on_arrival() -> None:
         AddRequest(1, EngineRequest("a", [1, 2], params, 3, 12.5, None, {0: [5], 1: []}, [0, 1], 0.5, None)),
         AddRequest(2, EngineRequest("b", "text")),
         AbortRequest("a"),
+        StopSequence("a", 1, "x"),
         Inspect(3, "kv_integrity"),
         Shutdown(),
     ]
@@ -139,12 +134,12 @@ def measure_one(num_requests: int, prompt_len: int) -> str:
     encoder, decoder = core_codec(), client_codec()
 
     def encode() -> bytes:
-        return encoder.encode(Step([wire_output(o) for o in outputs], [record], finished, record.stats))
+        return encoder.encode(Step(outputs, [record], finished, record.stats))
 
     raw = encode()
 
-    def decode() -> list[RequestOutput]:
-        return [request_output(o, None, []) for o in decoder.decode(raw).outputs]
+    def decode() -> list[SeqOutput]:
+        return list(decoder.decode(raw).outputs)
 
     now = _best_us(encode) + _best_us(decode)
     return (

@@ -94,6 +94,28 @@ async def test_abort_and_early_exit_free_everything(core: EngineCoreClient) -> N
     assert await kv_clean(core)
 
 
+async def test_a_stop_string_found_beside_the_client_finishes_the_sequence_in_the_core(
+    core: EngineCoreClient, tiny_llama_path: Path
+) -> None:
+    # Text is made in this process; the core only hears of the stop string, and must end the sequence
+    # there (else it would run to max_tokens and its record would say "length").
+    finished: list[RequestRecord] = []
+    core.metrics.request_listeners.append(finished.append)
+    llm = LLM(str(tiny_llama_path), **ARGS)
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    whole = llm.generate(["stop strings are the client's"], long)[0].outputs[0].text
+    stop = whole[20:24]
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, stop=[stop])
+    offline = llm.generate(["stop strings are the client's"], params)[0].outputs[0]
+    deltas = [o async for o in core.generate(EngineRequest("st", "stop strings are the client's", params))]
+    last = deltas[-1].outputs[0]
+    assert "".join(c.text for d in deltas for c in d.outputs) == offline.text == whole[: whole.index(stop)]
+    assert deltas[-1].finished and (last.finish_reason, last.stop_reason) == ("stop", stop)
+    assert [(r.request_id, r.finish_reason) for r in finished] == [("st", "stop")]
+    assert finished[0].num_output_tokens < 200 and deltas[-1].metrics is not None
+    assert core.load.num_running == 0 and await kv_clean(core)
+
+
 async def test_refused_input_raises_and_the_core_keeps_serving(core: EngineCoreClient) -> None:
     with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
         async for _ in core.generate(EngineRequest("bad", [10**6], GREEDY)):

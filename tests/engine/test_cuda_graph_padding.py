@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from engine import LLM, SamplingParams
-from engine.worker.cuda_graph import GraphedDecode, graph_buckets
+from engine.runner.cuda_graph import GraphedDecode, graph_buckets
 
 
 def test_buckets() -> None:

@@ -186,3 +186,23 @@ def test_replay_continues_where_an_uninterrupted_stream_was(tok: Tokenizer) -> N
         second.replay(ids[:cut])
         rest = "".join(d.text for d in stream(second, ids[cut:])) + second.flush()
         assert released + rest == MULTIBYTE, f"cut at {cut}"
+
+
+def test_held_back_prefix_is_the_longest_a_stop_could_still_complete() -> None:
+    # Against the definition, on a small alphabet (many overlapping partial matches): the longest suffix
+    # of the text that is a proper prefix of some stop string.
+    rnd = random.Random(7)
+    for _ in range(2000):
+        stops = ["".join(rnd.choices("ab", k=rnd.randint(1, 6))) for _ in range(rnd.randint(1, 3))]
+        text = "".join(rnd.choices("abc", k=rnd.randint(0, 10)))
+        want = max(
+            (k for s in stops for k in range(min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+            default=0,
+        )
+        detok = IncrementalDetokenizer(_Echo(), [], stop=stops)
+        assert detok._possible_stop_prefix(text) == want, (stops, text)
+
+
+class _Echo:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""

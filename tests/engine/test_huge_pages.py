@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineArgs, EngineConfig
 from engine.platform import memory
-from engine.worker.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 
 MIB = 1 << 20
 

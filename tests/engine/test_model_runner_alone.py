@@ -12,9 +12,9 @@ import pytest
 
 from engine.config import EngineArgs, EngineConfig
 from engine.llm import LLM
+from engine.runner.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
 from engine.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-from engine.worker.model_runner import ModelRunner
 
 BLOCK = 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

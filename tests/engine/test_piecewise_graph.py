@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for mixed steps (engine/worker/piecewise_graph.py), run eagerly on the CPU.
+"""Piecewise CUDA graphs for mixed steps (engine/runner/piecewise_graph.py), run eagerly on the CPU.
 
 Without a GPU nothing is captured (the last test captures where CUDA is present); what is checked
 is everything around the capture: the sizes, padded mixed steps giving the unpadded engine's tokens,
@@ -16,8 +16,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.attention.backend import AttentionMetadata, KVLayout
-from engine.worker.cuda_graph import GraphedDecode
-from engine.worker.piecewise_graph import PiecewiseGraphs, piecewise_buckets
+from engine.runner.cuda_graph import GraphedDecode
+from engine.runner.piecewise_graph import PiecewiseGraphs, piecewise_buckets
 
 # Runs of the same prompts compared: a prefix-cache hit would change the steps, not the padding.
 _ARGS: dict[str, Any] = dict(

@@ -1,4 +1,4 @@
-"""Persistent input buffers (engine/worker/staging.py). On CUDA they are pinned; here the same
+"""Persistent input buffers (engine/runner/staging.py). On CUDA they are pinned; here the same
 buffers and logic run in pageable memory: values, dtypes and shapes across steps of different sizes,
 and a whole generation through them equal to one without."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engine import LLM, SamplingParams
-from engine.worker.staging import InputStaging
+from engine.runner.staging import InputStaging
 
 
 def test_stage_across_steps_of_different_sizes() -> None:

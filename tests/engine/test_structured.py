@@ -12,11 +12,10 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.core.messages import (
     AddRequest,
+    SeqOutput,
     Step,
     client_codec,
     core_codec,
-    request_output,
-    wire_output,
 )
 from engine.inputs import EngineRequest
 from engine.sampling.sampler import Sampler, SamplingRow
@@ -130,8 +129,9 @@ def test_bad_specs_are_refused_with_their_param(llm: LLM, spec: StructuredOutput
     assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
     assert out.error is not None and out.error_param == spec.param
     # Across the core's pipe the failure keeps its param (the worker answers 400 naming the field).
-    step = client_codec().decode(core_codec().encode(Step([wire_output(out)])))
-    wired = request_output(step.outputs[0], None, [])
+    failed = SeqOutput("x", 0, [], "error", None, None, 0, None, out.error, out.error_param)
+    step = client_codec().decode(core_codec().encode(Step([failed])))
+    wired = step.outputs[0]
     assert wired.error == out.error and wired.error_param == spec.param
     _clean(llm)
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0].token_ids

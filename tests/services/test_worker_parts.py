@@ -19,7 +19,7 @@ import pytest
 import redis as redis_lib
 from aiokafka.structs import TopicPartition
 
-from engine.async_engine import AsyncLLMEngine
+from engine.core.inproc_client import InprocClient
 from engine.inputs import EngineRequest
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -66,8 +66,8 @@ def loaded(model_path: Path) -> LLMEngine:
 
 
 @pytest.fixture
-async def engine(loaded: LLMEngine) -> AsyncIterator[AsyncLLMEngine]:
-    eng = AsyncLLMEngine(loaded)  # its loop thread lives on this test's event loop
+async def engine(loaded: LLMEngine) -> AsyncIterator[InprocClient]:
+    eng = InprocClient(loaded)  # its loop thread lives on this test's event loop
     await eng.start()
     yield eng
     await eng.shutdown()
@@ -179,7 +179,7 @@ async def test_publisher_fences_a_run_whose_lease_moved(parts: Parts) -> None:
     assert await p.store.read_log(run.id) == []
 
 
-async def test_runner_generates_every_index_as_the_engine_would(parts: Parts, engine: AsyncLLMEngine) -> None:
+async def test_runner_generates_every_index_as_the_engine_would(parts: Parts, engine: InprocClient) -> None:
     p = parts
     params = SamplingParams(n=2, seed=7, temperature=1.0, max_tokens=6, ignore_eos=True)
     run = await _admitted(p, _message(params))
@@ -207,7 +207,7 @@ async def test_runner_generates_every_index_as_the_engine_would(parts: Parts, en
     assert await Runner(engine, p.store, p.publisher, p.settings).execute(again) is Outcome.SKIPPED
 
 
-async def test_runner_resumes_a_dead_workers_stream(parts: Parts, engine: AsyncLLMEngine) -> None:
+async def test_runner_resumes_a_dead_workers_stream(parts: Parts, engine: InprocClient) -> None:
     p = parts
     params = SamplingParams(seed=3, temperature=1.0, max_tokens=8, ignore_eos=True)
     request = EngineRequest(f"whole-{uuid.uuid4().hex}", [5, 6, 7, 8, 9], params)
@@ -227,7 +227,7 @@ async def test_runner_resumes_a_dead_workers_stream(parts: Parts, engine: AsyncL
     assert all(e.worker == p.settings.worker_id for e in log[1:])
 
 
-async def test_runner_fails_a_prompt_longer_than_the_model(parts: Parts, engine: AsyncLLMEngine) -> None:
+async def test_runner_fails_a_prompt_longer_than_the_model(parts: Parts, engine: InprocClient) -> None:
     p = parts
     run = await _admitted(
         p, _message(SamplingParams(max_tokens=4), prompt_token_ids=[], prompt="word " * 400)
@@ -240,7 +240,7 @@ async def test_runner_fails_a_prompt_longer_than_the_model(parts: Parts, engine:
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 async def test_runner_renders_chat_as_the_client_asked(
-    parts: Parts, engine: AsyncLLMEngine, add_generation_prompt: bool
+    parts: Parts, engine: InprocClient, add_generation_prompt: bool
 ) -> None:
     """The text path (a gateway without the model): the worker renders the messages, honouring
     add_generation_prompt (it used to render every chat with True)."""
@@ -263,7 +263,7 @@ async def test_runner_renders_chat_as_the_client_asked(
 
 
 async def test_runner_resumes_n_completions_each_from_its_own_point(
-    parts: Parts, engine: AsyncLLMEngine
+    parts: Parts, engine: InprocClient
 ) -> None:
     """n > 1 is one engine request (the engine fans out); a resume hands it each index's tokens and
     leaves out the indexes that had finished."""
@@ -304,7 +304,7 @@ async def test_runner_resumes_n_completions_each_from_its_own_point(
 
 @pytest.mark.parametrize(("failures", "status"), [(2, "completed"), (3, "failed")])
 async def test_a_run_that_raises_keeps_its_offset_until_its_record_is_terminal(
-    parts: Parts, engine: AsyncLLMEngine, failures: int, status: str
+    parts: Parts, engine: InprocClient, failures: int, status: str
 ) -> None:
     """Any exception in a run (a bug, here after the claim) leaves its record "in_progress": the run is
     tried again from the log, and its offset is released only once the record is terminal (it used to be

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_engine import AsyncLLMEngine
+from engine.core.inproc_client import InprocClient
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from harness.servers import ServerProcess
@@ -29,18 +29,18 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-async def engine(model_path: Path) -> AsyncIterator[AsyncLLMEngine]:
+async def engine(model_path: Path) -> AsyncIterator[InprocClient]:
     loaded = LLMEngine.from_engine_args(
         str(model_path), max_model_len=256, scheduling_policy="slo", slo_reject=True
     )
-    eng = AsyncLLMEngine(loaded)
+    eng = InprocClient(loaded)
     await eng.start()
     yield eng
     await eng.shutdown()
 
 
 async def test_a_lost_deadline_fails_as_slo_ttft_unmet(
-    redis_server: ServerProcess, engine: AsyncLLMEngine
+    redis_server: ServerProcess, engine: InprocClient
 ) -> None:
     settings = Settings(redis_url=redis_server.url, redis_password=REDIS_PASSWORD, lease_ttl_s=5)
     store = Store(connect_redis(settings))

@@ -24,14 +24,14 @@ from engine.models import cpu_gemm, onednn
 from engine.models.decoder import DecoderModel
 from engine.models.loader import load_weights
 from engine.platform import memory
+from engine.runner.cuda_graph import GraphedDecode
+from engine.runner.input_batch import CachedRequestState, InputBatch
+from engine.runner.piecewise_graph import PiecewiseGraphs, piecewise_buckets
+from engine.runner.staging import InputStaging
+from engine.runner.step_io import PreparedInputs, RunnerOutput, StepArrays
+from engine.runner.step_overlap import StepHandle, StepOverlap
 from engine.sampling.sampler import Sampler, SamplingRow
 from engine.sched.output import SchedulerOutput
-from engine.worker.cuda_graph import GraphedDecode
-from engine.worker.input_batch import CachedRequestState, InputBatch
-from engine.worker.piecewise_graph import PiecewiseGraphs, piecewise_buckets
-from engine.worker.staging import InputStaging
-from engine.worker.step_io import PreparedInputs, RunnerOutput, StepArrays
-from engine.worker.step_overlap import StepHandle, StepOverlap
 
 if TYPE_CHECKING:
     from engine.distributed.launcher import RankSet
@@ -407,7 +407,7 @@ class ModelRunner:
         }
         return RunnerOutput(sampled, logprobs, prepare_time)
 
-    # ---- async scheduling (engine/worker/step_overlap.py) ----------------------------------------
+    # ---- async scheduling (engine/runner/step_overlap.py) ----------------------------------------
     def submit(self, out: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
         """Start step ``out`` behind ``prev`` (the step still running) without waiting for either."""
         assert self.overlap is not None, "async_scheduling is off"

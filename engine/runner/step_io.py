@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
-from engine.worker.input_batch import CachedRequestState
+from engine.runner.input_batch import CachedRequestState
 
 
 @dataclass

@@ -1,8 +1,11 @@
-"""AsyncLLMEngine: the engine loop on its own thread, streams on the caller's event loop.
+"""InprocClient: the engine core on a thread of this process, streams on the caller's event loop.
 
-Every engine mutation (add, abort, step) happens on the engine thread, so the engine needs no
-locks; the event loop only enqueues commands and receives outputs. A caller's I/O (Kafka
-heartbeats, Redis, HTTP) therefore never waits for a model step.
+The in-process twin of ``EngineCoreClient`` (``engine.core.client.make_client`` picks one): the
+``LLMEngine`` it steps is the core plus its output processor, so text is made on the same thread,
+after each step. Every engine mutation (add, abort, step) happens on the engine thread, so the engine
+needs no locks; the event loop only enqueues commands and receives outputs. A caller's I/O (Kafka
+heartbeats, Redis, HTTP) therefore never waits for a model step, though it shares the interpreter
+with it: the worker runs the core in its own process unless ``INFLIGHT_ENGINE_PROCESS=false``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ logger = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 
 
-class AsyncLLMEngine:
+class InprocClient:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -40,7 +43,7 @@ class AsyncLLMEngine:
         self._num_unacknowledged = 0
 
     @classmethod
-    def from_engine_args(cls, model: str, **kwargs: Any) -> AsyncLLMEngine:
+    def from_engine_args(cls, model: str, **kwargs: Any) -> InprocClient:
         return cls(LLMEngine.from_engine_args(model, **kwargs))
 
     # ---- read from the event loop: the engine's last published load, never its live state ---
@@ -165,3 +168,7 @@ class AsyncLLMEngine:
     async def run_on_engine_thread(self, fn: Callable[[], Any]) -> Any:
         """For tests and tools: inspect engine state between steps (e.g. kv.check_integrity)."""
         return await self._call(fn)
+
+
+# The offline API's name for it (``engine.AsyncLLMEngine``, as vLLM's streaming front end is called).
+AsyncLLMEngine = InprocClient

@@ -28,14 +28,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.runner.input_batch import CachedRequestState
+from engine.runner.step_io import PreparedInputs, RunnerOutput
 from engine.sampling.sampled import SampledTensors
 from engine.sampling.sampler import SamplingRow
 from engine.sched.output import SchedulerOutput
-from engine.worker.input_batch import CachedRequestState
-from engine.worker.step_io import PreparedInputs, RunnerOutput
 
 if TYPE_CHECKING:
-    from engine.worker.model_runner import ModelRunner
+    from engine.runner.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
