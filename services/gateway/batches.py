@@ -230,7 +230,9 @@ async def _submit_line(
             "batch": batch_id,
             **tool_reading(prepared),
         }
-        await gw.enqueue(kind, prepared, job=True, subscribe=False, extra=extra, request_id=job_id)
+        await gw.enqueue(
+            kind, prepared, job=True, subscribe=False, extra=extra, request_id=job_id, owner=record["owner"]
+        )
     except APIError as exc:
         if exc.status in (429, 503):
             return None

@@ -37,10 +37,9 @@ from services.gateway.batches import (
 )
 from services.gateway.errors import APIError
 from services.gateway.files_routes import owned_file
-from services.gateway.jobs_routes import owner_of
 from services.gateway.protocol import MetadataKey, MetadataValue
-from services.gateway.quotas import JobQuota
-from services.gateway.state import Gateway, gateway
+from services.gateway.quotas import Taken
+from services.gateway.state import Gateway, gateway, job_quota, owner_of, quota_refusal
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -96,10 +95,10 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, Any]:
     if total == 0:
         raise APIError(400, "the input file has no requests", code="invalid_value", param="input_file_id")
     batch_id = f"batch_{uuid.uuid4().hex}"
-    quota = JobQuota(gw.store.client, gw.settings.max_jobs_per_key, gw.settings.job_ttl_s)
-    if not await quota.take(owner, batch_id):
-        message = f"this API key has {quota.cap} unfinished jobs and batches, the most it may have"
-        raise APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "5"})
+    quota = job_quota(gw)
+    taken = await quota.take(owner, batch_id)
+    if taken is not Taken.OK:
+        raise quota_refusal(quota, taken, "jobs and batches")
     now = int(time.time())
     record: dict[str, str | int] = {
         "id": batch_id,

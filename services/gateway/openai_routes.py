@@ -25,7 +25,7 @@ from services.gateway.prompts import (
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from services.gateway.responses import ResponseBuilder
 from services.gateway.sse import TokenStream
-from services.gateway.state import Gateway, gateway
+from services.gateway.state import Gateway, gateway, owner_of
 from services.gateway.token_streams import StreamError, Subscription
 from services.gateway.tools import tool_mode
 
@@ -111,7 +111,13 @@ async def _serve(
     try:
         for one in prepared:
             msg, sub = await gw.enqueue(
-                kind, one, job=False, subscribe=True, stream=bool(body.stream), start_within_s=within_s
+                kind,
+                one,
+                job=False,
+                subscribe=True,
+                stream=bool(body.stream),
+                start_within_s=within_s,
+                owner=owner_of(request),
             )
             assert sub is not None
             subs.append(sub)

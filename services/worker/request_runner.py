@@ -24,9 +24,10 @@ from engine.inputs import EngineRequest, prepare_prompt
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from services.common.engine_spans import EngineSpanExporter
+from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import Store
-from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
+from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent, encode_event
 from services.worker.engine_client import EngineClient
 from services.worker.lifecycle import RunEvent, RunStatus
 from services.worker.poison import fail_if_poison, failed_before
@@ -144,6 +145,7 @@ class Runner:
                 continue  # a duplicate (a retried publish)
             assert isinstance(event, DeltaEvent)
             run.outbox.seq = event.seq
+            run.outbox.logged_bytes += len(encode_event(event))
             record(
                 run.output,
                 PendingDelta(
@@ -204,6 +206,13 @@ class Runner:
                     run.state.blame("invalid_request", out.error_param)
                 if run.stopping and not out.finished:
                     await self.engine.abort(engine_id)
+                elif (
+                    run.outbox.logged_bytes > self.settings.max_log_bytes
+                    and not out.finished
+                    and not run.log_full
+                ):
+                    self._log_full(run, todo)
+                    await self.engine.abort(engine_id)
         except Exception as exc:
             # The engine will never report this request, so its spans end here.
             if self.spans is not None:
@@ -228,6 +237,21 @@ class Runner:
                     self.publisher.emit(run, PendingDelta(i, [], "", "error"))
         finally:
             run.engine_ids.discard(engine_id)
+
+    def _log_full(self, run: Run, todo: list[int]) -> None:
+        """The request's log passed its byte bound: its unfinished completions fail (output_too_large)
+        and the caller aborts the engine request, so the log grows by at most the deltas in flight."""
+        run.log_full = True
+        bound = self.settings.max_log_bytes
+        message = (
+            f"the output passed the {bound} bytes of token events kept per request "
+            "(INFLIGHT_MAX_LOG_BYTES); ask for fewer tokens, fewer completions or fewer logprobs"
+        )
+        for i in todo:
+            if not run.output.finished(i):
+                run.state.fail(i, message, "output_too_large")
+        service_families().log_bound_failures.inc()
+        log.warning("request %s failed: its token log passed %d bytes", run.id, bound)
 
     def _on_completion(
         self, run: Run, params: SamplingParams, c: CompletionOutput, error: str | None

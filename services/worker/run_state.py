@@ -83,6 +83,9 @@ class Outbox:
     final: Final | None = None
     done_numbered: bool = False
     final_sent: asyncio.Future[None] | None = None
+    # Bytes of the delta events numbered for the log so far, by every worker that ran it (a resume counts
+    # the log it found): the request's share of Redis, bounded by INFLIGHT_MAX_LOG_BYTES.
+    logged_bytes: int = 0
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Run:
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (usage)
+    log_full: bool = False  # its log reached INFLIGHT_MAX_LOG_BYTES: failed, its engine request aborted
     task: asyncio.Task[Outcome] | None = None
 
     def __post_init__(self, retry_of: RunState | None) -> None:
@@ -190,7 +194,9 @@ class Run:
                 logprobs=d.logprobs,
                 worker=worker,
             )
-            box.unsent.append(encode_event(event))
+            encoded = encode_event(event)
+            box.logged_bytes += len(encoded)
+            box.unsent.append(encoded)
 
     def done_event(self, worker: str) -> str:
         box = self.outbox
