@@ -200,6 +200,7 @@ async def _submit(gw: Gateway, record: dict[str, str]) -> None:
             break  # at capacity (or the broker is down): the next round goes on from here
         pipe = client.pipeline(transaction=True)
         pipe.rpush(lines_key(batch_id), json.dumps(entry))
+        pipe.expire(lines_key(batch_id), 2 * gw.settings.job_ttl_s)  # as long as the batch record
         pipe.hset(batch_key(batch_id), "cursor", index + 1)
         await pipe.execute()
         record["cursor"] = str(index + 1)

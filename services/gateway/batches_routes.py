@@ -119,9 +119,15 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, Any]:
     client = gw.store.client
     pipe = client.pipeline(transaction=True)
     pipe.hset(batch_key(batch_id), mapping=cast(Any, record))
-    pipe.expire(batch_key(batch_id), 2 * gw.settings.job_ttl_s)
+    # Every key here lives as long as the batch record at least: a set a gateway never trims again (it
+    # died, or the key has no batch for two days) expires instead of staying in Redis for good.
+    kept_s = 2 * gw.settings.job_ttl_s
+    pipe.expire(batch_key(batch_id), kept_s)
+    pipe.zremrangebyscore(owner_index(owner), "-inf", now - kept_s)  # records gone by now
     pipe.zadd(owner_index(owner), {batch_id: now})
+    pipe.expire(owner_index(owner), kept_s)
     pipe.sadd(active_key(gw), batch_id)
+    pipe.expire(active_key(gw), kept_s)
     await pipe.execute()
     await advance(gw, batch_id)
     return await _view(gw, batch_id, owner)
