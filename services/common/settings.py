@@ -118,6 +118,10 @@ class Settings:
     # reconnect to a stream it lost.
     record_ttl_s: int = 900
     max_body_bytes: int = 4 * 1024 * 1024  # Larger request bodies get HTTP 413 before they are parsed.
+    # Chat messages one request may have (400 past it), checked by the gateway and the worker before the
+    # chat template renders them: each message costs the render however short it is. OpenAI's own
+    # bound is 2048.
+    max_messages: int = 2048
     request_timeout_s: float = 600.0  # A synchronous request that sees no progress for this long fails.
     # A request whose reservation is not refreshed for this long no longer counts as pending: a gateway
     # that dies between admitting and producing cannot shrink the cluster's admission for good.
@@ -242,6 +246,7 @@ class Settings:
             "job_ttl_s": self.job_ttl_s,
             "record_ttl_s": self.record_ttl_s,
             "max_body_bytes": self.max_body_bytes,
+            "max_messages": self.max_messages,
             "request_timeout_s": self.request_timeout_s,
             "pending_ttl_s": self.pending_ttl_s,
             "max_queue_wait_s": self.max_queue_wait_s,
@@ -417,6 +422,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_JOB_TTL_S": ("job_ttl_s", "int"),
     "INFLIGHT_RECORD_TTL_S": ("record_ttl_s", "int"),
     "INFLIGHT_MAX_BODY_BYTES": ("max_body_bytes", "int"),
+    "INFLIGHT_MAX_MESSAGES": ("max_messages", "int"),
     "INFLIGHT_REQUEST_TIMEOUT_S": ("request_timeout_s", "float"),
     "INFLIGHT_PENDING_TTL_S": ("pending_ttl_s", "float"),
     "INFLIGHT_GATEWAY_PORT": ("gateway_port", "int"),

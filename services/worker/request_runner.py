@@ -16,6 +16,7 @@ import json
 import logging
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from opentelemetry import trace
@@ -53,6 +54,8 @@ class Runner:
         self.settings = settings
         self.spans = spans  # None: the engine's requests are not traced (no exporter attached)
         self._rng = random.Random()
+        # One thread: prompts prepared in turn, so a burst of long ones takes one core, never the loop's.
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="inflight-prompt")
 
     async def execute(self, run: Run) -> Outcome:
         s = self.settings
@@ -106,7 +109,16 @@ class Runner:
             return await self._finish(run)
         try:
             params = run.msg.params.to_params()
-            run.prompt_token_ids = self._prompt(run, params)
+            # Text and chat messages are tokenized (and rendered) on a thread of their own: a long render
+            # on this loop would stall every lease renewal, Kafka heartbeat and token publish of the worker.
+            prompt = run.msg.prompt_token_ids
+            if prompt:
+                run.prompt_token_ids = self._prompt(run, params)
+            else:
+                loop = asyncio.get_running_loop()
+                run.prompt_token_ids = await loop.run_in_executor(
+                    self._prepare_pool, self._prompt, run, params
+                )
         except Exception as exc:  # bad parameters, or a chat template that cannot render these messages
             run.state.fail(0, str(exc), "invalid_request", getattr(exc, "param", None))
             return await self._finish(run)
@@ -126,7 +138,8 @@ class Runner:
         tokenizing gateway sent, checked against this engine's limits, or the text or chat messages of a
         gateway without the tokenizer, tokenized here."""
         msg = run.msg
-        limits, tokenizer = self.engine.prompt_limits, self.engine.tokenizer
+        tokenizer = self.engine.tokenizer
+        limits = dataclasses.replace(self.engine.prompt_limits, max_messages=self.settings.max_messages)
         if msg.prompt_token_ids:
             return prepare_prompt(msg.prompt_token_ids, limits, tokenizer, max_tokens=params.max_tokens)
         return prepare_prompt(

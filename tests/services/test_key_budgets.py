@@ -52,6 +52,7 @@ def gateway(
         INFLIGHT_MAX_QUEUED_BYTES=str(GATEWAY_BYTES),
         INFLIGHT_MAX_JOBS_PER_KEY="3",
         INFLIGHT_MAX_STORED_JOBS_PER_KEY="4",
+        INFLIGHT_MAX_MESSAGES="4",
     )
     assert stack.gateway is not None
     try:
@@ -166,3 +167,15 @@ def test_stored_jobs_per_key(gateway: ServiceProcess) -> None:
         erin = job(http, "erin")  # another key's storage is its own
         assert erin.status_code == 202, erin.text
         cancel(http, "erin", erin.json()["id"])
+
+
+def test_more_messages_than_the_bound_are_refused_before_any_render(gateway: ServiceProcess) -> None:
+    # This gateway has no chat template: the count is still checked here, before the message is queued.
+    messages = [{"role": "user", "content": ""}] * 5
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": 1}
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        resp = http.post("/v1/chat/completions", json=body, headers=auth("erin"))
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "messages" and "5 messages, more than the 4" in error["message"]
+        assert metric(http, "inflight:gateway_queued_bytes") == 0
