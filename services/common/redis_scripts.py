@@ -27,6 +27,12 @@ _NOW_MS = (
 
 _TERMINAL = "local function terminal(s) return s == 'completed' or s == 'failed' or s == 'cancelled' end"
 
+# The pending set expires with its latest reservation (scores are expiry times in ms), never sooner: a
+# reservation with a short TTL must not cut the others short.
+_EXPIRE_WITH_LAST = (
+    "redis.call('PEXPIREAT', KEYS[1], redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])"
+)
+
 # KEYS: pending. ARGV: id, max_pending, ttl_ms. Returns 1 when admitted, 0 when full.
 # Expired reservations (their gateway died before producing) are dropped first: self-healing. The set
 # itself expires with its newest reservation: with every gateway gone, nothing of it stays behind.
@@ -35,7 +41,7 @@ ADMIT = f"""
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
+{_EXPIRE_WITH_LAST}
 return 1
 """
 
@@ -49,7 +55,7 @@ for i = 2, #ARGV do
     alive[#alive + 1] = ARGV[i]
   end
 end
-if #alive > 0 then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+if #alive > 0 then {_EXPIRE_WITH_LAST} end
 return alive
 """
 
