@@ -29,9 +29,7 @@ _TERMINAL = "local function terminal(s) return s == 'completed' or s == 'failed'
 
 # The pending set expires with its latest reservation (scores are expiry times in ms), never sooner: a
 # reservation with a short TTL must not cut the others short.
-_EXPIRE_WITH_LAST = (
-    "redis.call('PEXPIREAT', KEYS[1], redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])"
-)
+_EXPIRE_WITH_LAST = "redis.call('PEXPIREAT', KEYS[1], redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])"
 
 # KEYS: pending. ARGV: id, max_pending, ttl_ms. Returns 1 when admitted, 0 when full.
 # Expired reservations (their gateway died before producing) are dropped first: self-healing. The set

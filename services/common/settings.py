@@ -122,6 +122,11 @@ class Settings:
     # chat template renders them: each message costs the render however short it is. OpenAI's own
     # bound is 2048.
     max_messages: int = 2048
+    # The bytes of one request's output constraint (a response_format schema, a regex, a grammar, a
+    # tool set's schemas); larger ones get 400 before they are queued. A grammar's compile time grows
+    # with its size, far faster than linearly for some; the engine bounds that time as well
+    # (grammar_compile_timeout_s).
+    max_grammar_bytes: int = 64 * 1024
     request_timeout_s: float = 600.0  # A synchronous request that sees no progress for this long fails.
     # A request whose reservation is not refreshed for this long no longer counts as pending: a gateway
     # that dies between admitting and producing cannot shrink the cluster's admission for good.
@@ -247,6 +252,7 @@ class Settings:
             "record_ttl_s": self.record_ttl_s,
             "max_body_bytes": self.max_body_bytes,
             "max_messages": self.max_messages,
+            "max_grammar_bytes": self.max_grammar_bytes,
             "request_timeout_s": self.request_timeout_s,
             "pending_ttl_s": self.pending_ttl_s,
             "max_queue_wait_s": self.max_queue_wait_s,
@@ -423,6 +429,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_RECORD_TTL_S": ("record_ttl_s", "int"),
     "INFLIGHT_MAX_BODY_BYTES": ("max_body_bytes", "int"),
     "INFLIGHT_MAX_MESSAGES": ("max_messages", "int"),
+    "INFLIGHT_MAX_GRAMMAR_BYTES": ("max_grammar_bytes", "int"),
     "INFLIGHT_REQUEST_TIMEOUT_S": ("request_timeout_s", "float"),
     "INFLIGHT_PENDING_TTL_S": ("pending_ttl_s", "float"),
     "INFLIGHT_GATEWAY_PORT": ("gateway_port", "int"),

@@ -47,6 +47,7 @@ class ModelInfo:
     sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
     tool_parser: str = "auto"  # INFLIGHT_TOOL_PARSER: how calls under "auto" are read back
     max_messages: int | None = None  # INFLIGHT_MAX_MESSAGES
+    max_grammar_bytes: int | None = None  # INFLIGHT_MAX_GRAMMAR_BYTES
 
     @property
     def limits(self) -> PromptLimits:
@@ -81,6 +82,7 @@ def load_model_info(settings: Settings) -> ModelInfo:
         defaults,
         settings.tool_parser,
         settings.max_messages,
+        settings.max_grammar_bytes,
     )
 
 
@@ -335,6 +337,12 @@ def _finish(
     tool_calls: bool = False,
 ) -> Prepared:
     # The prompt is prepared already (_prompt_ids): ids, or the text or messages the worker prepares.
+    bound = info.max_grammar_bytes
+    if structured is not None and bound is not None and len(structured.value.encode()) > bound:
+        size = len(structured.value.encode())
+        raise _bad(
+            f"the {structured.kind} is {size} bytes, over the {bound} this service compiles", structured.param
+        )
     vocab = info.vocab_size
     if vocab is not None and req.stop_token_ids and max(req.stop_token_ids) >= vocab:
         raise _bad(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")

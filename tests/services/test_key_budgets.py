@@ -53,6 +53,7 @@ def gateway(
         INFLIGHT_MAX_JOBS_PER_KEY="3",
         INFLIGHT_MAX_STORED_JOBS_PER_KEY="4",
         INFLIGHT_MAX_MESSAGES="4",
+        INFLIGHT_MAX_GRAMMAR_BYTES="2000",
     )
     assert stack.gateway is not None
     try:
@@ -179,3 +180,25 @@ def test_more_messages_than_the_bound_are_refused_before_any_render(gateway: Ser
         error = resp.json()["error"]
         assert error["param"] == "messages" and "5 messages, more than the 4" in error["message"]
         assert metric(http, "inflight:gateway_queued_bytes") == 0
+
+
+def test_a_constraint_over_the_byte_bound_is_refused(gateway: ServiceProcess) -> None:
+    properties = {f"field_{i}": {"type": "string"} for i in range(100)}  # about 2,900 bytes of schema
+    schema = {"type": "object", "properties": properties}
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}},
+    }
+    with httpx.Client(base_url=gateway.url, timeout=30) as http:
+        resp = http.post("/v1/chat/completions", json=body, headers=auth("erin"))
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "response_format" and "over the 2000" in error["message"], error
+        small = {
+            **body,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {}}},
+        }
+        small["stream"] = True
+        with http.stream("POST", "/v1/chat/completions", json=small, headers=auth("erin")) as ok:
+            assert ok.status_code == 200

@@ -1,9 +1,10 @@
-"""What the services leave in Redis is bounded: every key they write expires, each request's keys no later
-than its record, and a request's token log stops growing at ``INFLIGHT_MAX_LOG_BYTES``.
+"""What one request can make the services hold is bounded: every Redis key they write expires, each
+request's keys no later than its record; a request's token log stops growing at ``INFLIGHT_MAX_LOG_BYTES``;
+a grammar compile stops (its process killed) at the engine's ``grammar_compile_timeout_s``.
 
 One stack for the module on a Redis of its own (the scan sees this module's keys only, none that another
 test wrote by hand), with one worker paced at 20 ms a step (a stream is still running when its client
-leaves, on any host) and a small log bound.
+leaves, on any host), a small log bound and a 3 s compile bound.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from tests.services.stack import MODEL_NAME, PACED_STEP_DELAY_S, REDIS_PASSWORD,
 pytestmark = pytest.mark.timeout(300)
 
 LOG_BOUND = 20_000
+COMPILE_BOUND_S = 3
+# An alternation of 1,000 bounded repeats: 14 KB of regex that xgrammar compiles for minutes (its time
+# grows with the square of the alternatives: 100 of them took 0.6 s on a 2-core host).
+SLOW_REGEX = "(" + "|".join(f"[a-z]{{1,{i + 1}}}x" for i in range(1000)) + ")"
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +45,7 @@ def ttl_stack(
             workdir,
             INFLIGHT_FAULT_STEP_DELAY_S=PACED_STEP_DELAY_S,
             INFLIGHT_MAX_LOG_BYTES=str(LOG_BOUND),
+            INFLIGHT_ENGINE_ARGS=json.dumps({"grammar_compile_timeout_s": COMPILE_BOUND_S}),
         )
         try:
             yield stack
@@ -130,3 +136,47 @@ def test_every_key_written_expires_no_later_than_its_record(ttl_stack: Stack) ->
         record = redis.hgetall(keys.record(found.group(1))) if found else {}
         if record.get("ttl"):
             assert redis.ttl(name) <= int(record["ttl"]), (name, redis.ttl(name), record["ttl"])
+
+
+def _compilers_under(pid: int) -> list[int]:
+    """The grammar compiler processes among ``pid``'s descendants (the worker's engine core starts one)."""
+    children: dict[int, list[int]] = {}
+    commands: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            commands[int(entry.name)] = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue  # ended meanwhile
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            todo.append(child)
+            if "engine.structured.compile_proc" in commands.get(child, ""):
+                found.append(child)
+    return found
+
+
+def test_a_grammar_past_its_compile_bound_is_refused_and_stops(ttl_stack: Stack) -> None:
+    worker = ttl_stack.workers[0]
+    body: dict[str, Any] = {"model": MODEL_NAME, "prompt": "Code:", "max_tokens": 4}
+    with httpx.Client(base_url=ttl_stack.url, timeout=120) as http:
+        # The compiler (and its process) is built by the first constrained request: a quick one.
+        assert http.post("/v1/completions", json={**body, "guided_regex": "[a-z]{1,5}"}).status_code == 200
+        assert len(_compilers_under(worker.proc.pid)) == 1
+        resp = http.post("/v1/completions", json={**body, "guided_regex": SLOW_REGEX})
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["param"] == "guided_regex", error
+        assert f"did not compile within {COMPILE_BOUND_S} s" in error["message"], error
+        # Its process was killed: nothing compiles it any more (the next compile starts a fresh one).
+        assert _compilers_under(worker.proc.pid) == []
+        # The worker serves on, constrained requests included.
+        assert http.post("/v1/completions", json=body).status_code == 200
+        again = http.post("/v1/completions", json={**body, "guided_regex": "[0-9]{2}"})
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"].isdigit()
