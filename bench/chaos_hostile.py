@@ -8,25 +8,31 @@ on a gateway of their own with an API key set, sharing the soak's broker, Redis 
 
 After the soak the leaks are counted: new metric series, Redis keys without a TTL, event subscriptions
 still open, requests still running (the soak's KV check), and the gateway's RSS before and after.
+
+``python -m bench.chaos_hostile --count 10000`` runs the crowd alone, as fast as it goes, on a stack of
+one worker and the crowd's gateway, and prints what the gateway and Redis hold before and after.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import random
 import re
 import socket
+import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 
 from bench.chaos_slow import rss_mib
-from harness.stack import ServiceProcess, Stack, launch
+from harness.stack import ServiceProcess, Stack, build_stack, launch
 from services.common import keys
 
 KEY = "chaos-hostile-key"
@@ -163,3 +169,53 @@ class Crowd:
 
     def close(self) -> None:
         self.gateway.stop()
+
+
+def _redis_used_mib(stack: Stack) -> float:
+    return round(int(stack.redis_client().info("memory")["used_memory"]) / 2**20, 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.chaos_hostile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--count", type=int, default=10_000)
+    p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--out", default="", help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    from engine.models.tiny import default_model_path
+
+    log_dir = Path(tempfile.mkdtemp(prefix="inflight-hostile-"))
+    env = {"INFLIGHT_SERVED_MODEL_NAME": "tiny", "INFLIGHT_TORCH_THREADS": "1"}
+    stack = build_stack(default_model_path(), log_dir, workers=1, gateways=0, tag="hostile", env=env)
+    crowd: Crowd | None = None
+    try:
+        crowd = Crowd(stack, "tiny", args.seed, args.count, 0.0)
+        redis_before = _redis_used_mib(stack)
+        began = time.monotonic()
+        crowd.start()
+        summary = crowd.finish(stack)
+        figures = {
+            "requests": args.count,
+            "wall_s": round(time.monotonic() - began, 1),
+            "sent": summary.sent,
+            "refused": summary.refused,
+            "new_metric_series": summary.series_after - summary.series_before,
+            "keys_without_ttl": summary.keys_without_ttl,
+            "subscriptions_left": summary.subscriptions_left,
+            "gateway_rss_mib": summary.rss_mib,
+            "redis_used_mib": {"before": redis_before, "after": _redis_used_mib(stack)},
+            "problems": summary.problems[:20],
+            "ok": summary.ok,
+        }
+    finally:
+        if crowd is not None:
+            crowd.close()
+        stack.close()
+    print(json.dumps(figures, indent=2))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(figures, indent=2))
+    return 0 if figures["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -199,14 +199,17 @@ def check(
     return report
 
 
+def _crowd_count(crowd: HostileSummary, kind: str) -> str:
+    if kind == "vanishing_stream":  # nothing to refuse: what they held is checked below and by the KV check
+        return f"{crowd.sent[kind]} sent and gone"
+    return f"{crowd.refused[kind]} of {crowd.sent[kind]} refused"
+
+
 def _crowd_rows(crowd: HostileSummary | None) -> list[tuple[str, object]]:
     if crowd is None:
         return []
     return [
-        *(
-            (f"hostile: {k.replace('_', ' ')}", f"{crowd.refused[k]} of {crowd.sent[k]} refused")
-            for k in KINDS
-        ),
+        *((f"hostile: {k.replace('_', ' ')}", _crowd_count(crowd, k)) for k in KINDS),
         ("  new metric series", crowd.series_after - crowd.series_before),
         ("  Redis keys without a TTL", len(crowd.keys_without_ttl)),
         ("  event subscriptions left", crowd.subscriptions_left),
