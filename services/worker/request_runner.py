@@ -220,7 +220,7 @@ class Runner:
                 if run.stopping and not out.finished:
                     await self.engine.abort(engine_id)
                 elif (
-                    run.outbox.logged_bytes > self.settings.max_log_bytes
+                    run.outbox.logged_bytes + run.outbox.pending_bytes > self.settings.max_log_bytes
                     and not out.finished
                     and not run.log_full
                 ):
