@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 
 from bench.chaos_faults import FAULTS, FaultRunner, make_schedule
+from bench.chaos_hostile import Crowd
 from bench.chaos_report import Fault, Report, SlowSummary, check, print_table
 from bench.chaos_slow import (
     RssSampler,
@@ -133,11 +134,16 @@ def soak(
     faults: list[str] | None = None,
     slow_readers: int = 0,
     step_delay_s: float = STEP_DELAY_S,
+    hostile_clients: int = 0,
 ) -> Report:
-    """Run the soak on a stack of its own; ``faults``: which to inject (default: all of FAULTS)."""
+    """Run the soak on a stack of its own; ``faults``: which to inject (default: all of FAULTS);
+    ``hostile_clients``: the hostile crowd's size (bench/chaos_hostile.py), on a keyed gateway of its own."""
     stack = start_stack(log_dir, model, step_delay_s)
     runner: FaultRunner | None = None
+    crowd: Crowd | None = None
     try:
+        if hostile_clients:
+            crowd = Crowd(stack, MODEL_NAME, seed, hostile_clients, duration_s)
         specs = make_specs(seed, num_requests, duration_s, MODEL_NAME)
         slow_specs = make_slow_specs(seed, slow_readers, duration_s, MODEL_NAME)
         bodies = [b for b in slow_bodies(MODEL_NAME) if any(s.body is b or s.body == b for s in slow_specs)]
@@ -163,6 +169,8 @@ def soak(
 
         fault_thread = threading.Thread(target=fault_loop)
         fault_thread.start()
+        if crowd is not None:
+            crowd.start()
 
         def client(spec: Spec) -> Result:
             time.sleep(max(0.0, start + spec.at_s - time.monotonic()))
@@ -189,6 +197,8 @@ def soak(
                 for pid in gateway_pids
             ]
             report = check(stack, results, expected, done_faults, slow)
+            if crowd is not None:
+                report.crowd = crowd.finish(stack)
             report.wall_s = round(time.monotonic() - start, 1)
             return report
         finally:
@@ -197,6 +207,8 @@ def soak(
     finally:
         if runner is not None:
             runner.close()
+        if crowd is not None:
+            crowd.close()
         stack.close()  # the gateways, the workers, then the broker and Redis it started
 
 
@@ -208,6 +220,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--faults", default=",".join(FAULTS), help="comma-separated faults to inject (default: all)"
     )
     p.add_argument("--slow-readers", type=int, default=100, help="slow stream readers running alongside")
+    p.add_argument(
+        "--hostile", type=int, default=400, help="hostile clients (random paths, vanishing streams, ...)"
+    )
     p.add_argument("--model", default="", help="checkpoint (default: the tiny model)")
     p.add_argument("--out", default="", help="write the report as JSON here")
 
@@ -223,7 +238,16 @@ def run(args: argparse.Namespace) -> int:
     unknown = sorted(set(faults) - set(FAULTS))
     if unknown:
         raise SystemExit(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
-    report = soak(args.seed, args.requests, args.duration, log_dir, model, faults, args.slow_readers)
+    report = soak(
+        args.seed,
+        args.requests,
+        args.duration,
+        log_dir,
+        model,
+        faults,
+        args.slow_readers,
+        hostile_clients=args.hostile,
+    )
     print_table(report)
     print(f"logs: {log_dir}")
     if args.out:

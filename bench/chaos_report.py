@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from bench.chaos_hostile import KINDS, HostileSummary
 from bench.chaos_traffic import Result
 from services.common import keys
 
@@ -60,6 +61,7 @@ class Report:
     pending_left: int = -1
     workers_down: int = 0  # workers not alive and ready at the end, apart from those the faults killed
     slow: SlowSummary = field(default_factory=SlowSummary)
+    crowd: HostileSummary | None = None  # the hostile crowd and what it left behind (chaos_hostile.py)
     wall_s: float = 0.0
     problems: list[str] = field(default_factory=list)
 
@@ -73,6 +75,7 @@ class Report:
             and all(f.ok for f in self.faults)
             and self.kv_free
             and self.pending_left == 0
+            and (self.crowd is None or self.crowd.ok)
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -196,6 +199,27 @@ def check(
     return report
 
 
+def _crowd_count(crowd: HostileSummary, kind: str) -> str:
+    if kind == "vanishing_stream":  # nothing to refuse: what they held is checked below and by the KV check
+        return f"{crowd.sent[kind]} sent and gone"
+    return f"{crowd.refused[kind]} of {crowd.sent[kind]} refused"
+
+
+def _crowd_rows(crowd: HostileSummary | None) -> list[tuple[str, object]]:
+    if crowd is None:
+        return []
+    return [
+        *((f"hostile: {k.replace('_', ' ')}", _crowd_count(crowd, k)) for k in KINDS),
+        ("  new metric series", crowd.series_after - crowd.series_before),
+        ("  Redis keys without a TTL", len(crowd.keys_without_ttl)),
+        ("  event subscriptions left", crowd.subscriptions_left),
+        (
+            "  its gateway's RSS MiB before/after",
+            f"{crowd.rss_mib.get('before')}/{crowd.rss_mib.get('after')}",
+        ),
+    ]
+
+
 def print_table(report: Report) -> None:
     print("fault               at (s)   lasted (s)   recovered in (s)   ok")
     for f in report.faults:
@@ -230,6 +254,7 @@ def print_table(report: Report) -> None:
             )
             for i, rss in enumerate(slow.rss_mib)
         ),
+        *_crowd_rows(report.crowd),
         ("workers down at the end", report.workers_down),
         ("KV blocks all free", report.kv_free),
         ("pending set left", report.pending_left),
@@ -237,6 +262,7 @@ def print_table(report: Report) -> None:
     ]
     for name, value in rows:
         print(f"{name:<38} {value}")
-    for problem in report.problems[:20]:
+    crowd_problems = report.crowd.problems if report.crowd is not None else []
+    for problem in [*report.problems, *crowd_problems][:20]:
         print(f"  ! {problem}")
     print("PASS" if report.ok else "FAIL")

@@ -220,8 +220,15 @@ class EngineArgs:
     # Ranks the model is split over (Megatron-style; NCCL on GPUs, one GPU per rank; gloo on a CPU).
     # One scheduler, KV manager and sampler; each rank holds 1/N of the heads and the MLP.
     tensor_parallel_size: int = 1
+    # Seconds one grammar (a response_format schema, a regex, an EBNF grammar) may take to compile: the
+    # compile runs in a child process that is killed past it, so a pathological schema stops using CPU
+    # and its request fails (400); None: compile in process, unbounded. Most schemas compile in
+    # milliseconds; some of a few kilobytes take minutes.
+    grammar_compile_timeout_s: float | None = 30.0
 
     def __post_init__(self) -> None:
+        if self.grammar_compile_timeout_s is not None and self.grammar_compile_timeout_s <= 0:
+            raise ValueError("grammar_compile_timeout_s must be positive (or None: unbounded)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -305,6 +312,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # "gguf": the linear layers multiply the GGUF file's blocks as stored; None: float weights.
     quantization: str | None = None
+    grammar_compile_timeout_s: float | None = None  # EngineArgs'; None: in process, unbounded
 
     def with_device(self, device: torch.device) -> EngineConfig:
         """This config on another device (a tensor-parallel rank's own GPU)."""
@@ -397,6 +405,7 @@ class EngineConfig:
             async_scheduling_reason=overlap_reason,
             tensor_parallel_size=args.tensor_parallel_size,
             quantization=_quantization(args),
+            grammar_compile_timeout_s=args.grammar_compile_timeout_s,
         )
 
 

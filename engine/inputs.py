@@ -98,6 +98,10 @@ class PromptLimits:
 
     max_model_len: int | None
     vocab_size: int | None
+    # Chat messages one prompt may have (None: no bound). Each message costs the template's render and
+    # the tokenizer work however short it is: a bound on their contents alone lets 100,000 empty
+    # messages through.
+    max_messages: int | None = None
 
 
 def check_context_length(num_prompt_tokens: int, max_model_len: int, max_tokens: int | None = None) -> None:
@@ -146,6 +150,7 @@ def prepare_prompt(
     if messages is not None:
         if tokenizer is None:
             raise PromptError(NO_TOKENIZER, "messages")
+        check_message_count(len(messages), limits)
         _refuse_clearly_too_long(sum(len(str(m.get("content") or "")) for m in messages), limits, tokenizer)
         try:
             text = tokenizer.apply_chat_template(
@@ -153,6 +158,9 @@ def prepare_prompt(
             )
         except Exception as exc:  # template code is the checkpoint's: any failure is the input's fault
             raise PromptError(f"the chat template rejected these messages: {exc}", "messages") from None
+        # The rendered text holds the template's own text around every message too: bounded the same
+        # way before it is tokenized.
+        _refuse_clearly_too_long(len(text), limits, tokenizer, "messages")
         # The rendered template already holds bos and the other special tokens.
         ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(prompt, str):
@@ -167,6 +175,16 @@ def prepare_prompt(
     return ids
 
 
+def check_message_count(num_messages: int, limits: PromptLimits) -> None:
+    """Refuse more chat messages than the edge allows, before anything renders them."""
+    if limits.max_messages is not None and num_messages > limits.max_messages:
+        raise PromptError(
+            f"this request has {num_messages} messages, more than the {limits.max_messages} a prompt may "
+            "have",
+            "messages",
+        )
+
+
 def check_prompt_ids(ids: Sequence[int], limits: PromptLimits, max_tokens: int | None = None) -> None:
     """The checks on token ids, wherever they came from (see ``prepare_prompt``)."""
     if not ids:
@@ -178,7 +196,9 @@ def check_prompt_ids(ids: Sequence[int], limits: PromptLimits, max_tokens: int |
         check_context_length(len(ids), limits.max_model_len, max_tokens)
 
 
-def _refuse_clearly_too_long(num_chars: int, limits: PromptLimits, tokenizer: Tokenizer) -> None:
+def _refuse_clearly_too_long(
+    num_chars: int, limits: PromptLimits, tokenizer: Tokenizer, param: str = "prompt"
+) -> None:
     """Refuse text that cannot fit the context before paying to tokenize it (megabytes take seconds).
 
     No token is longer than the vocabulary's longest token string, so the text has at least
@@ -192,7 +212,7 @@ def _refuse_clearly_too_long(num_chars: int, limits: PromptLimits, tokenizer: To
             f"This model's maximum context length (max_model_len) is {limits.max_model_len} tokens; this "
             f"prompt's {num_chars} characters are at least {num_chars // per_token} tokens. Shorten the "
             "prompt.",
-            "prompt",
+            param,
         )
 
 

@@ -9,7 +9,6 @@ output tokens, so its constraint continues exactly where it left off.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -19,6 +18,7 @@ import torch
 import xgrammar as xgr
 
 from engine.config import EngineConfig
+from engine.structured.compile_proc import CompileProcess, CompileTimeout, compile_spec
 from engine.structured.spec import StructuredOutput, StructuredOutputError
 from engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -70,7 +70,16 @@ class GrammarState:
 
 
 class GrammarCompiler:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    """``compile_timeout_s``: compiles run in a child process killed past this bound (compile_proc.py);
+    None: in this process, unbounded."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        compile_timeout_s: float | None = None,
+    ) -> None:
         # The logits' width (the model's vocab_size) may exceed the tokenizer's: padded ids get "" and are
         # never allowed by a grammar.
         vocab = [""] * vocab_size
@@ -96,6 +105,11 @@ class GrammarCompiler:
         self._no_control = torch.from_numpy(packed.astype(np.uint32).view(np.int32).copy())
         # xgrammar's own cache is off: this one is bounded by count and keyed by the spec's hash.
         self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        self._info = info
+        self._process: CompileProcess | None = None
+        if compile_timeout_s is not None:
+            self._process = CompileProcess(info.serialize_json(), compile_timeout_s)
+            self._process.start()  # built on the compile thread: its start delays no step
         self._cache: OrderedDict[str, xgr.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()  # the engine thread compiles, the runner's thread may read
 
@@ -111,6 +125,8 @@ class GrammarCompiler:
             compiled = self._compile(spec)
         except StructuredOutputError:
             raise
+        except CompileTimeout as exc:
+            raise StructuredOutputError(f"{exc}: simplify the {spec.kind}", spec.param) from None
         except Exception as exc:  # xgrammar reports bad schemas, regexes and grammars as RuntimeError
             raise StructuredOutputError(f"unsupported {spec.kind}: {exc}", spec.param) from None
         with self._lock:
@@ -120,19 +136,14 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
-        c = self._compiler
-        if spec.kind == "json_object":
-            # OpenAI's json_object is an object; xgrammar's builtin JSON grammar also takes arrays.
-            return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if spec.kind == "json_schema":
-            return c.compile_json_schema(spec.value, any_whitespace=False)
-        if spec.kind == "regex":
-            return c.compile_regex(spec.value)
-        if spec.kind == "choice":
-            # An EBNF alternation of the literal strings (JSON escapes are valid EBNF string escapes).
-            choices = json.loads(spec.value)
-            return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in choices))
-        return c.compile_grammar(spec.value)
+        if self._process is None:
+            return compile_spec(self._compiler, spec.kind, spec.value)
+        serialized = self._process.compile(spec.kind, spec.value)
+        return xgr.CompiledGrammar.deserialize_json(serialized, self._info)
+
+    def close(self) -> None:
+        if self._process is not None:
+            self._process.close()
 
     def state(self, spec: StructuredOutput, output_token_ids: list[int]) -> GrammarState:
         """A fresh matcher for ``spec`` that has already accepted ``output_token_ids`` (a resumed stream)."""
@@ -153,15 +164,17 @@ class GrammarCompiler:
             return spec.key in self._cache
 
 
-_CompilerKey = tuple[str, int, tuple[int, ...]]
+_CompilerKey = tuple[str, int, tuple[int, ...], float | None]
 _compilers: dict[_CompilerKey, GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 
 
-def compiler_for(model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> GrammarCompiler:
+def compiler_for(
+    model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...], compile_timeout_s: float | None = None
+) -> GrammarCompiler:
     """The model's compiler, built on first use (the vocabulary scan takes seconds: the engine builds it
     on its compile thread, engine/structured/background.py) and shared by that thread and the runner."""
-    key = (model_path, vocab_size, eos_token_ids)
+    key = (model_path, vocab_size, eos_token_ids, compile_timeout_s)
     with _compilers_lock:  # one build, whichever thread asks first
         built = _compilers.get(key)
         if built is None:
@@ -169,12 +182,13 @@ def compiler_for(model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...
             if tokenizer is None:
                 raise StructuredOutputError("this model has no tokenizer: structured outputs need one")
             stops = sorted(set(eos_token_ids) | set(tokenizer.eos_token_ids))
-            built = _compilers[key] = GrammarCompiler(tokenizer, vocab_size, stops)
+            built = _compilers[key] = GrammarCompiler(tokenizer, vocab_size, stops, compile_timeout_s)
         return built
 
 
 def _engine_key(config: EngineConfig) -> _CompilerKey:
-    return str(config.model_path), config.model.vocab_size, tuple(sorted(config.model.eos_token_ids))
+    eos = tuple(sorted(config.model.eos_token_ids))
+    return str(config.model_path), config.model.vocab_size, eos, config.grammar_compile_timeout_s
 
 
 def compiler_for_engine(config: EngineConfig) -> GrammarCompiler:

@@ -12,7 +12,8 @@ unit, ``model_name`` label), so a vLLM dashboard or alert translates by swapping
                       inflight:requests_cancelled_total{stage}, inflight:kafka_consumer_lag{topic,partition},
                       inflight:gateway_responses_total{route,status}, inflight:worker_requests,
                       inflight:gateway_stream_buffered_bytes, inflight:gateway_streams,
-                      inflight:gateway_streams_cut_total,
+                      inflight:gateway_streams_cut_total, inflight:gateway_queued_bytes,
+                      inflight:gateway_requests_in_flight, inflight:log_bound_failures_total,
                       inflight:worker_outcomes_total{outcome}
 
 One prefix for every family, defined here only: the services export nothing of their own.
@@ -154,6 +155,21 @@ class ServiceFamilies:
         self.gateway_streams_cut = Counter(
             PREFIX + "gateway_streams_cut",
             "Streams ended because their client read too slowly (its buffer passed the bound)",
+            registry=registry,
+        )
+        self.gateway_queued_bytes = Gauge(
+            PREFIX + "gateway_queued_bytes",
+            "Bytes of request messages this gateway holds until an engine takes them (all keys)",
+            registry=registry,
+        )
+        self.gateway_requests_in_flight = Gauge(
+            PREFIX + "gateway_requests_in_flight",
+            "Synchronous requests in flight on this gateway (each key's share is bounded)",
+            registry=registry,
+        )
+        self.log_bound_failures = Counter(
+            PREFIX + "log_bound_failures",
+            "Requests failed because their token log reached INFLIGHT_MAX_LOG_BYTES (output_too_large)",
             registry=registry,
         )
         self.worker_requests = Gauge(

@@ -27,13 +27,19 @@ _NOW_MS = (
 
 _TERMINAL = "local function terminal(s) return s == 'completed' or s == 'failed' or s == 'cancelled' end"
 
+# The pending set expires with its latest reservation (scores are expiry times in ms), never sooner: a
+# reservation with a short TTL must not cut the others short.
+_EXPIRE_WITH_LAST = "redis.call('PEXPIREAT', KEYS[1], redis.call('ZRANGE', KEYS[1], -1, -1, 'WITHSCORES')[2])"
+
 # KEYS: pending. ARGV: id, max_pending, ttl_ms. Returns 1 when admitted, 0 when full.
-# Expired reservations (their gateway died before producing) are dropped first: self-healing.
+# Expired reservations (their gateway died before producing) are dropped first: self-healing. The set
+# itself expires with its newest reservation: with every gateway gone, nothing of it stays behind.
 ADMIT = f"""
 {_NOW_MS}
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+{_EXPIRE_WITH_LAST}
 return 1
 """
 
@@ -47,6 +53,7 @@ for i = 2, #ARGV do
     alive[#alive + 1] = ARGV[i]
   end
 end
+if #alive > 0 then {_EXPIRE_WITH_LAST} end
 return alive
 """
 
@@ -137,17 +144,18 @@ if redis.call('GET', KEYS[2]) == ARGV[1] then return redis.call('DEL', KEYS[2]) 
 return 0
 """
 
-# ARGV: cancel_ttl_s, channel, done_event (seq 1), now_s.
+# ARGV: cancel_ttl_s (for a record without its own "ttl"), channel, done_event (seq 1), now_s.
 # Returns the record's status afterwards: 'unknown', a terminal status, or 'cancelling' when a worker
-# has it (the caller then tells the workers on the cancel channel).
+# has it (the caller then tells the workers on the cancel channel). The cancel key lives as long as the
+# record (15 minutes for a synchronous request, a day for a job): a redelivery within it is skipped.
 CANCEL = f"""
 {_TERMINAL}
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return 'unknown' end
 if terminal(status) then return status end
-redis.call('SET', KEYS[4], '1', 'EX', ARGV[1])
+local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl') or ARGV[1])
+redis.call('SET', KEYS[4], '1', 'EX', ttl)
 if status == 'queued' and redis.call('LLEN', KEYS[2]) == 0 then
-  local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl') or ARGV[1])
   redis.call('HSET', KEYS[1], 'status', 'cancelled', 'finished', ARGV[4])
   redis.call('RPUSH', KEYS[2], ARGV[3])
   redis.call('PUBLISH', ARGV[2], ARGV[3])

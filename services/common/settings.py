@@ -118,6 +118,15 @@ class Settings:
     # reconnect to a stream it lost.
     record_ttl_s: int = 900
     max_body_bytes: int = 4 * 1024 * 1024  # Larger request bodies get HTTP 413 before they are parsed.
+    # Chat messages one request may have (400 past it), checked by the gateway and the worker before the
+    # chat template renders them: each message costs the render however short it is. OpenAI's own
+    # bound is 2048.
+    max_messages: int = 2048
+    # The bytes of one request's output constraint (a response_format schema, a regex, a grammar, a
+    # tool set's schemas); larger ones get 400 before they are queued. A grammar's compile time grows
+    # with its size, far faster than linearly for some; the engine bounds that time as well
+    # (grammar_compile_timeout_s).
+    max_grammar_bytes: int = 64 * 1024
     request_timeout_s: float = 600.0  # A synchronous request that sees no progress for this long fails.
     # A request whose reservation is not refreshed for this long no longer counts as pending: a gateway
     # that dies between admitting and producing cannot shrink the cluster's admission for good.
@@ -148,6 +157,21 @@ class Settings:
     # the default pending bound, so one key cannot fill the whole queue. Without API keys every client
     # shares one quota.
     max_jobs_per_key: int = 128
+    # Jobs of one API key whose records this service keeps, finished ones included (until they expire
+    # after INFLIGHT_JOB_TTL_S); past it POST /v1/jobs answers 429. With the token log bound below it
+    # bounds what one key can store in Redis (at most about this many times INFLIGHT_MAX_LOG_BYTES).
+    max_stored_jobs_per_key: int = 1024
+    # Synchronous requests (completions, chat completions) one API key may have in flight on one gateway
+    # (each prompt of a batched prompt counts); past it the gateway answers 429. Without API keys every
+    # client shares one budget. Jobs have their own bound (INFLIGHT_MAX_JOBS_PER_KEY).
+    max_concurrent_per_key: int = 64
+    # Bytes of request messages one gateway holds until an engine takes them (it keeps each one to
+    # produce again should the broker lose it): past it a new request gets 429; a single message larger
+    # than the bound, 413. 256 MiB: the default pending bound's worth of 1 MiB messages.
+    max_queued_bytes: int = 256 * 1024 * 1024
+    # The same bound for one API key's messages on one gateway, so one key's large bodies (a long
+    # prompt, a large response_format schema) cannot take the whole gateway's share.
+    max_queued_bytes_per_key: int = 64 * 1024 * 1024
     # The bytes of one uploaded batch file (POST /v1/files), counted while it streams into Redis: past it
     # the upload is refused (413) and nothing of it is kept. OpenAI allows 200 MB; the default is lower
     # because Redis holds every file in memory until it expires (a day or two after its batch).
@@ -194,6 +218,10 @@ class Settings:
     # (an OOM, a crashing kernel) then costs 3 engine restarts, not the fleet; requests that merely
     # shared a batch with it count too, so 1 would fail innocent neighbours of one crash.
     max_engine_failures: int = 3
+    # The bytes of token events one request may log in Redis (its record's log, kept as long as the
+    # record: a day for a job): past it the request fails with code output_too_large. 64 MiB is tens of
+    # thousands of tokens with 20 logprobs each, and hundreds of thousands without.
+    max_log_bytes: int = 64 * 1024 * 1024
     # Tracing: one engine-step span (batch composition) every this many steps; 0 = none. Steps are
     # many and shared by every request's trace, so they are sampled on their own, not per request.
     trace_step_sample_every: int = 0
@@ -223,12 +251,19 @@ class Settings:
             "job_ttl_s": self.job_ttl_s,
             "record_ttl_s": self.record_ttl_s,
             "max_body_bytes": self.max_body_bytes,
+            "max_messages": self.max_messages,
+            "max_grammar_bytes": self.max_grammar_bytes,
             "request_timeout_s": self.request_timeout_s,
             "pending_ttl_s": self.pending_ttl_s,
             "max_queue_wait_s": self.max_queue_wait_s,
             "stream_buffer_bytes": self.stream_buffer_bytes,
             "max_live_viewers": self.max_live_viewers,
             "max_jobs_per_key": self.max_jobs_per_key,
+            "max_stored_jobs_per_key": self.max_stored_jobs_per_key,
+            "max_concurrent_per_key": self.max_concurrent_per_key,
+            "max_queued_bytes": self.max_queued_bytes,
+            "max_queued_bytes_per_key": self.max_queued_bytes_per_key,
+            "max_log_bytes": self.max_log_bytes,
             "max_file_bytes": self.max_file_bytes,
             "max_file_lines": self.max_file_lines,
             "batch_max_queued": self.batch_max_queued,
@@ -393,6 +428,8 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_JOB_TTL_S": ("job_ttl_s", "int"),
     "INFLIGHT_RECORD_TTL_S": ("record_ttl_s", "int"),
     "INFLIGHT_MAX_BODY_BYTES": ("max_body_bytes", "int"),
+    "INFLIGHT_MAX_MESSAGES": ("max_messages", "int"),
+    "INFLIGHT_MAX_GRAMMAR_BYTES": ("max_grammar_bytes", "int"),
     "INFLIGHT_REQUEST_TIMEOUT_S": ("request_timeout_s", "float"),
     "INFLIGHT_PENDING_TTL_S": ("pending_ttl_s", "float"),
     "INFLIGHT_GATEWAY_PORT": ("gateway_port", "int"),
@@ -402,6 +439,10 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_SSE_KEEPALIVE_S": ("sse_keepalive_s", "float"),
     "INFLIGHT_MAX_LIVE_VIEWERS": ("max_live_viewers", "int"),
     "INFLIGHT_MAX_JOBS_PER_KEY": ("max_jobs_per_key", "int"),
+    "INFLIGHT_MAX_STORED_JOBS_PER_KEY": ("max_stored_jobs_per_key", "int"),
+    "INFLIGHT_MAX_CONCURRENT_PER_KEY": ("max_concurrent_per_key", "int"),
+    "INFLIGHT_MAX_QUEUED_BYTES": ("max_queued_bytes", "int"),
+    "INFLIGHT_MAX_QUEUED_BYTES_PER_KEY": ("max_queued_bytes_per_key", "int"),
     "INFLIGHT_MAX_FILE_BYTES": ("max_file_bytes", "int"),
     "INFLIGHT_MAX_FILE_LINES": ("max_file_lines", "int"),
     "INFLIGHT_BATCH_MAX_QUEUED": ("batch_max_queued", "int"),
@@ -414,6 +455,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_ENGINE_STALL_TIMEOUT_S": ("engine_stall_timeout_s", "float"),
     "INFLIGHT_ENGINE_STALL_WARMUP_S": ("engine_stall_warmup_s", "float"),
     "INFLIGHT_MAX_ENGINE_FAILURES": ("max_engine_failures", "int"),
+    "INFLIGHT_MAX_LOG_BYTES": ("max_log_bytes", "int"),
     "INFLIGHT_TRACE_STEP_SAMPLE_EVERY": ("trace_step_sample_every", "int"),
     "INFLIGHT_TRACE_TRUST_CLIENT_SAMPLED": ("trace_trust_client_sampled", "bool"),
     "INFLIGHT_BIND_HOST": ("bind_host", "str"),

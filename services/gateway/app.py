@@ -61,6 +61,9 @@ def create_app(settings: Settings) -> FastAPI:
         service_families().gateway_stream_buffered.set_function(lambda: hub.buffered_bytes)
         service_families().gateway_streams.set_function(lambda: hub.num_streams)
         dispatcher = Dispatcher(settings, store, hub, supervisor)
+        budgets = dispatcher.budgets
+        service_families().gateway_queued_bytes.set_function(lambda: budgets.queued_bytes)
+        service_families().gateway_requests_in_flight.set_function(lambda: budgets.num_in_flight)
         await ensure_topic(settings)
         await hub.start()
         await dispatcher.start()

@@ -200,6 +200,7 @@ async def _submit(gw: Gateway, record: dict[str, str]) -> None:
             break  # at capacity (or the broker is down): the next round goes on from here
         pipe = client.pipeline(transaction=True)
         pipe.rpush(lines_key(batch_id), json.dumps(entry))
+        pipe.expire(lines_key(batch_id), 2 * gw.settings.job_ttl_s)  # as long as the batch record
         pipe.hset(batch_key(batch_id), "cursor", index + 1)
         await pipe.execute()
         record["cursor"] = str(index + 1)
@@ -230,7 +231,9 @@ async def _submit_line(
             "batch": batch_id,
             **tool_reading(prepared),
         }
-        await gw.enqueue(kind, prepared, job=True, subscribe=False, extra=extra, request_id=job_id)
+        await gw.enqueue(
+            kind, prepared, job=True, subscribe=False, extra=extra, request_id=job_id, owner=record["owner"]
+        )
     except APIError as exc:
         if exc.status in (429, 503):
             return None

@@ -37,10 +37,9 @@ from services.gateway.batches import (
 )
 from services.gateway.errors import APIError
 from services.gateway.files_routes import owned_file
-from services.gateway.jobs_routes import owner_of
 from services.gateway.protocol import MetadataKey, MetadataValue
-from services.gateway.quotas import JobQuota
-from services.gateway.state import Gateway, gateway
+from services.gateway.quotas import Taken
+from services.gateway.state import Gateway, gateway, job_quota, owner_of, quota_refusal
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -96,10 +95,10 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, Any]:
     if total == 0:
         raise APIError(400, "the input file has no requests", code="invalid_value", param="input_file_id")
     batch_id = f"batch_{uuid.uuid4().hex}"
-    quota = JobQuota(gw.store.client, gw.settings.max_jobs_per_key, gw.settings.job_ttl_s)
-    if not await quota.take(owner, batch_id):
-        message = f"this API key has {quota.cap} unfinished jobs and batches, the most it may have"
-        raise APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "5"})
+    quota = job_quota(gw)
+    taken = await quota.take(owner, batch_id)
+    if taken is not Taken.OK:
+        raise quota_refusal(quota, taken, "jobs and batches")
     now = int(time.time())
     record: dict[str, str | int] = {
         "id": batch_id,
@@ -120,9 +119,15 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, Any]:
     client = gw.store.client
     pipe = client.pipeline(transaction=True)
     pipe.hset(batch_key(batch_id), mapping=cast(Any, record))
-    pipe.expire(batch_key(batch_id), 2 * gw.settings.job_ttl_s)
+    # Every key here lives as long as the batch record at least: a set a gateway never trims again (it
+    # died, or the key has no batch for two days) expires instead of staying in Redis for good.
+    kept_s = 2 * gw.settings.job_ttl_s
+    pipe.expire(batch_key(batch_id), kept_s)
+    pipe.zremrangebyscore(owner_index(owner), "-inf", now - kept_s)  # records gone by now
     pipe.zadd(owner_index(owner), {batch_id: now})
+    pipe.expire(owner_index(owner), kept_s)
     pipe.sadd(active_key(gw), batch_id)
+    pipe.expire(active_key(gw), kept_s)
     await pipe.execute()
     await advance(gw, batch_id)
     return await _view(gw, batch_id, owner)

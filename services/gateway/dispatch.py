@@ -1,6 +1,7 @@
 """Admission, enqueue and the watch over queued requests.
 
-    admit (cluster-wide pending bound, 429 past it) -> record (queued) -> subscribe -> produce
+    budgets (this gateway's, per key: budgets.py) -> admit (cluster-wide pending bound, 429 past it)
+    -> record (queued) -> subscribe -> produce
     -> watch until an engine takes it (or its deadline passes: failed with code "timeout")
 
 The watch refreshes this gateway's reservations in the pending set (so they outlive a long queue while
@@ -31,12 +32,12 @@ from services.common.kafka import (
     make_producer,
     max_message_bytes,
 )
-from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
 from services.common.tracing import get_tracer, inject_kafka
 from services.common.wire import FAILED, RequestMessage
 from services.gateway.background import Supervisor, forever
+from services.gateway.budgets import KeyBudgets, Slot, refuse
 from services.gateway.errors import APIError, unavailable
 from services.gateway.token_streams import Hub, Subscription
 
@@ -55,6 +56,7 @@ class _Queued:
     headers: list[tuple[str, bytes]]
     partition: int
     offset: int
+    held: Slot  # its bytes in this gateway's queued-bytes budgets, given back when it leaves _queued
     deadline: float | None = None  # unix seconds by which an engine must have started it
     attempts: int = 1
 
@@ -70,6 +72,9 @@ class Dispatcher:
         # Group-less consumer, only to read end offsets (has a queued message been lost?).
         self._probe = make_probe(settings)
         self._queued: dict[str, _Queued] = {}
+        self.budgets = KeyBudgets(
+            settings.max_concurrent_per_key, settings.max_queued_bytes, settings.max_queued_bytes_per_key
+        )
         self._task: asyncio.Task[None] | None = None
         self._beat: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()
@@ -111,7 +116,13 @@ class Dispatcher:
         record: dict[str, str | int | float],
         *,
         subscribe: bool,
+        owner: str = "",
     ) -> Subscription | None:
+        """Admit and produce ``msg`` for ``owner`` (a key's digest); its subscription when ``subscribe``.
+
+        A synchronous request takes one of its key's in-flight slots, held until its subscription is
+        dropped; every message holds its bytes until an engine takes it (budgets.py).
+        """
         s = self.settings
         ttl = s.job_ttl_s if msg.job else s.record_ttl_s
         value = msg.encode()
@@ -121,6 +132,39 @@ class Dispatcher:
                 f"this request encodes to {len(value)} bytes, over the {max_message_bytes(s)} the queue takes"
             )
             raise APIError(413, message, code="request_too_large")
+        slot = self.budgets.enter(owner) if subscribe and not msg.job else None
+        try:
+            held = self.budgets.hold(owner, len(value))
+        except APIError:
+            if slot is not None:
+                slot.release()
+            raise
+        try:
+            sub, headers, partition, offset = await self._admit_and_produce(
+                msg, value, key, headers, record, ttl, subscribe=subscribe
+            )
+        except BaseException:
+            held.release()
+            if slot is not None:
+                slot.release()
+            raise
+        if slot is not None and sub is not None:
+            sub.on_release = slot.release
+        self._queued[msg.id] = _Queued(value, key, headers, partition, offset, held, msg.deadline)
+        return sub
+
+    async def _admit_and_produce(
+        self,
+        msg: RequestMessage,
+        value: bytes,
+        key: bytes,
+        headers: list[tuple[str, bytes]],
+        record: dict[str, str | int | float],
+        ttl: int,
+        *,
+        subscribe: bool,
+    ) -> tuple[Subscription | None, list[tuple[str, bytes]], int, int]:
+        s = self.settings
         # Subscribing and admitting are independent round trips: run them at once.
         pending_sub = asyncio.ensure_future(self.hub.subscribe(msg.id)) if subscribe else None
         sub: Subscription | None = None
@@ -128,12 +172,11 @@ class Dispatcher:
             admitted = await self.store.admit_and_record(msg.id, s.max_pending, s.pending_ttl_s, record, ttl)
             sub = await pending_sub if pending_sub is not None else None  # before producing: nothing missed
             if not admitted:
-                service_families().admission_rejections.labels("capacity").inc()
                 self._forget(msg.id, sub)
                 message = (
                     f"the service is at capacity ({s.max_pending} requests wait for an engine); retry shortly"
                 )
-                raise APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "1"})
+                raise refuse("capacity", message)
             headers, partition, offset = await self._traced_produce(msg.id, value, key, headers)
         except APIError:
             raise
@@ -150,8 +193,7 @@ class Dispatcher:
                 log.warning("produce failed: %r", exc)
                 raise unavailable("the message broker is unavailable", "broker_unavailable") from None
             raise
-        self._queued[msg.id] = _Queued(value, key, headers, partition, offset, msg.deadline)
-        return sub
+        return sub, headers, partition, offset
 
     def _forget(self, request_id: str, sub: Subscription | None) -> None:
         """A refused request: drop its record and subscription off the response's path."""
@@ -218,8 +260,14 @@ class Dispatcher:
             ttl = self.settings.record_ttl_s
             await self.store.set_fields(request_id, {"status": FAILED, "error": "never enqueued"}, ttl)
 
+    def _drop(self, request_id: str) -> None:
+        """``request_id`` left this gateway's watch (taken, cancelled, failed): its bytes are free."""
+        queued = self._queued.pop(request_id, None)
+        if queued is not None:
+            queued.held.release()
+
     async def cancel(self, request_id: str) -> str:
-        self._queued.pop(request_id, None)
+        self._drop(request_id)
         return await self.store.cancel(request_id, max(self.settings.job_ttl_s, 60))
 
     async def _heartbeat(self) -> None:
@@ -249,7 +297,7 @@ class Dispatcher:
         alive = await self.store.refresh_pending(ids, self.settings.pending_ttl_s)
         for request_id in ids:
             if request_id not in alive:
-                self._queued.pop(request_id, None)  # an engine took it (or it was cancelled)
+                self._drop(request_id)  # an engine took it (or it was cancelled)
         alive = await self._expire(alive)
         if not alive:
             return
@@ -282,7 +330,7 @@ class Dispatcher:
             if queued is None or queued.deadline is None or now < queued.deadline:
                 kept.add(request_id)
                 continue
-            self._queued.pop(request_id, None)
+            self._drop(request_id)
             late_s = now - queued.deadline
             message = f"no engine could start this request by its deadline ({late_s:.1f}s ago)"
             await self.store.fail_queued(request_id, message, "timeout")
@@ -292,7 +340,7 @@ class Dispatcher:
         """The partition's log ends before this message: the broker lost it."""
         if queued.attempts >= _MAX_PRODUCE_ATTEMPTS:
             log.error("request %s lost by the broker %d times; failing it", request_id, queued.attempts)
-            self._queued.pop(request_id, None)
+            self._drop(request_id)
             await self.store.fail_queued(
                 request_id, "the message broker lost this request; please retry", "lost_by_broker"
             )

@@ -23,8 +23,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from services.gateway.errors import APIError
-from services.gateway.jobs_routes import owner_of
-from services.gateway.state import Gateway, gateway
+from services.gateway.state import Gateway, gateway, owner_of
 from services.gateway.uploads import content_key, file_key, receive_upload
 
 __all__ = ["content_key", "file_key", "router", "store_file"]

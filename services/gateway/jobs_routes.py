@@ -26,7 +26,7 @@ from services.gateway.errors import APIError, error_body
 from services.gateway.openai_routes import _done_error, check_model, prepare
 from services.gateway.prompts import Prepared, prepare_chat, prepare_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, JobRequest
-from services.gateway.quotas import JobQuota
+from services.gateway.quotas import Taken
 from services.gateway.responses import (
     ResponseBuilder,
     record_tool_reading,
@@ -35,7 +35,7 @@ from services.gateway.responses import (
     sse_data,
 )
 from services.gateway.sse import SSE_HEADERS, TokenStream
-from services.gateway.state import Gateway, gateway, new_request_id
+from services.gateway.state import Gateway, gateway, job_quota, new_request_id, owner_of, quota_refusal
 from services.gateway.tools import ToolMode, tool_mode
 
 router = APIRouter()
@@ -55,16 +55,20 @@ async def create_job(body: JobRequest, request: Request) -> JSONResponse:
         **tool_reading(prepared),
     }
     job_id = new_request_id(kind, job=True)
-    quota = JobQuota(gw.store.client, gw.settings.max_jobs_per_key, gw.settings.job_ttl_s)
-    if not await quota.take(owner, job_id):
-        message = (
-            f"this API key has {quota.cap} unfinished jobs, the most it may have; "
-            "submit more once some finish (or cancel some)"
-        )
-        raise APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": "5"})
+    quota = job_quota(gw)
+    taken = await quota.take(owner, job_id)
+    if taken is not Taken.OK:
+        raise quota_refusal(quota, taken, "jobs")
     try:
         msg, _ = await gw.enqueue(
-            kind, prepared, job=True, subscribe=False, extra=extra, start_within_s=within_s, request_id=job_id
+            kind,
+            prepared,
+            job=True,
+            subscribe=False,
+            extra=extra,
+            start_within_s=within_s,
+            request_id=job_id,
+            owner=owner,
         )
     except BaseException:
         gw.spawn(quota.give_back(owner, job_id))
@@ -193,11 +197,6 @@ async def prepare_job(
 def tool_reading(prepared: Prepared) -> dict[str, str | int]:
     """The record fields that say how a job's tool calls read back (responses.record_tool_reading)."""
     return {"tool_parser": prepared.tool_parser, "parallel_tool_calls": int(prepared.parallel_tool_calls)}
-
-
-def owner_of(request: Request) -> str:
-    """Who may see a job: a digest of the API key that created it ("" with keys off: everyone)."""
-    return str(getattr(request.state, "key_owner", ""))
 
 
 async def _job_record(gw: Gateway, job_id: str, request: Request) -> dict[str, str]:

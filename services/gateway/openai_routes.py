@@ -25,7 +25,7 @@ from services.gateway.prompts import (
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from services.gateway.responses import ResponseBuilder
 from services.gateway.sse import TokenStream
-from services.gateway.state import Gateway, gateway
+from services.gateway.state import Gateway, gateway, owner_of
 from services.gateway.token_streams import StreamError, Subscription
 from services.gateway.tools import tool_mode
 
@@ -111,7 +111,13 @@ async def _serve(
     try:
         for one in prepared:
             msg, sub = await gw.enqueue(
-                kind, one, job=False, subscribe=True, stream=bool(body.stream), start_within_s=within_s
+                kind,
+                one,
+                job=False,
+                subscribe=True,
+                stream=bool(body.stream),
+                start_within_s=within_s,
+                owner=owner_of(request),
             )
             assert sub is not None
             subs.append(sub)
@@ -190,6 +196,8 @@ def _done_error(done: DoneEvent) -> APIError:
         return APIError(409, "the request was cancelled", code="cancelled")
     if done.code == "invalid_request":
         return APIError(400, done.error or "invalid request", code="invalid_value", param=done.param)
+    if done.code == "output_too_large":  # its token log passed INFLIGHT_MAX_LOG_BYTES: ask for less
+        return APIError(400, done.error or "the output is too large", code="output_too_large")
     if done.code == "timeout":  # no engine started it by its deadline (deadlines.py)
         return APIError(504, done.error or "the request timed out waiting for an engine", code="timeout")
     # slo_ttft_unmet: the engine's slo policy dropped it because its deadline could no longer be met,

@@ -18,6 +18,7 @@ from engine.inputs import (
     PromptError,
     PromptLimits,
     check_context_length,
+    check_message_count,
     check_prompt_text,
     prepare_prompt,
 )
@@ -45,10 +46,12 @@ class ModelInfo:
     # leaves the field unset, as vLLM does by default.
     sampling_defaults: dict[str, float] = dataclasses.field(default_factory=dict)
     tool_parser: str = "auto"  # INFLIGHT_TOOL_PARSER: how calls under "auto" are read back
+    max_messages: int | None = None  # INFLIGHT_MAX_MESSAGES
+    max_grammar_bytes: int | None = None  # INFLIGHT_MAX_GRAMMAR_BYTES
 
     @property
     def limits(self) -> PromptLimits:
-        return PromptLimits(self.max_model_len, self.vocab_size)
+        return PromptLimits(self.max_model_len, self.vocab_size, self.max_messages)
 
 
 def load_model_info(settings: Settings) -> ModelInfo:
@@ -71,7 +74,16 @@ def load_model_info(settings: Settings) -> ModelInfo:
     max_len = ModelContext.from_config(config).max_model_len(requested) if config else requested
     vocab = config.get("vocab_size")
     vocab_size = int(vocab) if vocab else None
-    return ModelInfo(settings.model_name, max_len, vocab_size, tokenizer, defaults, settings.tool_parser)
+    return ModelInfo(
+        settings.model_name,
+        max_len,
+        vocab_size,
+        tokenizer,
+        defaults,
+        settings.tool_parser,
+        settings.max_messages,
+        settings.max_grammar_bytes,
+    )
 
 
 # generation_config.json keys applied as a request's defaults (vLLM's list, but max_new_tokens: a length
@@ -200,6 +212,10 @@ def prepare_chat(req: ChatCompletionRequest, info: ModelInfo) -> Prepared:
     if plan.spec is not None and structured is not None:
         raise _bad("a forced tool call cannot also follow a response_format", "response_format")
     structured = plan.spec or structured
+    try:  # checked here even where the worker renders them: it costs nothing to refuse them early
+        check_message_count(len(req.messages), info.limits)
+    except PromptError as exc:
+        raise _bad(str(exc), exc.param) from None
     messages = chat_messages(req.messages)
     # Tools go to a template that renders them (and calls come back in its family's format); else one
     # system message lists them and asks for Hermes blocks. INFLIGHT_TOOL_PARSER, unless "auto", decides
@@ -321,6 +337,12 @@ def _finish(
     tool_calls: bool = False,
 ) -> Prepared:
     # The prompt is prepared already (_prompt_ids): ids, or the text or messages the worker prepares.
+    bound = info.max_grammar_bytes
+    if structured is not None and bound is not None and len(structured.value.encode()) > bound:
+        size = len(structured.value.encode())
+        raise _bad(
+            f"the {structured.kind} is {size} bytes, over the {bound} this service compiles", structured.param
+        )
     vocab = info.vocab_size
     if vocab is not None and req.stop_token_ids and max(req.stop_token_ids) >= vocab:
         raise _bad(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")

@@ -15,8 +15,11 @@ from services.common.kafka import affinity_key
 from services.common.settings import Settings
 from services.common.store import Store
 from services.common.wire import Kind, RequestMessage
+from services.gateway.budgets import KEY_JOBS, KEY_STORED_JOBS, refuse
 from services.gateway.dispatch import Dispatcher
+from services.gateway.errors import APIError
 from services.gateway.prompts import ModelInfo, Prepared
+from services.gateway.quotas import JobQuota, Taken
 from services.gateway.token_streams import Hub, Subscription
 
 
@@ -46,8 +49,10 @@ class Gateway:
         extra: dict[str, str | int | float] | None = None,
         start_within_s: float | None = None,
         request_id: str | None = None,
+        owner: str = "",
     ) -> tuple[RequestMessage, Subscription | None]:
-        """Admit and produce one request; ``start_within_s``: its deadline, counted from now."""
+        """Admit and produce one request of ``owner`` (its key's digest, ``owner_of``); ``start_within_s``:
+        its deadline, counted from now."""
         created = time.time()
         msg = RequestMessage(
             id=request_id or new_request_id(kind, job),
@@ -83,13 +88,38 @@ class Gateway:
         block = self.settings.affinity_block_tokens
         key = affinity_key(prepared.prompt_token_ids, block, prepared.session, text)
         # Trace context headers are added by the produce span (the client's traceparent is its ancestor).
-        sub = await self.dispatcher.submit(msg, key, [], record, subscribe=subscribe)
+        sub = await self.dispatcher.submit(msg, key, [], record, subscribe=subscribe, owner=owner)
         return msg, sub
 
 
 def new_request_id(kind: Kind, job: bool) -> str:
     prefix = "job" if job else ("cmpl" if kind == "completion" else "chatcmpl")
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def owner_of(request: Request) -> str:
+    """Whose request this is: a digest of its API key (edge.KeyGuard), "" with keys off (everyone)."""
+    return str(getattr(request.state, "key_owner", ""))
+
+
+def job_quota(gw: Gateway) -> JobQuota:
+    s = gw.settings
+    return JobQuota(gw.store.client, s.max_jobs_per_key, s.job_ttl_s, s.max_stored_jobs_per_key)
+
+
+def quota_refusal(quota: JobQuota, taken: Taken, what: str) -> APIError:
+    """The 429 for a key at one of its job quotas (``what``: the things counted, for the message)."""
+    if taken is Taken.UNFINISHED_FULL:
+        message = (
+            f"this API key has {quota.cap} unfinished {what}, the most it may have; "
+            "submit more once some finish (or cancel some)"
+        )
+        return refuse(KEY_JOBS, message, retry_after_s=5)
+    message = (
+        f"this API key has {quota.stored_cap} {what} whose results are kept, the most it may have; finished "
+        f"ones leave {quota.job_ttl_s} s after they were created"
+    )
+    return refuse(KEY_STORED_JOBS, message, retry_after_s=5)
 
 
 def gateway(request: Request) -> Gateway:

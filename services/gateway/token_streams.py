@@ -72,6 +72,8 @@ class Subscription:
         self.overflowed = False
         # Called once when the buffer overflows (the stream's owner cancels the request: nobody reads it).
         self.on_overflow: Callable[[], None] | None = None
+        # Called once when the subscription is released (the request's in-flight slot, budgets.py).
+        self.on_release: Callable[[], None] | None = None
         self.next_seq = 1
         self._log_pos = 0  # the log index to read from next (everything before it has been seen)
         self.confirmed = asyncio.get_running_loop().create_future()
@@ -122,6 +124,9 @@ class Subscription:
         self.hub.buffered_bytes -= self.buffered_bytes
         self.buffered_bytes = 0
         self._buffer.clear()
+        on_release, self.on_release = self.on_release, None
+        if on_release is not None:
+            on_release()
 
     @overload
     def events(

@@ -53,6 +53,7 @@ class Publisher:
         done event reach Redis in one round trip (the response's last hop is the slowest)."""
         record(run.output, delta)
         run.outbox.pending.append(delta)
+        run.outbox.pending_bytes += delta.approx_bytes()
         self._dirty[run.id] = run
         if last:
             return

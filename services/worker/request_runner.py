@@ -16,6 +16,7 @@ import json
 import logging
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from opentelemetry import trace
@@ -25,9 +26,10 @@ from engine.inputs import EngineRequest, prepare_prompt
 from engine.outputs import CompletionOutput
 from engine.sampling_params import SamplingParams
 from services.common.engine_spans import EngineSpanExporter
+from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import Store
-from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent
+from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent, encode_event
 from services.worker.lifecycle import RunEvent, RunStatus
 from services.worker.poison import fail_if_poison, failed_before
 from services.worker.publisher import Publisher
@@ -52,6 +54,8 @@ class Runner:
         self.settings = settings
         self.spans = spans  # None: the engine's requests are not traced (no exporter attached)
         self._rng = random.Random()
+        # One thread: prompts prepared in turn, so a burst of long ones takes one core, never the loop's.
+        self._prepare_pool = ThreadPoolExecutor(1, thread_name_prefix="inflight-prompt")
 
     async def execute(self, run: Run) -> Outcome:
         s = self.settings
@@ -105,7 +109,16 @@ class Runner:
             return await self._finish(run)
         try:
             params = run.msg.params.to_params()
-            run.prompt_token_ids = self._prompt(run, params)
+            # Text and chat messages are tokenized (and rendered) on a thread of their own: a long render
+            # on this loop would stall every lease renewal, Kafka heartbeat and token publish of the worker.
+            prompt = run.msg.prompt_token_ids
+            if prompt:
+                run.prompt_token_ids = self._prompt(run, params)
+            else:
+                loop = asyncio.get_running_loop()
+                run.prompt_token_ids = await loop.run_in_executor(
+                    self._prepare_pool, self._prompt, run, params
+                )
         except Exception as exc:  # bad parameters, or a chat template that cannot render these messages
             run.state.fail(0, str(exc), "invalid_request", getattr(exc, "param", None))
             return await self._finish(run)
@@ -125,7 +138,8 @@ class Runner:
         tokenizing gateway sent, checked against this engine's limits, or the text or chat messages of a
         gateway without the tokenizer, tokenized here."""
         msg = run.msg
-        limits, tokenizer = self.engine.prompt_limits, self.engine.tokenizer
+        tokenizer = self.engine.tokenizer
+        limits = dataclasses.replace(self.engine.prompt_limits, max_messages=self.settings.max_messages)
         if msg.prompt_token_ids:
             return prepare_prompt(msg.prompt_token_ids, limits, tokenizer, max_tokens=params.max_tokens)
         return prepare_prompt(
@@ -144,6 +158,7 @@ class Runner:
                 continue  # a duplicate (a retried publish)
             assert isinstance(event, DeltaEvent)
             run.outbox.seq = event.seq
+            run.outbox.logged_bytes += len(encode_event(event))
             record(
                 run.output,
                 PendingDelta(
@@ -204,6 +219,13 @@ class Runner:
                     run.state.blame("invalid_request", out.error_param)
                 if run.stopping and not out.finished:
                     await self.engine.abort(engine_id)
+                elif (
+                    run.outbox.logged_bytes + run.outbox.pending_bytes > self.settings.max_log_bytes
+                    and not out.finished
+                    and not run.log_full
+                ):
+                    self._log_full(run, todo)
+                    await self.engine.abort(engine_id)
         except Exception as exc:
             # The engine will never report this request, so its spans end here.
             if self.spans is not None:
@@ -228,6 +250,21 @@ class Runner:
                     self.publisher.emit(run, PendingDelta(i, [], "", "error"))
         finally:
             run.engine_ids.discard(engine_id)
+
+    def _log_full(self, run: Run, todo: list[int]) -> None:
+        """The request's log passed its byte bound: its unfinished completions fail (output_too_large)
+        and the caller aborts the engine request, so the log grows by at most the deltas in flight."""
+        run.log_full = True
+        bound = self.settings.max_log_bytes
+        message = (
+            f"the output passed the {bound} bytes of token events kept per request "
+            "(INFLIGHT_MAX_LOG_BYTES); ask for fewer tokens, fewer completions or fewer logprobs"
+        )
+        for i in todo:
+            if not run.output.finished(i):
+                run.state.fail(i, message, "output_too_large")
+        service_families().log_bound_failures.inc()
+        log.warning("request %s failed: its token log passed %d bytes", run.id, bound)
 
     def _on_completion(
         self, run: Run, params: SamplingParams, c: CompletionOutput, error: str | None

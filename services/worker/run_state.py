@@ -53,6 +53,12 @@ class PendingDelta:
     stop_reason: int | str | None = None
     logprobs: list[list[list[float]]] | None = None
 
+    def approx_bytes(self) -> int:
+        """About what this delta adds to the log once encoded (an id, a logprob pair: ~28 bytes each),
+        known before it is numbered, so the log bound is checked on every step, not every publish."""
+        pairs = sum(len(candidates) for candidates in self.logprobs or ())
+        return len(self.text.encode()) + 8 * len(self.token_ids) + 28 * pairs
+
 
 @dataclass
 class Final:
@@ -83,6 +89,10 @@ class Outbox:
     final: Final | None = None
     done_numbered: bool = False
     final_sent: asyncio.Future[None] | None = None
+    # Bytes of the delta events numbered for the log so far, by every worker that ran it (a resume counts
+    # the log it found): the request's share of Redis, bounded by INFLIGHT_MAX_LOG_BYTES.
+    logged_bytes: int = 0
+    pending_bytes: int = 0  # the deltas in ``pending``, estimated (PendingDelta.approx_bytes)
 
 
 @dataclass
@@ -116,6 +126,7 @@ class Run:
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (usage)
+    log_full: bool = False  # its log reached INFLIGHT_MAX_LOG_BYTES: failed, its engine request aborted
     task: asyncio.Task[Outcome] | None = None
 
     def __post_init__(self, retry_of: RunState | None) -> None:
@@ -177,6 +188,7 @@ class Run:
             else:
                 merged.append(PendingDelta(**vars(d)))
         box.pending = []
+        box.pending_bytes = 0
         for d in merged:
             box.seq += 1
             event = DeltaEvent(
@@ -190,7 +202,9 @@ class Run:
                 logprobs=d.logprobs,
                 worker=worker,
             )
-            box.unsent.append(encode_event(event))
+            encoded = encode_event(event)
+            box.logged_bytes += len(encoded)
+            box.unsent.append(encoded)
 
     def done_event(self, worker: str) -> str:
         box = self.outbox

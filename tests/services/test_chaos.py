@@ -3,7 +3,8 @@ nothing lost, nothing run twice, no 500, every KV block free and the pending set
 
 Besides the crashes it stops an engine core (SIGSTOP: the stall watchdog must kill it, the worker exit,
 its requests resume elsewhere) and makes Redis refuse writes for a spell (OOM under ``maxmemory``), while
-poison bodies and a few slow stream readers are mixed in. Steps are paced (the soak sets
+poison bodies, a few slow stream readers and a small hostile crowd (random paths, unauthenticated bodies,
+vanishing streams) are mixed in. Steps are paced (the soak sets
 INFLIGHT_FAULT_STEP_DELAY_S), so the stalled core holds a running request whatever the host's speed.
 """
 
@@ -30,6 +31,7 @@ def test_short_seeded_soak(model_path: Path, tmp_path: Path) -> None:
         model=str(model_path),
         faults=FAULTS,
         slow_readers=8,
+        hostile_clients=16,
     )
     print_table(report)
     names = [f.name for f in report.faults]
@@ -47,4 +49,9 @@ def test_short_seeded_soak(model_path: Path, tmp_path: Path) -> None:
     assert report.slow.sent == 8 and report.slow.lost == 0 and report.slow.wrong_text == 0
     assert report.workers_down == 0, report.problems
     assert report.kv_free and report.pending_left == 0, report.problems
+    # The hostile crowd (random paths, unauthenticated bodies, vanishing streams) left nothing behind.
+    crowd = report.crowd
+    assert crowd is not None and sum(crowd.sent.values()) == 16, crowd
+    assert crowd.series_after - crowd.series_before <= 8 and not crowd.keys_without_ttl, crowd
+    assert crowd.subscriptions_left == 0 and crowd.ok, crowd
     assert report.ok

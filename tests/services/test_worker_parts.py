@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -260,6 +261,42 @@ async def test_runner_renders_chat_as_the_client_asked(
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     assert run.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
     assert rendered.endswith("<|im_start|>assistant\n") is add_generation_prompt
+
+
+async def test_runner_renders_chat_off_its_event_loop_within_the_message_bound(
+    parts: Parts, engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chat template renders on the runner's prompt thread, never the worker's loop (which renews
+    leases and heartbeats); more messages than INFLIGHT_MAX_MESSAGES are refused before any render."""
+    p = parts
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None
+    threads: list[str] = []
+    render = tokenizer.apply_chat_template
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", recorded)
+    settings = dataclasses.replace(p.settings, max_messages=3)
+    runner = Runner(engine, p.store, p.publisher, settings)
+    chat: dict[str, Any] = {"kind": "chat", "prompt_token_ids": []}
+    ok = await _admitted(
+        p, _message(SamplingParams(max_tokens=2), **chat, messages=[{"role": "user", "content": "hi"}] * 3)
+    )
+    assert await runner.execute(ok) is Outcome.DONE
+    assert threads and all(name.startswith("inflight-prompt") for name in threads), threads
+    assert ok.prompt_token_ids
+    threads.clear()
+    over = await _admitted(
+        p, _message(SamplingParams(max_tokens=2), **chat, messages=[{"role": "user", "content": ""}] * 4)
+    )
+    assert await runner.execute(over) is Outcome.DONE
+    (done,) = await p.store.read_log(over.id)
+    assert isinstance(done, DoneEvent) and (done.code, done.param) == ("invalid_request", "messages")
+    assert "4 messages, more than the 3" in (done.error or "")
+    assert threads == []  # refused before rendering
 
 
 async def test_runner_resumes_n_completions_each_from_its_own_point(
