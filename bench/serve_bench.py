@@ -45,6 +45,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--kv-tokens", type=int, default=16_384, help="KV capacity of each server, in tokens")
     p.add_argument("--num-prompts", type=int, default=48, help="requests per phase (default 48)")
     p.add_argument("--datasets", default="random,sharegpt", help="comma list of random, sharegpt")
     p.add_argument("--loads", default="0.5,0.7,0.9", help="Poisson rates as fractions of the burst's rate")
@@ -195,6 +196,7 @@ def main(argv: list[str]) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        kv_tokens=args.kv_tokens,
     )
     sharegpt = out / "sharegpt_synthetic.json"
     # Twice the prompts: the client drops conversations outside its length bounds.
@@ -239,7 +241,7 @@ def main(argv: list[str]) -> int:
             stop(vllm)
         stack.close(timeout_s=30)
     summaries = sa.summarize(rows)
-    settings = {**vars(args), "server": vars(server) | {"kv_tokens": server.kv_tokens}}
+    settings = {**vars(args), "server": vars(server)}
     write_json(out / "serve.json", {"settings": settings, "runs": rows, "summary": summaries})
     print(sa.table(summaries))
     print(f"wrote {out / 'serve.json'}")

