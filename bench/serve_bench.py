@@ -218,6 +218,11 @@ def main(argv: list[str]) -> int:
             )
             for target, url in urls.items()
         }
+        # A few requests each first, not recorded: the first requests of a fresh server pay for its
+        # warm-up (allocator, first batch shapes, the client's own imports), in no phase's figures.
+        warmup = sa.Phase("warmup", "random", 4)
+        for target, setup in setups.items():
+            run_client(warmup, setup, target, 0, out)
         for dataset in args.dataset_list:
             burst = sa.burst_phase(dataset, args.num_prompts)
             burst_rows = run_phases([burst], setups, args.repeats, out)
