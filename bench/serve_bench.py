@@ -34,6 +34,8 @@ from bench.results import write_json
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_CLI = REPO / "bench" / "serve_vllm_cli.py"
+# --quick: enough to see every phase run against both servers, nothing to compare figures by.
+QUICK: dict[str, object] = {"num_prompts": 6, "repeats": 1, "loads": "0.7", "concurrency": "4"}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -57,8 +59,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="6 requests per phase, one repeat, one load, c=4")
     p.add_argument("--out", default="out/serve")
     args = p.parse_args(argv)
-    if args.quick:
-        args.num_prompts, args.repeats, args.loads, args.concurrency = 6, 1, "0.7", "4"
+    if args.quick:  # in place of the defaults only: --quick --num-prompts 3 runs 3
+        for name, value in QUICK.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     args.dataset_list = [d for d in args.datasets.split(",") if d]
     args.load_list = [float(x) for x in args.loads.split(",") if x]
     args.concurrency_list = [int(x) for x in args.concurrency.split(",") if x]

@@ -172,5 +172,7 @@ def test_quick_and_full_arguments() -> None:
         [1, 4, 16],
     )
     assert parse_args(["--concurrency", ""]).concurrency_list == []
+    mine = parse_args(["--quick", "--num-prompts", "3", "--concurrency", ""])  # given flags win
+    assert (mine.num_prompts, mine.concurrency_list, mine.repeats) == (3, [], 1)
     with pytest.raises(SystemExit):
         parse_args(["--datasets", "sonnet"])
