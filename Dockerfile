@@ -58,10 +58,10 @@ ARG TORCH_FIND_LINKS
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp XDG_CACHE_HOME=/cache HF_HOME=/cache/huggingface TRITON_CACHE_DIR=/cache/triton \
-    INFLIGHT_WORKER_PORT=8001
-# Triton compiles its kernel launchers with the C compiler against Python's headers at run time, and a
-# CPU worker compiles its C++ attention kernels on first use (engine/kernels/cpu, into /cache), so gcc,
-# g++ and python3-dev belong in the runtime image. Versions come with the pinned Ubuntu release.
+    INFLIGHT_CPU_EXT_DIR=/opt/inflight/cpu_ext INFLIGHT_WORKER_PORT=8001
+# Triton compiles its kernel launchers with the C compiler against Python's headers at run time, so gcc
+# and python3-dev belong in the runtime image; g++ builds the C++ CPU kernels below (and again at run
+# time only if they could not be built here). Versions come with the pinned Ubuntu release.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc g++ libc6-dev \
@@ -82,6 +82,12 @@ RUN pip install --no-cache-dir "$(echo /wheels/inflight-*.whl)[gpu]" \
     && rm -rf /wheels \
     && python -c "import torch, triton" \
     && inflight --help > /dev/null
+# The C++ CPU kernels, built into the image (INFLIGHT_CPU_EXT_DIR, outside the /cache volume) so that a
+# CPU worker starts without compiling: they choose their AVX-512 paths from the CPU they run on, not
+# this build host's, and load from the read-only root filesystem (engine/kernels/cpu). The command
+# never fails: where they cannot be built (another architecture) the worker runs the torch path.
+RUN python -m engine.kernels.cpu \
+    && chmod -R a+rX /opt/inflight
 USER 10001:10001
 EXPOSE 8001
 HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test browser lint typecheck pytest bench bench-service bench-peers clean images
+.PHONY: setup run test browser lint typecheck pytest bench bench-service bench-serve bench-peers clean images
 
 setup: $(STAMP)
 
@@ -86,6 +86,10 @@ bench: setup
 # under load the stack beside the engine alone at 80% of one worker's capacity and at saturation.
 bench-service: setup
 	$(BIN)/python -m bench service --out bench-results
+
+# The whole stack beside `vllm serve`, both driven by `vllm bench serve` (docs/benchmarks.md).
+bench-serve: setup bench-peers
+	$(BIN)/python -m bench serve --out bench-results/serve
 
 # Measured on a quiet host: the scheduling policies on the real engine (about 16 minutes; QUICK=1:
 # the tiny model in about a minute; REPEATS=3 POLICIES=fcfs,slo+reject: paired runs, about 25 minutes;

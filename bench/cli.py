@@ -6,6 +6,7 @@ python -m bench sweep     any targets over a range of request rates, Poisson / g
 python -m bench peers     this engine vs vLLM's CPU backend, same workload, dtype and threads
 python -m bench trace     Chrome/Perfetto trace (and timelines) from saved run JSON files
 python -m bench service   the full service path (bench/service_bench.py)
+python -m bench serve     the stack beside `vllm serve`, both driven by `vllm bench serve` (serve_bench.py)
 python -m bench chaos     fault-injection soak of the service path (bench/chaos.py, make chaos)
 python -m bench host      how steady this host's speed is (bench/host_drift.py)
 python -m bench policies  the scheduling policies measured on the real engine (bench/policy_bench.py)
@@ -51,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub.add_parser("chaos", help="fault-injection soak (arguments go to bench/chaos.py)", add_help=False)
     sub.add_parser(
+        "serve",
+        help="the stack beside `vllm serve`, both driven by vLLM's client (bench/serve_bench.py)",
+        add_help=False,
+    )
+    sub.add_parser(
         "batch-interference",
         help="interactive TTFT with and without a batch running (bench/batch_interference.py)",
         add_help=False,
@@ -77,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         # Starts servers and services: imported on demand, and owns its arguments.
         batch_interference = importlib.import_module("bench.batch_interference")
         return int(batch_interference.main(argv[1:]))
+    if argv[:1] == ["serve"]:
+        # Starts both servers and vLLM's client: imported on demand, and owns its arguments.
+        serve_bench = importlib.import_module("bench.serve_bench")
+        return int(serve_bench.main(argv[1:]))
     if argv[:1] == ["chaos"]:
         chaos = importlib.import_module("bench.chaos")  # starts servers and services: imported on demand
         return int(chaos.main(argv[1:]))

@@ -2,7 +2,8 @@
 
 Starts the broker (tansu) and Redis (redis-server or valkey-server), one or more workers with the default
 model (or ``--model``), and the gateway; prints the URL and a curl example once every ``/readyz``
-answers; on Ctrl-C or SIGTERM stops the gateway, drains the workers, then stops the servers.
+answers and the gateway counts every worker consuming the topic, printing progress meanwhile; on Ctrl-C
+or SIGTERM stops the gateway, drains the workers, then stops the servers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.stack import Stack, build_stack
+from harness.stack import Stack, build_stack, wait_consuming
+
+# Workers load their models at once and share the host's cores, so the last one is ready after roughly
+# the sum of their loads: the bound grows with their number. A worker alone loads SmolLM2-135M in well
+# under a minute on a 2-core host; four at once took over 300 s there.
+READY_BASE_S = 120.0
+READY_PER_WORKER_S = 120.0
+
+
+def ready_bound_s(num_workers: int) -> float:
+    """How long ``inflight dev`` waits for its processes to be ready and its workers to consume."""
+    return READY_BASE_S + READY_PER_WORKER_S * max(1, num_workers)
 
 
 def default_model() -> str:
@@ -54,15 +66,23 @@ def main(
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     stack: Stack | None = None
+    bound_s = ready_bound_s(num_workers)
+    print(f"starting {num_workers} worker(s) and a gateway (waiting up to {bound_s:.0f}s)", flush=True)
     try:
+        began = time.monotonic()
         stack = build_stack(
             model,
             workdir,
             workers=num_workers,
             gateway_port=port,
             env={"INFLIGHT_SERVED_MODEL_NAME": name},
+            ready_timeout_s=bound_s,
             progress=lambda line: print(line, flush=True),
         )
+        assert stack.gateway is not None
+        # Ready is not yet serving: a worker takes requests once the consumer group gives it partitions.
+        left_s = max(30.0, bound_s - (time.monotonic() - began))
+        wait_consuming(stack.gateway, num_workers, left_s, progress=lambda line: print(line, flush=True))
         print(f"inflight is up: {stack.url}/v1  (logs in {workdir})")
         print(
             f"  curl {stack.url}/v1/completions -H 'Content-Type: application/json' "

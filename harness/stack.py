@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -114,22 +115,77 @@ def wait_ready(
     progress: Callable[[str], None] | None = None,
 ) -> None:
     """Wait until every child answers ``/readyz``; raise with its log tail if one exits or the time runs
-    out. Children start together, so one deadline covers them all. ``progress`` hears what is still
-    awaited every few seconds (a model load takes a while, and a silent terminal looks hung)."""
+    out. Children start together, so one deadline covers them all. ``progress`` hears how many of each
+    role are ready every few seconds (model loads take a while, and a silent terminal looks hung)."""
     started = time.monotonic()
     deadline, last_report = started + timeout_s, started
-    for child in children:
-        while not child.ready():
+    pending = list(children)
+    while True:
+        for child in pending:
             if child.proc.poll() is not None:
                 raise RuntimeError(f"{child.role} exited with {child.proc.returncode}:\n{child.tail_log()}")
-            now = time.monotonic()
-            if now > deadline:
-                raise TimeoutError(f"{child.role} not ready after {timeout_s:.0f}s:\n{child.tail_log()}")
-            if progress is not None and now - last_report >= 5:
-                last_report = now
-                waiting = "loading the model" if child.role == "worker" else "starting"
-                progress(f"  ... {child.role} {waiting} ({now - started:.0f}s)")
-            time.sleep(0.2)
+        pending = [c for c in pending if not c.ready()]
+        if not pending:
+            return
+        now = time.monotonic()
+        if now > deadline:
+            child = pending[0]
+            raise TimeoutError(f"{child.role} not ready after {timeout_s:.0f}s:\n{child.tail_log()}")
+        if progress is not None and now - last_report >= 5:
+            last_report = now
+            progress(f"  ... {readiness_line(children, pending)} ({now - started:.0f}s)")
+        time.sleep(0.2)
+
+
+def readiness_line(children: Sequence[ServiceProcess], pending: Sequence[ServiceProcess]) -> str:
+    """``workers 2/4 ready (loading the model), gateway ready``: each role's count, in start order."""
+    parts = []
+    for role in dict.fromkeys(c.role for c in children):
+        total = sum(1 for c in children if c.role == role)
+        ready = total - sum(1 for c in pending if c.role == role)
+        doing = "loading the model" if role == "worker" else "starting"
+        name = f"{role}s" if total > 1 else role
+        count = f"{ready}/{total} ready" if total > 1 else ("ready" if ready else "not ready")
+        parts.append(f"{name} {count}" + (f" ({doing})" if ready < total else ""))
+    return ", ".join(parts)
+
+
+def consuming_workers(gateway_url: str) -> int | None:
+    """What a gateway's ``/readyz`` counts as workers consuming its topic (None: not answering)."""
+    try:
+        with urllib.request.urlopen(f"{gateway_url}/readyz", timeout=2) as resp:
+            body = json.loads(resp.read())
+    except (OSError, ValueError):
+        return None
+    workers = body.get("workers") if isinstance(body, dict) else None
+    return workers if isinstance(workers, int) else None
+
+
+def wait_consuming(
+    gateway: ServiceProcess,
+    num_workers: int,
+    timeout_s: float,
+    progress: Callable[[str], None] | None = None,
+) -> None:
+    """Wait until the gateway counts ``num_workers`` workers consuming its topic: a worker is ready once
+    its consumer runs, but it takes requests only once the group has given it partitions (a rebalance
+    per worker joining), and a request sent before any worker has them waits in Kafka meanwhile."""
+    started = time.monotonic()
+    last_report = started
+    while True:
+        found = consuming_workers(gateway.url) or 0
+        if found >= num_workers:
+            return
+        now = time.monotonic()
+        if now - started > timeout_s:
+            raise TimeoutError(
+                f"{found} of {num_workers} workers consuming the topic after {timeout_s:.0f}s "
+                "(the consumer group has not given every worker partitions)"
+            )
+        if progress is not None and now - last_report >= 5:
+            last_report = now
+            progress(f"  ... workers consuming: {found}/{num_workers} ({now - started:.0f}s)")
+        time.sleep(0.2)
 
 
 def stack_env(kafka: ServerProcess, redis: ServerProcess, model: str) -> dict[str, str]:

@@ -64,6 +64,10 @@ class Settings:
     # tansu answers a fetch only when fetch_max_wait expires, so this is its produce-to-consume
     # latency floor; real Kafka answers as soon as data arrives, and this only bounds idle fetches.
     kafka_fetch_max_wait_ms: int = 5
+    # A worker with no request in flight and nothing fetched for 2 s waits this long per fetch instead
+    # (a long poll), so an idle worker stops waking 200 times a second; Apache Kafka answers it as soon as
+    # a message arrives (tansu, the test broker, within a fraction of it). 0: always kafka_fetch_max_wait_ms.
+    kafka_idle_fetch_wait_ms: int = 500
     # How long the group waits for a silent worker before its partitions go to the others: with
     # lease_ttl_s, what a SIGKILLed worker's requests wait until another worker resumes them (about this
     # plus a heartbeat, a fifth of it; tansu, the test broker, adds about half of it to the rejoin).
@@ -281,6 +285,8 @@ class Settings:
                 "INFLIGHT_GATEWAY_METRICS_PORT must be a port other than INFLIGHT_GATEWAY_PORT, or 0 (none), "
                 f"got {self.gateway_metrics_port}"
             )
+        if self.kafka_idle_fetch_wait_ms < 0:
+            raise SettingsError("INFLIGHT_KAFKA_IDLE_FETCH_WAIT_MS must be >= 0 (0: no long polls when idle)")
         if self.sse_keepalive_s < 0:
             raise SettingsError("INFLIGHT_SSE_KEEPALIVE_S must be >= 0 (0: no keep-alive comments)")
         if self.drain_timeout_s < 0:
@@ -410,6 +416,7 @@ ENV_NAMES: dict[str, tuple[str, str]] = {
     "INFLIGHT_KAFKA_REPLICATION_FACTOR": ("kafka_replication_factor", "int"),
     "INFLIGHT_KAFKA_RETENTION_MS": ("kafka_retention_ms", "int"),
     "INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS": ("kafka_fetch_max_wait_ms", "int"),
+    "INFLIGHT_KAFKA_IDLE_FETCH_WAIT_MS": ("kafka_idle_fetch_wait_ms", "int"),
     "INFLIGHT_KAFKA_SESSION_TIMEOUT_MS": ("kafka_session_timeout_ms", "int"),
     "INFLIGHT_KAFKA_PRODUCE_TIMEOUT_S": ("kafka_produce_timeout_s", "float"),
     "INFLIGHT_REDIS_URL": ("redis_url", "str"),

@@ -9,6 +9,9 @@ paused and Kafka is the buffer. A request counts from its fetch until it leaves 
 
 so a long step or a stalled core, during which nothing is acknowledged, stops the fetch instead of
 piling requests into the client's queue.
+
+An idle worker's fetches wait long at the broker instead of polling it every few milliseconds
+(fetch_wait.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from services.common.store import Store
 from services.common.wire import RequestMessage, WireError
 from services.worker import worker_telemetry
 from services.worker.control import Spawn
+from services.worker.fetch_wait import FetchWait
+from services.worker.kafka_compat import set_fetch_wait
 from services.worker.offsets import OffsetTracker
 from services.worker.run_state import Outcome, Run
 
@@ -57,6 +62,8 @@ class Intake:
         self._start_run = start_run
         self._spawn = spawn
         self.stopped = False  # drain: fetch nothing more
+        self.fetch_wait = FetchWait(settings.kafka_fetch_max_wait_ms, settings.kafka_idle_fetch_wait_ms)
+        self.fetch_wait_ms = settings.kafka_fetch_max_wait_ms  # what the fetches wait now (/stats)
 
     def room(self) -> int:
         # Requests consumed but not yet in the engine count as waiting, and so do those handed to it that
@@ -68,6 +75,7 @@ class Intake:
         return self.settings.fetch_max_waiting - waiting - intake
 
     async def fetch_forever(self, consumer: AIOKafkaConsumer) -> None:
+        fetched = False
         while True:
             room = 0 if self.stopped else self.room()
             assigned = consumer.assignment()
@@ -75,15 +83,22 @@ class Intake:
                 consumer.pause(*assigned)
             elif consumer.paused():
                 consumer.resume(*consumer.paused())
+            wait_ms = self.fetch_wait.update(busy=fetched or bool(self.runs))
+            if wait_ms != self.fetch_wait_ms:
+                set_fetch_wait(consumer, wait_ms)
+                self.fetch_wait_ms = wait_ms
+            # Idle, this loop need not wake more often than the broker answers: a record wakes it anyway.
+            timeout_ms = 50 if room <= 0 else max(100, wait_ms)
             try:
                 # Paused partitions return nothing; the call still keeps the consumer polling.
-                batch = await consumer.getmany(timeout_ms=50 if room <= 0 else 100, max_records=max(room, 1))
+                batch = await consumer.getmany(timeout_ms=timeout_ms, max_records=max(room, 1))
             except ConsumerStoppedError:
                 return  # stopped on purpose (a drain, a dead engine): done, not a failure to restart
             except KafkaError as exc:
                 log.warning("fetch failed: %s", exc)
                 await asyncio.sleep(0.5)
                 continue
+            fetched = bool(batch)
             for tp, records in batch.items():
                 for record in records:
                     self.on_record(tp, record)

@@ -24,3 +24,15 @@ async def leave_first_generation(consumer: AIOKafkaConsumer) -> None:
         await coordinator._send_req(LeaveGroupRequest(coordinator.group_id, coordinator.member_id))
     except Exception as exc:  # best effort, like aiokafka's own leave
         log.warning("LeaveGroup failed: %r", exc)
+
+
+def set_fetch_wait(consumer: AIOKafkaConsumer, wait_ms: int) -> None:
+    """Change the consumer's ``fetch_max_wait_ms`` for its next fetch requests.
+
+    aiokafka fixes it at construction but reads it afresh for every FetchRequest it builds, so setting
+    its fetcher's copy takes effect at the next fetch (the one in flight keeps its own). Without a
+    fetcher (not started, or a newer aiokafka that renamed it) nothing changes: short fetches go on.
+    """
+    fetcher = getattr(consumer, "_fetcher", None)  # private: aiokafka has no public setter
+    if fetcher is not None and hasattr(fetcher, "_fetch_max_wait_ms"):
+        fetcher._fetch_max_wait_ms = wait_ms

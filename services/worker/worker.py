@@ -336,6 +336,7 @@ class Worker:
             "num_running": self.engine.load.num_running,
             "kv": self.engine.load.kv_stats(),
             "engine_pid": self.engine.pid,
+            "fetch_wait_ms": self.intake.fetch_wait_ms,  # long while idle (fetch_wait.py)
             "partitions": sorted(tp.partition for tp in self.consumer.assignment()) if self.consumer else [],
             "publisher_healthy": self.publisher.healthy,
             "problems": self.problems(),

@@ -189,3 +189,33 @@ def test_notes_tell_the_operator_what_is_missing() -> None:
         "inflight/templates/NOTES.txt"
     ]
     assert "exceeds kafka.partitions (8)" in crowded
+
+
+def _cache_volume(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    (volume,) = [v for v in pod_spec(component(objs, "worker"))["volumes"] if v["name"] == "cache"]
+    return dict(volume)
+
+
+def test_the_worker_cache_outlives_the_pod() -> None:
+    # Default: a claim the chart creates, sized as the cache, that every worker mounts on /cache.
+    objs = manifests(render_chart())
+    (claim,) = of_kind(objs, "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == "rel-inflight-worker-cache"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    assert "storageClassName" not in claim["spec"]  # the cluster's default class
+    assert _cache_volume(objs) == {
+        "name": "cache",
+        "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]},
+    }
+    # A claim of the operator's: mounted, none created.
+    objs = manifests(
+        render_chart({"worker": {"cacheVolume": {"persistent": True, "existingClaim": "models"}}})
+    )
+    assert of_kind(objs, "PersistentVolumeClaim") == []
+    assert _cache_volume(objs)["persistentVolumeClaim"] == {"claimName": "models"}
+    # Off: the pod's own emptyDir, as large as the cache may grow.
+    off = {"worker": {"cacheVolume": {"persistent": False}, "cacheSizeLimit": "20Gi"}}
+    objs = manifests(render_chart(off))
+    assert of_kind(objs, "PersistentVolumeClaim") == []
+    assert _cache_volume(objs)["emptyDir"] == {"sizeLimit": "20Gi"}

@@ -143,5 +143,7 @@ def test_the_worker_cache_volume_is_sized_for_a_converted_model() -> None:
     mounts = {m["name"]: m["mountPath"] for m in main_container(worker)["volumeMounts"]}
     volumes = {v["name"]: v for v in pod_spec(worker)["volumes"]}
     cache = next(name for name, path in mounts.items() if path == env["XDG_CACHE_HOME"])
-    assert volumes[cache]["emptyDir"]["sizeLimit"] == "80Gi"
+    (claim,) = of_kind(objs, "PersistentVolumeClaim")  # the default: a claim that outlives the pod
+    assert volumes[cache]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "80Gi"
     assert "INFLIGHT_HOME" not in env  # or it would take the models elsewhere

@@ -193,3 +193,20 @@ def test_the_images_script_passes_only_args_the_dockerfile_declares() -> None:
     assert passed <= set(args), f"not declared in the Dockerfile: {passed - set(args)}"
     torch_args = passed - {"PYTHON_IMAGE", "CUDA_IMAGE"}
     assert torch_args <= worker_args, f"not visible in the worker stage: {torch_args - worker_args}"
+
+
+def test_the_worker_image_carries_the_cpu_kernels() -> None:
+    """Built at image build, so a worker starts without compiling, into a folder no volume hides."""
+    _, stages = _parse()
+    stage = stages["worker"]
+    match = re.search(r"INFLIGHT_CPU_EXT_DIR=(\S+)", " ".join(stage.args("ENV")))
+    assert match, "the kernels' folder is set in the image"
+    assert not match[1].startswith(("/cache", "/tmp")), "the chart mounts volumes over /cache and /tmp"
+    kinds = [instruction for instruction, _ in stage.instructions]
+    build = next(
+        i for i, (k, a) in enumerate(stage.instructions) if k == "RUN" and "-m engine.kernels.cpu" in a
+    )
+    install = next(
+        i for i, (k, a) in enumerate(stage.instructions) if k == "RUN" and "/wheels/inflight-" in a
+    )
+    assert install < build < kinds.index("USER"), "after the project is installed, as root, before USER"

@@ -1,17 +1,42 @@
-"""``inflight dev``: one command brings the stack up on loopback, Ctrl-C/SIGTERM takes all of it down."""
+"""``inflight dev``: one command brings the stack up on loopback, Ctrl-C/SIGTERM takes all of it down; it
+says it is up only once its workers consume the topic, waiting longer the more workers it starts."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
+from typing import cast
 
 import httpx
 import pytest
 
 from engine.models.tiny import default_model_path
+from harness.dev import ready_bound_s
+from harness.stack import ServiceProcess, readiness_line
 from tests.e2e.conftest import start_dev
 
 pytestmark = pytest.mark.timeout(180)
+
+
+def test_the_ready_bound_grows_with_the_workers() -> None:
+    # Workers load together on shared cores: four take about four times one's load.
+    assert ready_bound_s(1) < ready_bound_s(2) < ready_bound_s(4)
+    assert ready_bound_s(4) - ready_bound_s(1) == 3 * (ready_bound_s(2) - ready_bound_s(1))
+
+
+def test_progress_counts_each_role() -> None:
+    def child(role: str) -> ServiceProcess:
+        return ServiceProcess(role, cast(subprocess.Popen[bytes], None), 0, Path("unused.log"))
+
+    workers = [child("worker") for _ in range(4)]
+    gateway = child("gateway")
+    everyone = [*workers, gateway]
+    assert readiness_line(everyone, [workers[2], workers[3], gateway]) == (
+        "workers 2/4 ready (loading the model), gateway not ready (starting)"
+    )
+    assert readiness_line(everyone, [workers[0]]) == "workers 3/4 ready (loading the model), gateway ready"
+    assert readiness_line([workers[0]], [workers[0]]) == "worker not ready (loading the model)"
 
 
 def _descendants(pid: int) -> set[int]:
@@ -40,6 +65,9 @@ def test_dev_stack_up_serves_and_stops_cleanly(tmp_path: Path) -> None:
     try:
         banner = dev.output()
         assert f"{dev.url}/v1" in banner and "curl" in banner
+        assert f"waiting up to {ready_bound_s(1):.0f}s" in banner
+        # Up means served: the gateway already counts the worker consuming its topic.
+        assert httpx.get(f"{dev.url}/readyz", timeout=10).json()["workers"] == 1
         resp = httpx.post(
             f"{dev.url}/v1/completions",
             json={"model": "tiny", "prompt": "Once upon a time", "max_tokens": 5},

@@ -194,3 +194,8 @@ Without either the render fails: an empty namespace selector would admit every n
       kubernetes.io/metadata.name: {{ $np.metricsNamespace | quote }}
 {{- end -}}
 {{- end -}}
+
+{{/* The worker's /cache claim: the operator's own, else the one worker-cache-pvc.yaml creates. */}}
+{{- define "inflight.worker.cacheClaim" -}}
+{{- .Values.worker.cacheVolume.existingClaim | default (printf "%s-cache" (include "inflight.worker.fullname" .)) -}}
+{{- end -}}

@@ -6,6 +6,9 @@ kept in GGUF block formats (quant_gemm.cpp).
 ``load()`` builds them on first use (a torch extension compiled with the host's g++, cached per source
 and torch version in ``engine.paths.cpu_ext_root()``; ``make setup`` builds it ahead of time, and a build
 that died leaves no lock behind to wait on: ``build_lock.py``) and registers ``torch.ops.inflight_cpu``.
+A finished build leaves a stamp; a build folder with it is loaded as it is, without the lock or ninja,
+so kernels built into a worker image at build time load from its read-only filesystem. The kernels
+check the CPU they run on (``__builtin_cpu_supports``) rather than being compiled for the build host's.
 A host that cannot build them (no compiler, no ninja) keeps the torch path, with one warning.
 """
 
@@ -33,6 +36,9 @@ _SOURCES = [
 ]
 _HEADERS = [_HERE / "vec.h", _HERE / "quant_gemm_isa.h"]
 _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
+_LIBRARY = "inflight_cpu"
+# Written last by a build that succeeded: the library beside it is complete and matches the folder's key.
+BUILT_STAMP = "inflight-built"
 
 
 def build_dir() -> Path:
@@ -61,6 +67,18 @@ def build(name: str, sources: list[Path], directory: Path) -> None:
             is_python_module=False,
             verbose=False,
         )
+        (directory / BUILT_STAMP).write_text(f"{name}.so\n")
+
+
+def load_prebuilt(directory: Path) -> bool:
+    """Load a finished build in ``directory`` as it is (no lock, no ninja: it may be read-only); False
+    when there is none. The folder's name is the hash of everything the library depends on, so a
+    stamped one is current."""
+    library = directory / f"{_LIBRARY}.so"
+    if not ((directory / BUILT_STAMP).is_file() and library.is_file()):
+        return False
+    torch.ops.load_library(str(library))
+    return True
 
 
 @functools.cache
@@ -68,8 +86,10 @@ def load() -> bool:
     """True when ``torch.ops.inflight_cpu`` is ready; False (after one warning) when it cannot be built."""
     if envs.cpu_kernels_disabled():
         return False
+    directory = build_dir()
     try:
-        build("inflight_cpu", _SOURCES, build_dir())
+        if not load_prebuilt(directory):
+            build(_LIBRARY, _SOURCES, directory)
     except Exception as exc:  # a compiler error, a missing ninja or g++: the torch path still works
         log.warning(
             "CPU attention kernels unavailable (%s: %s); using the slower torch path", type(exc).__name__, exc
