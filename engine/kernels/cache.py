@@ -30,7 +30,7 @@ def _store_kvcache_kernel(  # type: ignore[no-untyped-def]
     BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr = False,  # an 8-bit cache: rows of HEAD_SIZE codes, then a float32 scale
     QMAX: tl.constexpr = 127.0,  # the format's largest code: int8 127, fp8 e4m3 448
-    ROUND: tl.constexpr = False,  # int8 codes round to nearest (fp8's conversion rounds itself)
+    ROUND: tl.constexpr = False,  # int8 codes round to nearest; else fp8 codes round to e4m3
 ):
     # One program per (token, kv head): a head is D contiguous elements on both sides.
     token = tl.program_id(0)
@@ -52,6 +52,20 @@ def _store_kvcache_kernel(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _round_to_e4m3(x):  # type: ignore[no-untyped-def]
+    """x rounded to the nearest e4m3 value (ties to even), as torch's conversion rounds; the cast that
+    follows is then exact. Done here because the interpreter's own cast loses the carry of a rounding
+    that crosses a power of two (127.5 became 64). Normal range (|x| >= 2^-6): 3 mantissa bits kept by
+    integer rounding of the float32 bits; below it, multiples of 2^-9, rounded by adding and
+    subtracting 1.5 * 2^23 (whose float32 spacing is 1)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    tiny = ((x * 512.0 + 12582912.0) - 12582912.0) / 512.0
+    return tl.where(tl.abs(x) < 0.015625, tiny, normal)
+
+
+@triton.jit
 def _store_quantized(cache_ptr, scale_ptr, row, x, offs_d, mask, HEAD_SIZE, QMAX, ROUND):  # type: ignore[no-untyped-def]
     """One row as codes x / s plus its scale s = max |x| / QMAX, at element offset ``row`` (the
     scale at float32 offset (row + HEAD_SIZE) / 4: rows are multiples of 4 bytes)."""
@@ -61,6 +75,8 @@ def _store_quantized(cache_ptr, scale_ptr, row, x, offs_d, mask, HEAD_SIZE, QMAX
     codes = tl.minimum(tl.maximum(codes, -QMAX), QMAX)
     if ROUND:
         codes = tl.where(codes >= 0, tl.floor(codes + 0.5), tl.ceil(codes - 0.5))
+    else:
+        codes = _round_to_e4m3(codes)
     tl.store(cache_ptr + row + offs_d, codes.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + (row + HEAD_SIZE) // 4, scale)
 
