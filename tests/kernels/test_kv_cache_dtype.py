@@ -22,7 +22,7 @@ from tests.kernels.conftest import PagedBatch
 DTYPES = [torch.int8, torch.float8_e4m3fn]
 # Attention outputs over N(0, 1) keys and values, 8-bit cache against float cache, max abs error.
 # int8: a code is within half a step (max |x| / 254) of its value; fp8 e4m3 keeps 3 mantissa bits
-# (relative error up to 2^-4). Measured on this grid: 0.012 int8, 0.05 fp8.
+# (relative error up to 2^-4). Measured on this grid: 0.014 int8, 0.087 fp8.
 ATTN_TOL = {torch.int8: 0.03, torch.float8_e4m3fn: 0.12}
 KERNEL_TOL = {"atol": 1e-5, "rtol": 1e-5}
 CPU = torch.device("cpu")
