@@ -10,6 +10,7 @@ python -m bench chaos     fault-injection soak of the service path (bench/chaos.
 python -m bench host      how steady this host's speed is (bench/host_drift.py)
 python -m bench policies  the scheduling policies measured on the real engine (bench/policy_bench.py)
 python -m bench validate  plan validate with repeats, host drift or the service path (bench/plan_validate.py)
+python -m bench kv-dtype  perplexity, greedy agreement and logit error of the 8-bit KV caches (bench/kv_dtype.py)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import experiment, host_drift, peers, plan_validate, policy_bench, sweep
+from bench import experiment, host_drift, kv_dtype, peers, plan_validate, policy_bench, sweep
 
 
 def _trace_command(args: argparse.Namespace) -> int:
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     plan_validate.add_arguments(
         sub.add_parser("validate", help="plan validate with --repeats, --host-drift or --service")
     )
+    kv_dtype.add_arguments(
+        sub.add_parser("kv-dtype", help="accuracy of the int8 / fp8_e4m3 KV caches on the shipped model and text")
+    )
     return p
 
 
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return policy_bench.main(args)
     if args.command == "validate":
         return plan_validate.main(args)
+    if args.command == "kv-dtype":
+        return kv_dtype.main(args)
     return _trace_command(args)
 
 
