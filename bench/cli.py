@@ -10,7 +10,7 @@ python -m bench chaos     fault-injection soak of the service path (bench/chaos.
 python -m bench host      how steady this host's speed is (bench/host_drift.py)
 python -m bench policies  the scheduling policies measured on the real engine (bench/policy_bench.py)
 python -m bench validate  plan validate with repeats, host drift or the service path (bench/plan_validate.py)
-python -m bench kv-dtype  perplexity, greedy agreement and logit error of the 8-bit KV caches (bench/kv_dtype.py)
+python -m bench kv-dtype  accuracy of the 8-bit KV caches on the shipped model (bench/kv_dtype.py)
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_parser("validate", help="plan validate with --repeats, --host-drift or --service")
     )
     kv_dtype.add_arguments(
-        sub.add_parser("kv-dtype", help="accuracy of the int8 / fp8_e4m3 KV caches on the shipped model and text")
+        sub.add_parser(
+            "kv-dtype", help="accuracy of the int8 / fp8_e4m3 KV caches on the shipped model and text"
+        )
     )
     return p
 

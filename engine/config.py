@@ -262,7 +262,9 @@ class EngineArgs:
                 "block formats kept) and none"
             )
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
-            raise ValueError(f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; use auto, int8 or fp8_e4m3")
+            raise ValueError(
+                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; use auto, int8 or fp8_e4m3"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
@@ -421,7 +423,9 @@ def _kv_cache_dtype(
         return dtype
     cache_dtype = kv_quant.KV_CACHE_DTYPES[name]
     if head_size % 4:
-        raise ValueError(f"kv_cache_dtype={name!r} needs a head size that is a multiple of 4, not {head_size}")
+        raise ValueError(
+            f"kv_cache_dtype={name!r} needs a head size that is a multiple of 4, not {head_size}"
+        )
     if cache_dtype == torch.float8_e4m3fn and backend == "triton" and device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)
         if capability < (8, 9):

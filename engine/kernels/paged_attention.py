@@ -88,6 +88,7 @@ from engine.kernels.split_k import (
 
 __all__ = ["SPLIT_CHOICES", "choose_num_splits", "default_block_n", "paged_attention"]
 
+
 @triton.jit
 def _find_request(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):  # type: ignore[no-untyped-def]
     """The request whose flat block range holds q_block: the last r < num_seqs whose range start,

@@ -2,9 +2,10 @@
 
 Written for clarity, not speed (the CPU attention backend has its own faster paths). Shapes use
 T = tokens in the step, S = requests, Hq / Hkv = query / key-value heads, D = head size,
-I = MLP intermediate size. The paged cache is token-major, ``[2, num_blocks, block_size, Hkv, D]`` (an 8-bit cache's rows are
-D + 4 elements, codes then scale: ``engine/kernels/kv_quant.py``); a cache in another layout is read through its token-major contents (``KVLayout.to_token_major``). The
-layouts and the packed-step metadata are described in ``engine/attention/backend.py``.
+I = MLP intermediate size. The paged cache is token-major, ``[2, num_blocks, block_size, Hkv, D]``
+(an 8-bit cache's rows are D + 4 elements, codes then scale: ``engine/kernels/kv_quant.py``); a cache
+in another layout is read through its token-major contents (``KVLayout.to_token_major``). The layouts
+and the packed-step metadata are described in ``engine/attention/backend.py``.
 """
 
 from __future__ import annotations

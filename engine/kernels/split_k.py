@@ -96,9 +96,5 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     programs = num_seqs * num_kv_heads
     if programs >= num_sms:  # every SM already has a program; a merge would only add work
         return 1
-    wanted = min(
-        triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs), max_seq_len // MIN_PARTITION, MAX_SPLITS
-    )
+    wanted = min(triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs), max_seq_len // MIN_PARTITION, MAX_SPLITS)
     return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1  # rounded down to SPLIT_CHOICES
-
-

@@ -22,7 +22,6 @@ from engine.quant.gguf_weights import Weight, embedding_rows, read_gguf_weights
 from engine.quant.linear import quant_linear
 from engine.quant.weight import QuantizedWeight
 
-
 # (layer index, q [T, Hq, D] rotated, k [T, Hkv, D] rotated, v [T, Hkv, D]) -> [T, Hq, D]: causal
 # attention of the T positions; None: SDPA on the tensors as they are (no KV cache).
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -28,7 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--out", required=True, help="where to write the cost model (JSON)")
     cal.add_argument("--dtype", default="auto")
     cal.add_argument(
-        "--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8_e4m3"), help="the engine's kv_cache_dtype"
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "int8", "fp8_e4m3"),
+        help="the engine's kv_cache_dtype",
     )
     cal.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     cal.add_argument("--max-num-seqs", type=int, default=64)

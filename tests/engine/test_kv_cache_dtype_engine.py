@@ -49,7 +49,11 @@ def float_tokens(tiny_llama_path: Path) -> list[list[int]]:
     ],
 )
 def test_8bit_cache_decodes_the_float_caches_tokens(
-    tiny_llama_path: Path, float_tokens: list[list[int]], kv_cache_dtype: str, backend: str, storage: torch.dtype
+    tiny_llama_path: Path,
+    float_tokens: list[list[int]],
+    kv_cache_dtype: str,
+    backend: str,
+    storage: torch.dtype,
 ) -> None:
     llm = LLM(str(tiny_llama_path), attention_backend=backend, kv_cache_dtype=kv_cache_dtype, **ENGINE)
     runner = llm.engine.runner
@@ -61,7 +65,9 @@ def test_8bit_cache_decodes_the_float_caches_tokens(
     assert _generate(llm) == float_tokens
 
 
-def test_what_cannot_keep_an_8bit_cache_is_refused(tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_what_cannot_keep_an_8bit_cache_is_refused(
+    tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with pytest.raises(ValueError, match="unsupported kv_cache_dtype 'fp16'"):
         LLM(str(tiny_llama_path), kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="multiple of 4, not 6"):

@@ -37,7 +37,10 @@ def test_row_format_worked_example():
     assert rows.dtype == torch.int8 and rows.shape == (1, 8)
     assert rows[0, :4].tolist() == [50, -127, 0, 25]
     assert rows[0, 4:].contiguous().view(torch.float32).item() == pytest.approx(0.01)
-    assert kv_quant.row_elements(torch.int8, 64) == 68 and kv_quant.bytes_per_token_head(torch.bfloat16, 64) == 128
+    assert (
+        kv_quant.row_elements(torch.int8, 64) == 68
+        and kv_quant.bytes_per_token_head(torch.bfloat16, 64) == 128
+    )
     with pytest.raises(ValueError, match="multiple of 4"):
         kv_quant.row_elements(torch.float8_e4m3fn, 6)
 
@@ -103,7 +106,9 @@ def _attend(path: str, batch: PagedBatch, cache: torch.Tensor, scale: float, **k
         )  # type: ignore[arg-type]
     if path == "torch":
         return TorchAttentionBackend().forward(batch.query, cache, batch.metadata(), scale, **kw)  # type: ignore[arg-type]
-    head_major = torch.empty(KVLayout.HEAD_MAJOR.shape(*cache.shape[1:3], *cache.shape[3:]), dtype=cache.dtype)
+    head_major = torch.empty(
+        KVLayout.HEAD_MAJOR.shape(*cache.shape[1:3], *cache.shape[3:]), dtype=cache.dtype
+    )
     KVLayout.HEAD_MAJOR.fill_from_token_major(head_major, cache)
     return get_attention_backend("cpu").forward(batch.query, head_major, batch.metadata(), scale, **kw)  # type: ignore[arg-type]
 

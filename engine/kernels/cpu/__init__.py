@@ -90,7 +90,9 @@ def load_kv_quant() -> bool:
         build("inflight_cpu_kv_quant", _KV_QUANT_SOURCES, build_dir(_KV_QUANT_SOURCES))
     except Exception as exc:  # as load(): the torch path reads the same cache format
         log.warning(
-            "CPU 8-bit KV cache kernels unavailable (%s: %s); using the slower torch path", type(exc).__name__, exc
+            "CPU 8-bit KV cache kernels unavailable (%s: %s); using the slower torch path",
+            type(exc).__name__,
+            exc,
         )
         return False
     return True
