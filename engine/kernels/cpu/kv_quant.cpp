@@ -45,19 +45,21 @@ typedef int8_t vi8 __attribute__((vector_size(kLanes)));
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
 
 // 16 codes of a row times the row's scale.
-__attribute__((always_inline)) inline vfloat decode16(const uint8_t* p, float scale, bool fp8) {
-  if (!fp8) {
+template <bool FP8>
+__attribute__((always_inline)) inline vfloat decode16(const uint8_t* p, float scale) {
+  if constexpr (!FP8) {
     vi8 c;
     std::memcpy(&c, p, sizeof(c));
     return __builtin_convertvector(c, vfloat) * scale;
+  } else {
+    vu8 c;
+    std::memcpy(&c, p, sizeof(c));
+    const vu32 w = __builtin_convertvector(c, vu32);
+    const vu32 bits = ((w & 0x7fu) << 20) | ((w & 0x80u) << 24);
+    vfloat f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f * 0x1p120f * scale;
   }
-  vu8 c;
-  std::memcpy(&c, p, sizeof(c));
-  const vu32 w = __builtin_convertvector(c, vu32);
-  const vu32 bits = ((w & 0x7fu) << 20) | ((w & 0x80u) << 24);
-  vfloat f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f * 0x1p120f * scale;
 }
 
 inline float row_scale(const uint8_t* row, int64_t head_size) {
@@ -66,10 +68,19 @@ inline float row_scale(const uint8_t* row, int64_t head_size) {
   return s;
 }
 
+// The sum of a vector's lanes as a tree (halving four times): a lane-by-lane loop is 16 dependent adds.
+typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
+typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
 __attribute__((always_inline)) inline float hsum(vfloat v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  vfloat8 a, b;
+  std::memcpy(&a, &v, sizeof(a));
+  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof(a), sizeof(b));
+  const vfloat8 s8 = a + b;
+  vfloat4 c, d;
+  std::memcpy(&c, &s8, sizeof(c));
+  std::memcpy(&d, reinterpret_cast<const char*>(&s8) + sizeof(c), sizeof(d));
+  const vfloat4 s4 = c + d;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 struct Geometry {
@@ -86,120 +97,176 @@ struct Item {
 };
 
 struct Scratch {
-  std::vector<float> q, scores, acc, rows;
+  std::vector<float> q, scores, inv_sum;
 };
 
-// One item: rows r = i * G + g (token q_begin + i, head kv_head * G + g).
+// Where an item's keys live: key t is row t % block_size of the page of block table[t / block_size].
+struct Pages {
+  const uint8_t* cache;  // the K half; V is v_offset further
+  const int32_t* table;
+  int64_t head_off, stride_block, block_size, row_bytes;
+  const uint8_t* row(int64_t t) const {
+    return cache + table[t / block_size] * stride_block + head_off + (t % block_size) * row_bytes;
+  }
+};
+
+// Raw scores (q . k, q pre-scaled) of NR rows against keys [lo, hi): each key's codes decoded once into
+// C registers for the NR rows, whose queries stay in registers too. scores[r * n + t - lo].
+template <int C, int NR, bool FP8>
+__attribute__((always_inline)) inline void score_rows(const float* q, const Pages& k, int64_t lo, int64_t hi,
+                                                      float* scores, int64_t n) {
+  constexpr int64_t D = C * kLanes;
+  vfloat qv[NR][C];
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < C; ++c) qv[r][c] = load16(q + r * D + c * kLanes);
+  }
+  for (int64_t t = lo; t < hi; ++t) {
+    const uint8_t* row = k.row(t);
+    const float s = row_scale(row, D);
+    vfloat acc[NR] = {};
+    for (int c = 0; c < C; ++c) {
+      const vfloat kv = decode16<FP8>(row + c * kLanes, s);
+      for (int r = 0; r < NR; ++r) acc[r] += qv[r][c] * kv;
+    }
+    for (int r = 0; r < NR; ++r) scores[r * n + (t - lo)] = hsum(acc[r]);
+  }
+}
+
+// out rows = sum over keys of p * v for NR rows (p: the rows' softmax numerators, scores[r * n + ...]),
+// each key's V codes decoded once into registers; the NR x C sums stay in registers.
+template <int C, int NR, bool FP8>
+__attribute__((always_inline)) inline void accumulate_rows(const float* p, int64_t n, const Pages& v, int64_t lo,
+                                                           int64_t hi, float* acc_out) {
+  constexpr int64_t D = C * kLanes;
+  vfloat acc[NR][C] = {};
+  for (int64_t t = lo; t < hi; ++t) {
+    const uint8_t* row = v.row(t);
+    const float s = row_scale(row, D);
+    for (int c = 0; c < C; ++c) {
+      const vfloat vv = decode16<FP8>(row + c * kLanes, s);
+      for (int r = 0; r < NR; ++r) acc[r][c] += p[r * n + (t - lo)] * vv;
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < C; ++c) store16(acc_out + r * D + c * kLanes, acc[r][c]);
+  }
+}
+
+// Softmax numerators of one row in place: soft cap, mask outside [row_lo, pos], exp(x - max); returns
+// 1 / their sum.
+inline float softmax_row(float* s, int64_t n, int64_t lo, int64_t row_lo, int64_t pos, float soft_cap) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  float m = kNegInf;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t t = lo + j;
+    float x = s[j];
+    if (soft_cap > 0.f) x = soft_cap * std::tanh(x / soft_cap);
+    x = (t < row_lo || t > pos) ? kNegInf : x;
+    s[j] = x;
+    m = std::max(m, x);
+  }
+  // vexp flushes anything below -87 (the masked -inf included) to exactly 0.
+  vfloat sum{};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const vfloat e = vexp(load16(s + j) - m);
+    store16(s + j, e);
+    sum += e;
+  }
+  float total = hsum(sum);
+  for (; j < n; ++j) {
+    s[j] = s[j] == kNegInf ? 0.f : std::exp(s[j] - m);
+    total += s[j];
+  }
+  return total > 0.f ? 1.f / total : 0.f;
+}
+
+// One item: rows r = i * G + g (token q_begin + i, head kv_head * G + g), taken 4 at a time.
+template <int C, bool FP8>
+__attribute__((always_inline)) inline void attend_rows(const Geometry& g, const Pages& pages, int64_t num_rows,
+                                                       int64_t num_cached, int64_t q_begin, int64_t lo, int64_t hi,
+                                                       Scratch& sc, float* acc) {
+  constexpr int64_t D = C * kLanes;
+  const int64_t n = hi - lo;
+  const Pages v_pages{pages.cache + g.v_offset, pages.table, pages.head_off, pages.stride_block, pages.block_size,
+                      pages.row_bytes};
+  for (int64_t r0 = 0; r0 < num_rows; r0 += 4) {
+    const int nr = static_cast<int>(std::min<int64_t>(4, num_rows - r0));
+    const float* q = &sc.q[r0 * D];
+    float* s = &sc.scores[r0 * n];
+    switch (nr) {
+      case 1: score_rows<C, 1, FP8>(q, pages, lo, hi, s, n); break;
+      case 2: score_rows<C, 2, FP8>(q, pages, lo, hi, s, n); break;
+      case 3: score_rows<C, 3, FP8>(q, pages, lo, hi, s, n); break;
+      default: score_rows<C, 4, FP8>(q, pages, lo, hi, s, n); break;
+    }
+    for (int r = 0; r < nr; ++r) {
+      const int64_t pos = num_cached + q_begin + (r0 + r) / g.group;
+      const int64_t row_lo = g.sliding_window > 0 ? std::max<int64_t>(lo, pos - g.sliding_window + 1) : lo;
+      // Keys past the row's position are masked: its own row never reads past them either (hi is the
+      // item's last row's, the same or later).
+      sc.inv_sum[r0 + r] = softmax_row(s + r * n, n, lo, row_lo, pos, g.soft_cap);
+    }
+    float* out = acc + r0 * D;
+    switch (nr) {
+      case 1: accumulate_rows<C, 1, FP8>(s, n, v_pages, lo, hi, out); break;
+      case 2: accumulate_rows<C, 2, FP8>(s, n, v_pages, lo, hi, out); break;
+      case 3: accumulate_rows<C, 3, FP8>(s, n, v_pages, lo, hi, out); break;
+      default: accumulate_rows<C, 4, FP8>(s, n, v_pages, lo, hi, out); break;
+    }
+  }
+}
+
+template <int C, bool FP8>
+INFLIGHT_CLONES void attend_rows_fn(const Geometry& g, const Pages& pages, int64_t num_rows, int64_t num_cached,
+                                    int64_t q_begin, int64_t lo, int64_t hi, Scratch& sc, float* acc) {
+  attend_rows<C, FP8>(g, pages, num_rows, num_cached, q_begin, lo, hi, sc, acc);
+}
+
+using RowsFn = void (*)(const Geometry&, const Pages&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&, float*);
+
+template <bool FP8>
+RowsFn rows_fn(int64_t chunks) {
+  switch (chunks) {
+    case 1: return &attend_rows_fn<1, FP8>;
+    case 2: return &attend_rows_fn<2, FP8>;
+    case 4: return &attend_rows_fn<4, FP8>;
+    case 5: return &attend_rows_fn<5, FP8>;
+    case 6: return &attend_rows_fn<6, FP8>;
+    case 8: return &attend_rows_fn<8, FP8>;
+    case 16: return &attend_rows_fn<16, FP8>;
+    default: return nullptr;
+  }
+}
+
+RowsFn rows_fn(int64_t chunks, bool fp8) { return fp8 ? rows_fn<true>(chunks) : rows_fn<false>(chunks); }
+
 template <typename T>
-__attribute__((always_inline)) inline void attend_item(const Item& it, const Geometry& g, const T* query,
-                                                       const uint8_t* cache, const int32_t* qsl,
-                                                       const int32_t* lens, const int32_t* tables, T* out,
-                                                       Scratch& sc) {
+void attend(const Item& it, const Geometry& g, RowsFn fn, const T* query, const uint8_t* cache, const int32_t* qsl,
+            const int32_t* lens, const int32_t* tables, T* out, Scratch& sc, std::vector<float>& acc) {
   const int64_t D = g.head_size, G = g.group, chunks = D / kLanes;
   const int64_t q_start = qsl[it.seq];
   const int64_t num_cached = lens[it.seq] - (qsl[it.seq + 1] - q_start);
   const int64_t num_rows = (it.q_end - it.q_begin) * G;
   const int64_t hi = num_cached + it.q_end;  // past the last row's own position
-  const int64_t lo = g.sliding_window > 0 ? std::max<int64_t>(0, num_cached + it.q_begin - g.sliding_window + 1) : 0;
-  const int64_t n = hi - lo;
+  // Keys before the first row's window are never read: their blocks may be freed and reused.
+  const int64_t lo =
+      g.sliding_window > 0 ? std::max<int64_t>(0, num_cached + it.q_begin - g.sliding_window + 1) : 0;
   sc.q.resize(static_cast<size_t>(num_rows * D));
-  sc.scores.resize(static_cast<size_t>(num_rows * n));
-  sc.acc.assign(static_cast<size_t>(num_rows * D), 0.f);
-  sc.rows.resize(static_cast<size_t>(g.block_size * D));
+  sc.scores.resize(static_cast<size_t>(num_rows * (hi - lo)));
+  sc.inv_sum.resize(static_cast<size_t>(num_rows));
+  acc.resize(static_cast<size_t>(num_rows * D));
   for (int64_t r = 0; r < num_rows; ++r) {
     const T* src = query + (q_start + it.q_begin + r / G) * g.q_stride_t + (it.kv_head * G + r % G) * g.q_stride_h;
     for (int64_t c = 0; c < chunks; ++c) store16(&sc.q[r * D + c * kLanes], load16(src + c * kLanes) * g.scale);
   }
-  const int32_t* table = tables + it.seq * g.bt_stride;
-  const int64_t head_off = it.kv_head * g.kv_stride_head;
-  // Dequantizes keys [t0, t1) of one block (K or V half at `half`) into sc.rows, row j = key t0 + j.
-  auto decode_block = [&](int64_t t0, int64_t t1, int64_t half) {
-    const uint8_t* page = cache + half + table[t0 / g.block_size] * g.kv_stride_block + head_off;
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* row = page + (t % g.block_size) * g.row_bytes;
-      const float s = row_scale(row, D);
-      float* dst = &sc.rows[(t - t0) * D];
-      for (int64_t c = 0; c < chunks; ++c) store16(dst + c * kLanes, decode16(row + c * kLanes, s, g.fp8));
-    }
-  };
-  // Pass 1: raw scores of every row against keys lo..hi-1.
-  for (int64_t t0 = lo; t0 < hi;) {
-    const int64_t t1 = std::min(hi, (t0 / g.block_size + 1) * g.block_size);
-    decode_block(t0, t1, 0);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* k = &sc.rows[(t - t0) * D];
-      for (int64_t r = 0; r < num_rows; ++r) {
-        const float* q = &sc.q[r * D];
-        vfloat acc{};
-        for (int64_t c = 0; c < chunks; ++c) acc += load16(q + c * kLanes) * load16(k + c * kLanes);
-        sc.scores[r * n + (t - lo)] = hsum(acc);
-      }
-    }
-    t0 = t1;
-  }
-  // Softmax per row over its visible keys (causal, and the window's lower edge).
-  std::vector<float> inv_sum(static_cast<size_t>(num_rows));
-  for (int64_t r = 0; r < num_rows; ++r) {
-    const int64_t pos = num_cached + it.q_begin + r / G;
-    const int64_t row_lo = g.sliding_window > 0 ? std::max<int64_t>(lo, pos - g.sliding_window + 1) : lo;
-    float* s = &sc.scores[r * n];
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = lo + j;
-      float x = s[j];
-      if (g.soft_cap > 0.f) x = g.soft_cap * std::tanh(x / g.soft_cap);
-      x = (t < row_lo || t > pos) ? -std::numeric_limits<float>::infinity() : x;
-      s[j] = x;
-      m = std::max(m, x);
-    }
-    float sum = 0.f;
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = s[j] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s[j] - m);
-      s[j] = p;
-      sum += p;
-    }
-    inv_sum[r] = sum > 0.f ? 1.f / sum : 0.f;
-  }
-  // Pass 2: the weighted sum of V.
-  for (int64_t t0 = lo; t0 < hi;) {
-    const int64_t t1 = std::min(hi, (t0 / g.block_size + 1) * g.block_size);
-    decode_block(t0, t1, g.v_offset);
-    for (int64_t r = 0; r < num_rows; ++r) {
-      float* acc = &sc.acc[r * D];
-      for (int64_t t = t0; t < t1; ++t) {
-        const float p = sc.scores[r * n + (t - lo)];
-        if (p == 0.f) continue;
-        const float* v = &sc.rows[(t - t0) * D];
-        for (int64_t c = 0; c < chunks; ++c) store16(acc + c * kLanes, load16(acc + c * kLanes) + load16(v + c * kLanes) * p);
-      }
-    }
-    t0 = t1;
-  }
+  const Pages pages{cache, tables + it.seq * g.bt_stride, it.kv_head * g.kv_stride_head, g.kv_stride_block,
+                    g.block_size, g.row_bytes};
+  fn(g, pages, num_rows, num_cached, it.q_begin, lo, hi, sc, acc.data());
   for (int64_t r = 0; r < num_rows; ++r) {
     T* dst = out + (q_start + it.q_begin + r / G) * g.o_stride_t + (it.kv_head * G + r % G) * g.o_stride_h;
-    for (int64_t c = 0; c < chunks; ++c) store16(dst + c * kLanes, load16(&sc.acc[r * D + c * kLanes]) * inv_sum[r]);
+    for (int64_t c = 0; c < chunks; ++c) store16(dst + c * kLanes, load16(&acc[r * D + c * kLanes]) * sc.inv_sum[r]);
   }
-}
-
-// One clone set per query dtype: the always-inline body compiles for AVX-512, AVX2 and the baseline.
-INFLIGHT_CLONES void attend_f32(const Item& it, const Geometry& g, const float* q, const uint8_t* cache,
-                                const int32_t* qsl, const int32_t* lens, const int32_t* tables, float* out,
-                                Scratch& sc) {
-  attend_item<float>(it, g, q, cache, qsl, lens, tables, out, sc);
-}
-INFLIGHT_CLONES void attend_bf16(const Item& it, const Geometry& g, const at::BFloat16* q, const uint8_t* cache,
-                                 const int32_t* qsl, const int32_t* lens, const int32_t* tables, at::BFloat16* out,
-                                 Scratch& sc) {
-  attend_item<at::BFloat16>(it, g, q, cache, qsl, lens, tables, out, sc);
-}
-
-void attend(const Item& it, const Geometry& g, const float* q, const uint8_t* cache, const int32_t* qsl,
-            const int32_t* lens, const int32_t* tables, float* out, Scratch& sc) {
-  attend_f32(it, g, q, cache, qsl, lens, tables, out, sc);
-}
-void attend(const Item& it, const Geometry& g, const at::BFloat16* q, const uint8_t* cache, const int32_t* qsl,
-            const int32_t* lens, const int32_t* tables, at::BFloat16* out, Scratch& sc) {
-  attend_bf16(it, g, q, cache, qsl, lens, tables, out, sc);
 }
 
 bool is_fp8(const at::Tensor& kv_cache) { return kv_cache.scalar_type() == at::kFloat8_e4m3fn; }
@@ -236,6 +303,7 @@ void paged_attention_quant(at::Tensor out, const at::Tensor& query, const at::Te
   g.row_bytes = kv_cache.size(4);
   g.head_size = g.row_bytes - kScaleBytes;
   TORCH_CHECK(query.size(2) == g.head_size, "query head size differs from the cache's");
+  TORCH_CHECK(rows_fn(g.head_size / kLanes, false) != nullptr, "head size must be 16, 32, 64, 80, 96, 128 or 256");
   g.block_size = kv_cache.size(3);
   g.q_stride_t = query.stride(0);
   g.q_stride_h = query.stride(1);
@@ -269,14 +337,16 @@ void paged_attention_quant(at::Tensor out, const at::Tensor& query, const at::Te
   std::atomic<int64_t> next{0};
   const uint8_t* cache = static_cast<const uint8_t*>(kv_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const RowsFn fn = rows_fn(g.head_size / kLanes, g.fp8);
   dispatch(query.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* q = query.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
       Scratch scratch;
+      std::vector<float> acc;
       for (int64_t i = next.fetch_add(1); i < num_items; i = next.fetch_add(1)) {
-        attend(items[i], g, q, cache, qsl, lens, tables, o, scratch);
+        attend(items[i], g, fn, q, cache, qsl, lens, tables, o, scratch, acc);
       }
     });
   });
