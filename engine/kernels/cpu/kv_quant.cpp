@@ -44,13 +44,14 @@ constexpr int64_t kScaleBytes = 4;
 typedef int8_t vi8 __attribute__((vector_size(kLanes)));
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
 
-// 16 codes of a row times the row's scale.
+// 16 codes of a row as the values they stand for before the row's scale (which callers apply once
+// per key to a sum, not per code).
 template <bool FP8>
-__attribute__((always_inline)) inline vfloat decode16(const uint8_t* p, float scale) {
+__attribute__((always_inline)) inline vfloat decode16(const uint8_t* p) {
   if constexpr (!FP8) {
     vi8 c;
     std::memcpy(&c, p, sizeof(c));
-    return __builtin_convertvector(c, vfloat) * scale;
+    return __builtin_convertvector(c, vfloat);
   } else {
     vu8 c;
     std::memcpy(&c, p, sizeof(c));
@@ -58,7 +59,7 @@ __attribute__((always_inline)) inline vfloat decode16(const uint8_t* p, float sc
     const vu32 bits = ((w & 0x7fu) << 20) | ((w & 0x80u) << 24);
     vfloat f;
     std::memcpy(&f, &bits, sizeof(f));
-    return f * 0x1p120f * scale;
+    return f * 0x1p120f;
   }
 }
 
@@ -84,7 +85,7 @@ __attribute__((always_inline)) inline float hsum(vfloat v) {
 }
 
 struct Geometry {
-  int64_t num_heads, num_kv_heads, group, head_size, row_bytes, block_size;
+  int64_t num_heads, num_kv_heads, group, head_size, row_bytes, block_size, block_shift;
   int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;
   int64_t kv_stride_block, kv_stride_head, v_offset, bt_stride;
   float scale, soft_cap;
@@ -100,15 +101,27 @@ struct Scratch {
   std::vector<float> q, scores, inv_sum;
 };
 
-// Where an item's keys live: key t is row t % block_size of the page of block table[t / block_size].
+// Where an item's keys live: key t is row t & mask of the page of block table[t >> shift] (block_size is
+// a power of two; a division per key cost more than the key's multiply-adds).
 struct Pages {
   const uint8_t* cache;  // the K half; V is v_offset further
   const int32_t* table;
-  int64_t head_off, stride_block, block_size, row_bytes;
+  int64_t head_off, stride_block, shift, mask, row_bytes;
   const uint8_t* row(int64_t t) const {
-    return cache + table[t / block_size] * stride_block + head_off + (t % block_size) * row_bytes;
+    return cache + table[t >> shift] * stride_block + head_off + (t & mask) * row_bytes;
   }
 };
+
+// Calls f(t, row) for keys lo..hi-1 in order, one block's run of rows at a time.
+template <typename F>
+__attribute__((always_inline)) inline void for_each_row(const Pages& p, int64_t lo, int64_t hi, F&& f) {
+  for (int64_t t0 = lo; t0 < hi;) {
+    const int64_t t1 = std::min(hi, (t0 | p.mask) + 1);
+    const uint8_t* row = p.row(t0);
+    for (int64_t t = t0; t < t1; ++t, row += p.row_bytes) f(t, row);
+    t0 = t1;
+  }
+}
 
 // Raw scores (q . k, q pre-scaled) of NR rows against keys [lo, hi): each key's codes decoded once into
 // C registers for the NR rows, whose queries stay in registers too. scores[r * n + t - lo].
@@ -120,16 +133,16 @@ __attribute__((always_inline)) inline void score_rows(const float* q, const Page
   for (int r = 0; r < NR; ++r) {
     for (int c = 0; c < C; ++c) qv[r][c] = load16(q + r * D + c * kLanes);
   }
-  for (int64_t t = lo; t < hi; ++t) {
-    const uint8_t* row = k.row(t);
-    const float s = row_scale(row, D);
+  for_each_row(k, lo, hi, [&](int64_t t, const uint8_t* row) __attribute__((always_inline)) {
+    // The scale applies to the whole dot: q . (codes * s) = s * (q . codes).
     vfloat acc[NR] = {};
     for (int c = 0; c < C; ++c) {
-      const vfloat kv = decode16<FP8>(row + c * kLanes, s);
+      const vfloat kv = decode16<FP8>(row + c * kLanes);
       for (int r = 0; r < NR; ++r) acc[r] += qv[r][c] * kv;
     }
-    for (int r = 0; r < NR; ++r) scores[r * n + (t - lo)] = hsum(acc[r]);
-  }
+    const float s = row_scale(row, D);
+    for (int r = 0; r < NR; ++r) scores[r * n + (t - lo)] = hsum(acc[r]) * s;
+  });
 }
 
 // out rows = sum over keys of p * v for NR rows (p: the rows' softmax numerators, scores[r * n + ...]),
@@ -139,14 +152,16 @@ __attribute__((always_inline)) inline void accumulate_rows(const float* p, int64
                                                            int64_t hi, float* acc_out) {
   constexpr int64_t D = C * kLanes;
   vfloat acc[NR][C] = {};
-  for (int64_t t = lo; t < hi; ++t) {
-    const uint8_t* row = v.row(t);
+  for_each_row(v, lo, hi, [&](int64_t t, const uint8_t* row) __attribute__((always_inline)) {
+    // Each row's weight times the key's scale, then times the raw codes.
     const float s = row_scale(row, D);
+    float w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = p[r * n + (t - lo)] * s;
     for (int c = 0; c < C; ++c) {
-      const vfloat vv = decode16<FP8>(row + c * kLanes, s);
-      for (int r = 0; r < NR; ++r) acc[r][c] += p[r * n + (t - lo)] * vv;
+      const vfloat vv = decode16<FP8>(row + c * kLanes);
+      for (int r = 0; r < NR; ++r) acc[r][c] += w[r] * vv;
     }
-  }
+  });
   for (int r = 0; r < NR; ++r) {
     for (int c = 0; c < C; ++c) store16(acc_out + r * D + c * kLanes, acc[r][c]);
   }
@@ -188,8 +203,8 @@ __attribute__((always_inline)) inline void attend_rows(const Geometry& g, const 
                                                        Scratch& sc, float* acc) {
   constexpr int64_t D = C * kLanes;
   const int64_t n = hi - lo;
-  const Pages v_pages{pages.cache + g.v_offset, pages.table, pages.head_off, pages.stride_block, pages.block_size,
-                      pages.row_bytes};
+  Pages v_pages = pages;
+  v_pages.cache += g.v_offset;
   for (int64_t r0 = 0; r0 < num_rows; r0 += 4) {
     const int nr = static_cast<int>(std::min<int64_t>(4, num_rows - r0));
     const float* q = &sc.q[r0 * D];
@@ -260,8 +275,8 @@ void attend(const Item& it, const Geometry& g, RowsFn fn, const T* query, const 
     const T* src = query + (q_start + it.q_begin + r / G) * g.q_stride_t + (it.kv_head * G + r % G) * g.q_stride_h;
     for (int64_t c = 0; c < chunks; ++c) store16(&sc.q[r * D + c * kLanes], load16(src + c * kLanes) * g.scale);
   }
-  const Pages pages{cache, tables + it.seq * g.bt_stride, it.kv_head * g.kv_stride_head, g.kv_stride_block,
-                    g.block_size, g.row_bytes};
+  const Pages pages{cache,          tables + it.seq * g.bt_stride, it.kv_head * g.kv_stride_head,
+                    g.kv_stride_block, g.block_shift, g.block_size - 1, g.row_bytes};
   fn(g, pages, num_rows, num_cached, it.q_begin, lo, hi, sc, acc.data());
   for (int64_t r = 0; r < num_rows; ++r) {
     T* dst = out + (q_start + it.q_begin + r / G) * g.o_stride_t + (it.kv_head * G + r % G) * g.o_stride_h;
@@ -305,6 +320,8 @@ void paged_attention_quant(at::Tensor out, const at::Tensor& query, const at::Te
   TORCH_CHECK(query.size(2) == g.head_size, "query head size differs from the cache's");
   TORCH_CHECK(rows_fn(g.head_size / kLanes, false) != nullptr, "head size must be 16, 32, 64, 80, 96, 128 or 256");
   g.block_size = kv_cache.size(3);
+  TORCH_CHECK((g.block_size & (g.block_size - 1)) == 0, "block_size must be a power of two");
+  g.block_shift = __builtin_ctzll(static_cast<unsigned long long>(g.block_size));
   g.q_stride_t = query.stride(0);
   g.q_stride_h = query.stride(1);
   g.o_stride_t = out.stride(0);
