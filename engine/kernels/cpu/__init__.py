@@ -34,15 +34,16 @@ _SOURCES = [
 ]
 _HEADERS = [_HERE / "vec.h", _HERE / "quant_gemm_isa.h"]
 _KV_QUANT_SOURCES = [_HERE / "kv_quant.cpp"]
+_KV_QUANT_HEADERS = [_HERE / "vec.h", _HERE / "kv_quant_rows.h"]
 _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
 
 
-def build_dir(sources: list[Path] | None = None) -> Path:
+def build_dir(sources: list[Path] | None = None, headers: list[Path] | None = None) -> Path:
     """Cache folder keyed by what the binary depends on: the source, the flags, torch's version, and
     the paths ninja's command names (two checkouts sharing one folder rebuilt it on every load)."""
     key = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
     key.update(f"{_HERE.resolve()}:{Path(torch.__file__).resolve()}".encode())
-    for path in (sources or _SOURCES) + _HEADERS:
+    for path in (sources or _SOURCES) + (headers or _HEADERS):
         key.update(path.read_bytes())
     return cpu_ext_root() / key.hexdigest()[:16]
 
@@ -87,7 +88,7 @@ def load_kv_quant() -> bool:
     if envs.cpu_kernels_disabled():
         return False
     try:
-        build("inflight_cpu_kv_quant", _KV_QUANT_SOURCES, build_dir(_KV_QUANT_SOURCES))
+        build("inflight_cpu_kv_quant", _KV_QUANT_SOURCES, build_dir(_KV_QUANT_SOURCES, _KV_QUANT_HEADERS))
     except Exception as exc:  # as load(): the torch path reads the same cache format
         log.warning(
             "CPU 8-bit KV cache kernels unavailable (%s: %s); using the slower torch path",

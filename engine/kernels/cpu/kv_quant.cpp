@@ -32,6 +32,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "vec.h"
 
 namespace {
@@ -44,43 +48,20 @@ constexpr int64_t kScaleBytes = 4;
 typedef int8_t vi8 __attribute__((vector_size(kLanes)));
 typedef uint8_t vu8 __attribute__((vector_size(kLanes)));
 
-// 16 codes of a row as the values they stand for before the row's scale (which callers apply once
-// per key to a sum, not per code).
-template <bool FP8>
-__attribute__((always_inline)) inline vfloat decode16(const uint8_t* p) {
-  if constexpr (!FP8) {
-    vi8 c;
-    std::memcpy(&c, p, sizeof(c));
-    return __builtin_convertvector(c, vfloat);
-  } else {
-    vu8 c;
-    std::memcpy(&c, p, sizeof(c));
-    const vu32 w = __builtin_convertvector(c, vu32);
-    const vu32 bits = ((w & 0x7fu) << 20) | ((w & 0x80u) << 24);
-    vfloat f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f * 0x1p120f;
-  }
-}
-
 inline float row_scale(const uint8_t* row, int64_t head_size) {
   float s;
   std::memcpy(&s, row + head_size, sizeof(s));
   return s;
 }
 
-// The sum of a vector's lanes as a tree (halving four times): a lane-by-lane loop is 16 dependent adds.
+// The sum of a vector's lanes as a tree (halving four times, in registers): a lane-by-lane loop is 16
+// dependent adds, and halves taken through memory stall on store forwarding.
 typedef float vfloat8 __attribute__((vector_size(8 * sizeof(float))));
 typedef float vfloat4 __attribute__((vector_size(4 * sizeof(float))));
 __attribute__((always_inline)) inline float hsum(vfloat v) {
-  vfloat8 a, b;
-  std::memcpy(&a, &v, sizeof(a));
-  std::memcpy(&b, reinterpret_cast<const char*>(&v) + sizeof(a), sizeof(b));
-  const vfloat8 s8 = a + b;
-  vfloat4 c, d;
-  std::memcpy(&c, &s8, sizeof(c));
-  std::memcpy(&d, reinterpret_cast<const char*>(&s8) + sizeof(c), sizeof(d));
-  const vfloat4 s4 = c + d;
+  const vfloat8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                     __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vfloat4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
@@ -112,149 +93,35 @@ struct Pages {
   }
 };
 
-// Calls f(t, row) for keys lo..hi-1 in order, one block's run of rows at a time.
-template <typename F>
-__attribute__((always_inline)) inline void for_each_row(const Pages& p, int64_t lo, int64_t hi, F&& f) {
-  for (int64_t t0 = lo; t0 < hi;) {
-    const int64_t t1 = std::min(hi, (t0 | p.mask) + 1);
-    const uint8_t* row = p.row(t0);
-    for (int64_t t = t0; t < t1; ++t, row += p.row_bytes) f(t, row);
-    t0 = t1;
-  }
-}
-
-// Raw scores (q . k, q pre-scaled) of NR rows against keys [lo, hi): each key's codes decoded once into
-// C registers for the NR rows, whose queries stay in registers too. scores[r * n + t - lo].
-template <int C, int NR, bool FP8>
-__attribute__((always_inline)) inline void score_rows(const float* q, const Pages& k, int64_t lo, int64_t hi,
-                                                      float* scores, int64_t n) {
-  constexpr int64_t D = C * kLanes;
-  vfloat qv[NR][C];
-  for (int r = 0; r < NR; ++r) {
-    for (int c = 0; c < C; ++c) qv[r][c] = load16(q + r * D + c * kLanes);
-  }
-  for_each_row(k, lo, hi, [&](int64_t t, const uint8_t* row) __attribute__((always_inline)) {
-    // The scale applies to the whole dot: q . (codes * s) = s * (q . codes).
-    vfloat acc[NR] = {};
-    for (int c = 0; c < C; ++c) {
-      const vfloat kv = decode16<FP8>(row + c * kLanes);
-      for (int r = 0; r < NR; ++r) acc[r] += qv[r][c] * kv;
-    }
-    const float s = row_scale(row, D);
-    for (int r = 0; r < NR; ++r) scores[r * n + (t - lo)] = hsum(acc[r]) * s;
-  });
-}
-
-// out rows = sum over keys of p * v for NR rows (p: the rows' softmax numerators, scores[r * n + ...]),
-// each key's V codes decoded once into registers; the NR x C sums stay in registers.
-template <int C, int NR, bool FP8>
-__attribute__((always_inline)) inline void accumulate_rows(const float* p, int64_t n, const Pages& v, int64_t lo,
-                                                           int64_t hi, float* acc_out) {
-  constexpr int64_t D = C * kLanes;
-  vfloat acc[NR][C] = {};
-  for_each_row(v, lo, hi, [&](int64_t t, const uint8_t* row) __attribute__((always_inline)) {
-    // Each row's weight times the key's scale, then times the raw codes.
-    const float s = row_scale(row, D);
-    float w[NR];
-    for (int r = 0; r < NR; ++r) w[r] = p[r * n + (t - lo)] * s;
-    for (int c = 0; c < C; ++c) {
-      const vfloat vv = decode16<FP8>(row + c * kLanes);
-      for (int r = 0; r < NR; ++r) acc[r][c] += w[r] * vv;
-    }
-  });
-  for (int r = 0; r < NR; ++r) {
-    for (int c = 0; c < C; ++c) store16(acc_out + r * D + c * kLanes, acc[r][c]);
-  }
-}
-
-// Softmax numerators of one row in place: soft cap, mask outside [row_lo, pos], exp(x - max); returns
-// 1 / their sum.
-inline float softmax_row(float* s, int64_t n, int64_t lo, int64_t row_lo, int64_t pos, float soft_cap) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  float m = kNegInf;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t t = lo + j;
-    float x = s[j];
-    if (soft_cap > 0.f) x = soft_cap * std::tanh(x / soft_cap);
-    x = (t < row_lo || t > pos) ? kNegInf : x;
-    s[j] = x;
-    m = std::max(m, x);
-  }
-  // vexp flushes anything below -87 (the masked -inf included) to exactly 0.
-  vfloat sum{};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const vfloat e = vexp(load16(s + j) - m);
-    store16(s + j, e);
-    sum += e;
-  }
-  float total = hsum(sum);
-  for (; j < n; ++j) {
-    s[j] = s[j] == kNegInf ? 0.f : std::exp(s[j] - m);
-    total += s[j];
-  }
-  return total > 0.f ? 1.f / total : 0.f;
-}
-
-// One item: rows r = i * G + g (token q_begin + i, head kv_head * G + g), taken 4 at a time.
-template <int C, bool FP8>
-__attribute__((always_inline)) inline void attend_rows(const Geometry& g, const Pages& pages, int64_t num_rows,
-                                                       int64_t num_cached, int64_t q_begin, int64_t lo, int64_t hi,
-                                                       Scratch& sc, float* acc) {
-  constexpr int64_t D = C * kLanes;
-  const int64_t n = hi - lo;
-  Pages v_pages = pages;
-  v_pages.cache += g.v_offset;
-  for (int64_t r0 = 0; r0 < num_rows; r0 += 4) {
-    const int nr = static_cast<int>(std::min<int64_t>(4, num_rows - r0));
-    const float* q = &sc.q[r0 * D];
-    float* s = &sc.scores[r0 * n];
-    switch (nr) {
-      case 1: score_rows<C, 1, FP8>(q, pages, lo, hi, s, n); break;
-      case 2: score_rows<C, 2, FP8>(q, pages, lo, hi, s, n); break;
-      case 3: score_rows<C, 3, FP8>(q, pages, lo, hi, s, n); break;
-      default: score_rows<C, 4, FP8>(q, pages, lo, hi, s, n); break;
-    }
-    for (int r = 0; r < nr; ++r) {
-      const int64_t pos = num_cached + q_begin + (r0 + r) / g.group;
-      const int64_t row_lo = g.sliding_window > 0 ? std::max<int64_t>(lo, pos - g.sliding_window + 1) : lo;
-      // Keys past the row's position are masked: its own row never reads past them either (hi is the
-      // item's last row's, the same or later).
-      sc.inv_sum[r0 + r] = softmax_row(s + r * n, n, lo, row_lo, pos, g.soft_cap);
-    }
-    float* out = acc + r0 * D;
-    switch (nr) {
-      case 1: accumulate_rows<C, 1, FP8>(s, n, v_pages, lo, hi, out); break;
-      case 2: accumulate_rows<C, 2, FP8>(s, n, v_pages, lo, hi, out); break;
-      case 3: accumulate_rows<C, 3, FP8>(s, n, v_pages, lo, hi, out); break;
-      default: accumulate_rows<C, 4, FP8>(s, n, v_pages, lo, hi, out); break;
-    }
-  }
-}
-
-template <int C, bool FP8>
-INFLIGHT_CLONES void attend_rows_fn(const Geometry& g, const Pages& pages, int64_t num_rows, int64_t num_cached,
-                                    int64_t q_begin, int64_t lo, int64_t hi, Scratch& sc, float* acc) {
-  attend_rows<C, FP8>(g, pages, num_rows, num_cached, q_begin, lo, hi, sc, acc);
-}
 
 using RowsFn = void (*)(const Geometry&, const Pages&, int64_t, int64_t, int64_t, int64_t, int64_t, Scratch&, float*);
 
-template <bool FP8>
-RowsFn rows_fn(int64_t chunks) {
-  switch (chunks) {
-    case 1: return &attend_rows_fn<1, FP8>;
-    case 2: return &attend_rows_fn<2, FP8>;
-    case 4: return &attend_rows_fn<4, FP8>;
-    case 5: return &attend_rows_fn<5, FP8>;
-    case 6: return &attend_rows_fn<6, FP8>;
-    case 8: return &attend_rows_fn<8, FP8>;
-    case 16: return &attend_rows_fn<16, FP8>;
-    default: return nullptr;
-  }
+// The rows' code twice: for AVX-512 hosts, and for any other (its own target clones for AVX2).
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+namespace avx512 {
+#define KVQ_AVX512 1
+#define KVQ_CLONES
+#include "kv_quant_rows.h"
+#undef KVQ_CLONES
+#undef KVQ_AVX512
+}  // namespace avx512
+#pragma GCC pop_options
+namespace generic {
+#define KVQ_AVX512 0
+#define KVQ_CLONES INFLIGHT_CLONES
+#include "kv_quant_rows.h"
+#undef KVQ_CLONES
+#undef KVQ_AVX512
+}  // namespace generic
+
+const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
+
+RowsFn rows_fn(int64_t chunks, bool fp8) {
+  if (kHasAvx512) return fp8 ? avx512::rows_fn<true>(chunks) : avx512::rows_fn<false>(chunks);
+  return fp8 ? generic::rows_fn<true>(chunks) : generic::rows_fn<false>(chunks);
 }
 
-RowsFn rows_fn(int64_t chunks, bool fp8) { return fp8 ? rows_fn<true>(chunks) : rows_fn<false>(chunks); }
 
 template <typename T>
 void attend(const Item& it, const Geometry& g, RowsFn fn, const T* query, const uint8_t* cache, const int32_t* qsl,
