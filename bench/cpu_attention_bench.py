@@ -138,6 +138,7 @@ def run(
 
         def current(out, query, cache, starts, lens, tables, scale, _max_query_len):  # type: ignore[no-untyped-def]
             torch.ops.inflight_cpu.paged_attention_quant(out, query, cache, starts, lens, tables, scale)
+
     specs: list[tuple[str, KVLayout, Callable[..., None]]] = [("current", current_layout, current)]
     if small_pages:
         specs.insert(0, ("4k-pages", current_layout, current))

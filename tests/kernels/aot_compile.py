@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine.kernels import paged_attention, rotary, sampling, split_k
+from engine.kernels import cache, paged_attention, rotary, sampling, split_k
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -159,6 +159,20 @@ def main() -> int:
         "NUM_CAND": 16,
     }
     ok &= compile_one("sampling (top-k, top-p, min-p)", sampling._sample_kernel, sample_types, consts)
+    # The KV store quantizing into an 8-bit cache (int8 codes rounded; fp8 rounded to e4m3 by bit ops).
+    for code_type, round_int8 in (("*i8", True), ("*fp8e4nv", False)):
+        store_types = {
+            "key_ptr": "*bf16",
+            "value_ptr": "*bf16",
+            "k_cache_ptr": code_type,
+            "v_cache_ptr": code_type,
+            "slot_mapping_ptr": "*i64",
+            "k_scale_ptr": "*fp32",
+            "v_scale_ptr": "*fp32",
+        }
+        consts = {"HEAD_SIZE": 128, "BLOCK_D": 128, "QUANT": True, "QMAX": 127.0 if round_int8 else 448.0}
+        consts["ROUND"] = round_int8
+        ok &= compile_one(f"kv store {code_type[1:]}", cache._store_kvcache_kernel, store_types, consts)
     return 0 if ok else 1
 
 
