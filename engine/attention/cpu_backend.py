@@ -87,6 +87,8 @@ class CpuAttentionBackend:
         metadata: AttentionMetadata,
     ) -> None:
         if _on_quant_kernel(kv_cache):
+            if key.dtype not in _KERNEL_DTYPES:  # float16 models: quantized from float32 alike
+                key, value = key.float(), value.float()
             torch.ops.inflight_cpu.store_kv_quant(key, value, kv_cache, metadata.slot_mapping)
             return
         if not _on_kernel(kv_cache):
@@ -107,10 +109,12 @@ class CpuAttentionBackend:
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         if _on_quant_kernel(kv_cache):
-            out = torch.empty(query.shape, dtype=query.dtype)
+            # The kernel takes float32 or bf16 queries; a float16 model's attend in float32.
+            q = query if query.dtype in _KERNEL_DTYPES else query.float()
+            out = torch.empty(q.shape, dtype=q.dtype)
             torch.ops.inflight_cpu.paged_attention_quant(
                 out,
-                query,
+                q,
                 kv_cache,
                 metadata.query_start_loc,
                 metadata.seq_lens,
@@ -119,7 +123,7 @@ class CpuAttentionBackend:
                 sliding_window or 0,  # the op's 0: off
                 logits_soft_cap or 0.0,
             )
-            return out
+            return out.to(query.dtype)
         if not _on_kernel(kv_cache):
             return self._fallback.forward(
                 query,
