@@ -130,14 +130,14 @@ def run(
     small_pages: bool = False,
 ) -> list[Variant]:
     current_layout = CpuAttentionBackend().kv_layout(dtype, shape.head_size, torch.device("cpu"))
-    current = torch.ops.inflight_cpu.paged_attention
+    current: Callable[..., None] = torch.ops.inflight_cpu.paged_attention
     quantized = kv_quant.is_quantized(dtype)
     if quantized:  # the 8-bit cache's kernel: no max_query_len argument (every request is a decode here)
         assert cpu_kernels.load_kv_quant(), "the 8-bit cache's kernels could not be built"
         baseline, small_pages = None, False
 
-        def current(out, query, cache, starts, lens, tables, scale, _max_query_len):  # type: ignore[no-untyped-def]
-            torch.ops.inflight_cpu.paged_attention_quant(out, query, cache, starts, lens, tables, scale)
+        def current(*args: object) -> None:  # (out, query, cache, starts, lens, tables, scale, max_query_len)
+            torch.ops.inflight_cpu.paged_attention_quant(*args[:7])
 
     specs: list[tuple[str, KVLayout, Callable[..., None]]] = [("current", current_layout, current)]
     if small_pages:
