@@ -144,3 +144,17 @@ def test_cpu_kernel_window_soft_cap_and_bf16(paged_batch):
     )
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=1e-2)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_kernel_portable_copy_matches(paged_batch, dtype):
+    # The kernel's generic copy (what hosts without AVX-512 run) against the one this host picks.
+    batch = paged_batch([1, 11, 1], [30, 11, 9], 4, 2, 32, 8, torch.float32, device=CPU)
+    cache = torch.empty(KVLayout.HEAD_MAJOR.shape(batch.kv_cache.shape[1], 8, 2, 36), dtype=dtype)
+    KVLayout.HEAD_MAJOR.fill_from_token_major(cache, _quantized(batch, dtype))
+    args = (cache, batch.query_start_loc, batch.seq_lens, batch.block_tables, 32**-0.5)
+    host, portable = torch.empty_like(batch.query), torch.empty_like(batch.query)
+    torch.ops.inflight_cpu.paged_attention_quant(host, batch.query, *args)
+    torch.ops.inflight_cpu.paged_attention_quant(portable, batch.query, *args, portable=True)
+    torch.testing.assert_close(portable, host, **KERNEL_TOL)

@@ -117,8 +117,9 @@ namespace generic {
 
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
 
-RowsFn rows_fn(int64_t chunks, bool fp8) {
-  if (kHasAvx512) return fp8 ? avx512::rows_fn<true>(chunks) : avx512::rows_fn<false>(chunks);
+// portable: the generic copy even on an AVX-512 host (what tests compare the two with).
+RowsFn rows_fn(int64_t chunks, bool fp8, bool portable) {
+  if (kHasAvx512 && !portable) return fp8 ? avx512::rows_fn<true>(chunks) : avx512::rows_fn<false>(chunks);
   return fp8 ? generic::rows_fn<true>(chunks) : generic::rows_fn<false>(chunks);
 }
 
@@ -164,7 +165,7 @@ void check_cache(const at::Tensor& kv_cache) {
 void paged_attention_quant(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                            const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
                            const at::Tensor& block_tables, double scale, int64_t sliding_window,
-                           double logits_soft_cap) {
+                           double logits_soft_cap, bool portable) {
   check_cache(kv_cache);
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3, "query and out must be [T, Hq, D]");
   TORCH_CHECK(query.scalar_type() == out.scalar_type() &&
@@ -185,7 +186,7 @@ void paged_attention_quant(at::Tensor out, const at::Tensor& query, const at::Te
   g.row_bytes = kv_cache.size(4);
   g.head_size = g.row_bytes - kScaleBytes;
   TORCH_CHECK(query.size(2) == g.head_size, "query head size differs from the cache's");
-  TORCH_CHECK(rows_fn(g.head_size / kLanes, false) != nullptr, "head size must be 16, 32, 64, 80, 96, 128 or 256");
+  TORCH_CHECK(rows_fn(g.head_size / kLanes, false, false) != nullptr, "head size must be 16, 32, 64, 80, 96, 128 or 256");
   g.block_size = kv_cache.size(3);
   TORCH_CHECK((g.block_size & (g.block_size - 1)) == 0, "block_size must be a power of two");
   g.block_shift = __builtin_ctzll(static_cast<unsigned long long>(g.block_size));
@@ -221,7 +222,7 @@ void paged_attention_quant(at::Tensor out, const at::Tensor& query, const at::Te
   std::atomic<int64_t> next{0};
   const uint8_t* cache = static_cast<const uint8_t*>(kv_cache.data_ptr());
   const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const RowsFn fn = rows_fn(g.head_size / kLanes, g.fp8);
+  const RowsFn fn = rows_fn(g.head_size / kLanes, g.fp8, portable);
   dispatch(query.scalar_type(), [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* q = query.data_ptr<scalar_t>();
@@ -293,7 +294,8 @@ void store_kv_quant(const at::Tensor& key, const at::Tensor& value, at::Tensor k
 
 TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
   m.def("paged_attention_quant(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor query_start_loc, "
-        "Tensor seq_lens, Tensor block_tables, float scale, int sliding_window=0, float logits_soft_cap=0.0) -> ()");
+        "Tensor seq_lens, Tensor block_tables, float scale, int sliding_window=0, float logits_soft_cap=0.0, "
+        "bool portable=False) -> ()");
   m.def("store_kv_quant(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
 }
 
