@@ -12,6 +12,7 @@ python -m bench host      how steady this host's speed is (bench/host_drift.py)
 python -m bench policies  the scheduling policies measured on the real engine (bench/policy_bench.py)
 python -m bench validate  plan validate with repeats, host drift or the service path (bench/plan_validate.py)
 python -m bench core-cpu  the engine core process's CPU per generated token (bench/core_cpu.py)
+python -m bench kv-dtype  accuracy of the 8-bit KV caches on the shipped model (bench/kv_dtype.py)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import core_cpu, experiment, host_drift, peers, plan_validate, policy_bench, sweep
+from bench import core_cpu, experiment, host_drift, kv_dtype, peers, plan_validate, policy_bench, sweep
 
 
 def _trace_command(args: argparse.Namespace) -> int:
@@ -69,6 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     core_cpu.add_arguments(
         sub.add_parser("core-cpu", help="the engine core process's CPU per generated token")
     )
+    kv_dtype.add_arguments(
+        sub.add_parser(
+            "kv-dtype", help="accuracy of the int8 / fp8_e4m3 KV caches on the shipped model and text"
+        )
+    )
     return p
 
 
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_validate.main(args)
     if args.command == "core-cpu":
         return core_cpu.main(args)
+    if args.command == "kv-dtype":
+        return kv_dtype.main(args)
     return _trace_command(args)
 
 

@@ -3,7 +3,8 @@
     python -m bench.cpu_attention_bench [--baseline REV] [--seqs 64] [--context 300] [--threads 1]
 
 A decode step of --seqs requests with --context cached tokens each, at SmolLM2-135M's attention
-shape (9 query / 3 kv heads, head 64, block 16), in float32 and bf16. There is one cache per layer
+shape (9 query / 3 kv heads, head 64, block 16), in float32 and bf16 (``--dtypes`` adds the 8-bit
+caches, int8 and fp8_e4m3, read by their own kernel with a float32 query). There is one cache per layer
 (--layers, 30 as in the model), blocks shuffled as a long-running pool fragments them, and each timed
 sweep calls every layer once: the K/V then comes from memory, as in a real step, not from a
 last-level cache holding the one layer a loop would repeat. Printed: one layer's call (median over
@@ -39,6 +40,7 @@ from bench.run_support import run_cpu_kernel_bench
 from engine.attention.backend import KVLayout
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.kernels import cpu as cpu_kernels
+from engine.kernels import kv_quant
 from engine.paths import cpu_ext_root
 from engine.platform import memory
 
@@ -104,12 +106,16 @@ def make_caches(
     dims = (num_blocks, shape.block_size, shape.num_kv_heads, shape.head_size)
     caches: list[list[torch.Tensor]] = [[] for _ in layouts]
     for _ in range(layers):
-        token_major = torch.randn((2, *dims), generator=gen).to(dtype)
+        token_major = torch.randn((2, *dims), generator=gen)
+        # An 8-bit cache's rows are D codes and a scale (engine/kernels/kv_quant.py).
+        token_major = kv_quant.quantize(token_major, dtype) if kv_quant.is_quantized(dtype) else token_major
+        token_major = token_major.to(dtype)
+        cache_dims = (*dims[:3], token_major.shape[-1])
         for i, layout in enumerate(layouts):
             if small_pages is not None and small_pages[i]:
-                cache = torch.empty(layout.shape(*dims), dtype=dtype)
+                cache = torch.empty(layout.shape(*cache_dims), dtype=dtype)
             else:
-                cache = memory.huge_page_zeros(layout.shape(*dims), dtype)
+                cache = memory.huge_page_zeros(layout.shape(*cache_dims), dtype)
             layout.fill_from_token_major(cache, token_major)
             caches[i].append(cache)
     return caches, tables.to(torch.int32)
@@ -124,7 +130,15 @@ def run(
     small_pages: bool = False,
 ) -> list[Variant]:
     current_layout = CpuAttentionBackend().kv_layout(dtype, shape.head_size, torch.device("cpu"))
-    current = torch.ops.inflight_cpu.paged_attention
+    current: Callable[..., None] = torch.ops.inflight_cpu.paged_attention
+    quantized = kv_quant.is_quantized(dtype)
+    if quantized:  # the 8-bit cache's kernel: no max_query_len argument (every request is a decode here)
+        assert cpu_kernels.load_kv_quant(), "the 8-bit cache's kernels could not be built"
+        baseline, small_pages = None, False
+
+        def current(*args: object) -> None:  # (out, query, cache, starts, lens, tables, scale, max_query_len)
+            torch.ops.inflight_cpu.paged_attention_quant(*args[:7])
+
     specs: list[tuple[str, KVLayout, Callable[..., None]]] = [("current", current_layout, current)]
     if small_pages:
         specs.insert(0, ("4k-pages", current_layout, current))
@@ -139,7 +153,8 @@ def run(
     )
     variants = [Variant(n, layout, op, c, []) for (n, layout, op), c in zip(specs, caches, strict=True)]
     gen = torch.Generator().manual_seed(1)
-    query = torch.randn((shape.seqs, shape.num_heads, shape.head_size), generator=gen).to(dtype)
+    query = torch.randn((shape.seqs, shape.num_heads, shape.head_size), generator=gen)
+    query = query if quantized else query.to(dtype)
     starts = torch.arange(shape.seqs + 1, dtype=torch.int32)
     seq_lens = torch.full((shape.seqs,), shape.context, dtype=torch.int32)
     scale = shape.head_size**-0.5
@@ -167,8 +182,8 @@ def run(
 
 
 def kv_bytes(shape: Shape, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * shape.seqs * shape.context * shape.num_kv_heads * shape.head_size * elem
+    per_head = kv_quant.bytes_per_token_head(dtype, shape.head_size)
+    return 2 * shape.seqs * shape.context * shape.num_kv_heads * per_head
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweeps", type=int, default=25, help="timed sweeps per variant and dtype")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (the kernel's workers)")
     parser.add_argument(
-        "--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"]
+        "--dtypes",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float32", "bfloat16", *kv_quant.KV_CACHE_DTYPES],
     )
     parser.add_argument("--baseline", metavar="REV", help="also time the kernel of this git revision")
     parser.add_argument(
@@ -210,7 +228,7 @@ def report(args: argparse.Namespace) -> None:
     )
     print(f"{'dtype':<9} {'kernel':<9} {'layout':<12} {'us/layer':>9} {'GB/s':>6} {'vs first':>11}")
     for name in args.dtypes:
-        dtype = getattr(torch, name)
+        dtype = kv_quant.KV_CACHE_DTYPES.get(name) or getattr(torch, name)
         variants = run(shape, dtype, args.layers, args.sweeps, baseline, args.small_pages)
         for v in variants:
             median = statistics.median(v.seconds)

@@ -210,6 +210,10 @@ class EngineArgs:
     # Q4_K, Q5_K, Q6_K), an HF checkpoint is read as stored; gguf: the same, refused for anything but a
     # .gguf file; none: every weight dequantised to dtype (a GGUF's float copy in the model cache).
     quantization: Literal["auto", "gguf", "none"] = "auto"
+    # auto: K/V cached in dtype; int8 or fp8_e4m3: one byte per value plus a float32 scale per token and
+    # kv head (engine/kernels/kv_quant.py), a quarter of float32's bytes or about half of bf16's, so
+    # about twice the tokens in the same memory (fp8_e4m3 on GPUs needs compute capability 8.9+).
+    kv_cache_dtype: Literal["auto", "int8", "fp8_e4m3"] = "auto"
     # Requests the waiting queue may hold; one more raises EngineQueueFull. None: unbounded (a worker
     # bounds what it fetches instead, INFLIGHT_FETCH_MAX_WAITING, and leaves this unset).
     max_waiting: int | None = None
@@ -264,6 +268,10 @@ class EngineArgs:
                 f"unsupported quantization {self.quantization!r}; inflight serves auto, gguf (a .gguf file's "
                 "block formats kept) and none"
             )
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError(
+                f"unsupported kv_cache_dtype {self.kv_cache_dtype!r}; use auto, int8 or fp8_e4m3"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
 
@@ -313,6 +321,9 @@ class EngineConfig:
     # "gguf": the linear layers multiply the GGUF file's blocks as stored; None: float weights.
     quantization: str | None = None
     grammar_compile_timeout_s: float | None = None  # EngineArgs'; None: in process, unbounded
+    # The KV cache's storage dtype: dtype itself, or torch.int8 / torch.float8_e4m3fn for the 8-bit
+    # formats (engine/kernels/kv_quant.py).
+    kv_cache_dtype: torch.dtype = torch.float32
 
     def with_device(self, device: torch.device) -> EngineConfig:
         """This config on another device (a tensor-parallel rank's own GPU)."""
@@ -406,7 +417,32 @@ class EngineConfig:
             tensor_parallel_size=args.tensor_parallel_size,
             quantization=_quantization(args),
             grammar_compile_timeout_s=args.grammar_compile_timeout_s,
+            kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, dtype, model.head_dim, attn, device),
         )
+
+
+def _kv_cache_dtype(
+    name: str, dtype: torch.dtype, head_size: int, backend: str, device: torch.device
+) -> torch.dtype:
+    """``EngineArgs.kv_cache_dtype`` resolved: the cache's storage dtype, or a ValueError saying why
+    this model, backend or device cannot keep it."""
+    from engine.kernels import kv_quant
+
+    if name == "auto":
+        return dtype
+    cache_dtype = kv_quant.KV_CACHE_DTYPES[name]
+    if head_size % 4:
+        raise ValueError(
+            f"kv_cache_dtype={name!r} needs a head size that is a multiple of 4, not {head_size}"
+        )
+    if cache_dtype == torch.float8_e4m3fn and backend == "triton" and device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ValueError(
+                f"kv_cache_dtype='fp8_e4m3' needs a GPU with fp8 conversions (compute capability 8.9+, "
+                f"e.g. L4, H100); this one is {capability[0]}.{capability[1]}: use kv_cache_dtype='int8'"
+            )
+    return cache_dtype
 
 
 def _quantization(args: EngineArgs) -> str | None:

@@ -14,6 +14,11 @@ consecutive keys, which it scores without horizontal sums) for the shapes the ke
 others (float16 caches, head sizes that are not a multiple of 16) it is token-major and everything
 goes through the torch backend, so this backend serves any model the engine loads and the fallback
 only ever sees the layout it knows.
+
+An 8-bit cache (``kv_cache_dtype`` int8 / fp8_e4m3, engine/kernels/kv_quant.py) is head-major
+(``KVLayout.HEAD_MAJOR``: rows of D codes and a scale, a kv head's rows of a block contiguous) and goes
+through its own kernels (engine/kernels/cpu/kv_quant.cpp), prefill chunks included; where they cannot
+build, or the head size is not a multiple of 16, it is token-major and the torch backend reads it.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from engine.attention import cpu_prefill
 from engine.attention.backend import AttentionMetadata, KVLayout
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.kernels import cpu as cpu_kernels
+from engine.kernels import kv_quant
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 PREFILL_SDPA_MIN = 32  # query tokens from which a request's chunk may go to SDPA
@@ -34,8 +40,22 @@ def kernel_supports(dtype: torch.dtype, head_size: int, device: torch.device) ->
     return device.type == "cpu" and dtype in _KERNEL_DTYPES and head_size % 16 == 0 and head_size <= 256
 
 
+def quant_kernel_supports(dtype: torch.dtype, head_size: int, device: torch.device) -> bool:
+    """Whether the 8-bit cache's C++ kernels take a cache of this dtype and head size (HEAD_MAJOR, then)."""
+    return (
+        device.type == "cpu"
+        and kv_quant.is_quantized(dtype)
+        and head_size % 16 == 0
+        and cpu_kernels.load_kv_quant()
+    )
+
+
 def _on_kernel(kv_cache: torch.Tensor) -> bool:
     return kernel_supports(kv_cache.dtype, kv_cache.shape[-1], kv_cache.device)
+
+
+def _on_quant_kernel(kv_cache: torch.Tensor) -> bool:
+    return quant_kernel_supports(kv_cache.dtype, kv_quant.head_size_of(kv_cache), kv_cache.device)
 
 
 class CpuAttentionBackend:
@@ -55,6 +75,8 @@ class CpuAttentionBackend:
         return cpu_prefill.choose(cpu_prefill.PrefillShape(num_heads, num_kv_heads, head_size, dtype)).route
 
     def kv_layout(self, dtype: torch.dtype, head_size: int, device: torch.device) -> KVLayout:
+        if quant_kernel_supports(dtype, head_size, device):
+            return KVLayout.HEAD_MAJOR
         return KVLayout.HEAD_MAJOR_KT if kernel_supports(dtype, head_size, device) else KVLayout.TOKEN_MAJOR
 
     def store_kv(
@@ -64,6 +86,11 @@ class CpuAttentionBackend:
         kv_cache: torch.Tensor,  # HEAD_MAJOR_KT, else token-major
         metadata: AttentionMetadata,
     ) -> None:
+        if _on_quant_kernel(kv_cache):
+            if key.dtype not in _KERNEL_DTYPES:  # float16 models: quantized from float32 alike
+                key, value = key.float(), value.float()
+            torch.ops.inflight_cpu.store_kv_quant(key, value, kv_cache, metadata.slot_mapping)
+            return
         if not _on_kernel(kv_cache):
             self._fallback.store_kv(key, value, kv_cache, metadata)
             return
@@ -81,6 +108,22 @@ class CpuAttentionBackend:
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
+        if _on_quant_kernel(kv_cache):
+            # The kernel takes float32 or bf16 queries; a float16 model's attend in float32.
+            q = query if query.dtype in _KERNEL_DTYPES else query.float()
+            out = torch.empty(q.shape, dtype=q.dtype)
+            torch.ops.inflight_cpu.paged_attention_quant(
+                out,
+                q,
+                kv_cache,
+                metadata.query_start_loc,
+                metadata.seq_lens,
+                metadata.block_tables,
+                scale,
+                sliding_window or 0,  # the op's 0: off
+                logits_soft_cap or 0.0,
+            )
+            return out.to(query.dtype)
         if not _on_kernel(kv_cache):
             return self._fallback.forward(
                 query,

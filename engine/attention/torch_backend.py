@@ -8,6 +8,9 @@ time through SDPA, so nothing is padded to the longest prompt. Softmax is in flo
 A sliding window gathers each request's keys from the block of its first query's window start on (a
 decode: of its own window start), so blocks before it are never read; a soft cap, which SDPA does
 not take, runs the same masks through an explicit matmul and softmax.
+
+An 8-bit cache (``engine/kernels/kv_quant.py``) is quantized row by row on store and dequantized to
+float32 right after each gather, so only the rows a step reads are expanded.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionMetadata, KVLayout
-from engine.kernels import reference
+from engine.kernels import kv_quant, reference
 from engine.kernels.reference import window_start
 
 
@@ -145,7 +148,8 @@ class TorchAttentionBackend:
         group = num_heads // num_kv_heads
         # Keys from the first query's window start: N = seq_len - first, key j at position first + j.
         first = window_start(seq_len - num_queries, sliding_window)
-        key, value = reference.gather_kv(kv_cache, block_table, seq_len, first)  # [N, Hkv, D] each
+        key, value = reference.gather_kv(kv_cache, block_table, seq_len, first)  # [N, Hkv, D(+4)] each
+        key, value = kv_quant.dequantize(key), kv_quant.dequantize(value)  # [N, Hkv, D] float32
         # Fold the GQA group into the query rows, so K/V are shared without repeating them:
         # [L, Hkv, G, D] -> [1, Hkv, G * L, D], row g * L + i is head g of query token i.
         q = query.float().view(num_queries, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
@@ -198,7 +202,8 @@ class TorchAttentionBackend:
         # [2, n, nb, block_size, Hkv, D] -> [2, n, L, Hkv, D] with L = nb * block_size.
         # index_select over the flat table is about twice as fast as advanced indexing on CPU.
         kv = kv_cache.index_select(1, tables.flatten())  # a fresh copy: safe to edit in place
-        kv = kv.view(2, len(rows), num_blocks * kv_cache.shape[2], num_kv_heads, head_size).float()
+        kv = kv.view(2, len(rows), num_blocks * kv_cache.shape[2], num_kv_heads, kv_cache.shape[-1])
+        kv = kv_quant.dequantize(kv)  # [2, n, L, Hkv, D] float32 (an 8-bit cache's rows expanded)
         length = kv.shape[2]
         pos = offsets[:, None] + torch.arange(length, device=device)[None, :]  # [n, L] key positions
         valid = pos < lens[:, None]

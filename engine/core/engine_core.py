@@ -67,7 +67,7 @@ class EngineCore:
         self.scheduler = scheduler_cls(config, self.kv, eos, cost=cost)
         logger.info(
             "engine: %s on %s, dtype %s, attention %s, linear layers %s, %d torch threads, %d KV blocks of "
-            "%d tokens, async scheduling %s (%s)",
+            "%d tokens (%s), async scheduling %s (%s)",
             config.model.architecture,
             config.device,
             str(config.dtype).removeprefix("torch."),
@@ -76,6 +76,7 @@ class EngineCore:
             torch.get_num_threads(),
             self.runner.num_blocks,
             config.block_size,
+            str(config.kv_cache_dtype).removeprefix("torch."),
             "on" if config.async_scheduling else "off",
             config.async_scheduling_reason,
         )

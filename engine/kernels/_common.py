@@ -7,15 +7,19 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels import kv_quant
+
 # The interpreter (TRITON_INTERPRET=1, CPU tensors) has no real device; a modest SM count keeps the
 # split-K heuristic exercised in CPU tests without exploding the grid.
 _INTERPRETER_SM_COUNT = 8
 
 
 def check_kv_cache(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int) -> None:
-    """The layout every kernel assumes: [2, num_blocks, block_size, Hkv, D], contiguous."""
+    """The layout every kernel assumes: [2, num_blocks, block_size, Hkv, D], contiguous; an 8-bit
+    cache's rows are D + 4 elements (engine/kernels/kv_quant.py)."""
     assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, f"bad kv_cache shape {tuple(kv_cache.shape)}"
-    assert kv_cache.shape[3:] == (num_kv_heads, head_size), (tuple(kv_cache.shape), num_kv_heads, head_size)
+    row = kv_quant.row_elements(kv_cache.dtype, head_size)
+    assert kv_cache.shape[3:] == (num_kv_heads, row), (tuple(kv_cache.shape), num_kv_heads, head_size)
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
     block_size = kv_cache.shape[2]
     assert block_size >= 1 and block_size & (block_size - 1) == 0, f"block_size {block_size} not a power of 2"

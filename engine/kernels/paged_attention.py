@@ -60,6 +60,10 @@ the span from that first tile to seq_len. Worked example, W 100, BLOCK_N 32, a d
 
 Soft cap (SOFT_CAP, constexpr): each scaled score s becomes cap * tanh(s / cap) before the softmax,
 tanh written with exp2 in the log2 domain the scores already live in.
+
+8-bit cache (KV_QUANT, constexpr): each K/V tile is loaded as one-byte codes and its rows' float32
+scales (engine/kernels/kv_quant.py) and multiplied out into the query's dtype before the dots, so
+the tile's bytes from memory are about half of bf16's and the arithmetic is unchanged.
 """
 
 from __future__ import annotations
@@ -70,32 +74,19 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import kv_quant
 from engine.kernels._common import DecodeConfig, check_kv_cache, is_interpreted, sm_count
+from engine.kernels.split_k import (
+    MAX_SPLITS,
+    MIN_PARTITION,
+    SPLIT_CHOICES,
+    choose_num_splits,
+    merge_splits_kernel,
+    request_splits,
+    window_base,
+)
 
-# A partition shorter than this spends more on the merge than it gains in parallelism.
-_MIN_PARTITION = 256
-# Enough programs in flight per SM that K/V loads of one hide the latency of another.
-_PROGRAMS_PER_SM = 4
-# The merge holds every partition's [D] partial in registers.
-_MAX_SPLITS = 32
-# The heuristic's split counts: powers of two, so a server compiles (and warms up) six variants.
-SPLIT_CHOICES = (1, 2, 4, 8, 16, 32)
-
-
-@triton.jit
-def _request_splits(seq_len, min_partition, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(used splits, partition length) of one request: partitions of at least min_partition
-    positions, at most NUM_SPLITS of them, each a multiple of BLOCK_N; none starts past seq_len."""
-    wanted = tl.maximum(1, tl.minimum(NUM_SPLITS, seq_len // min_partition))
-    partition = tl.cdiv(tl.cdiv(seq_len, wanted), BLOCK_N) * BLOCK_N
-    return tl.cdiv(seq_len, partition), partition
-
-
-@triton.jit
-def _window_base(first_pos, sliding_window, BLOCK_N: tl.constexpr):  # type: ignore[no-untyped-def]
-    """(first key any row needs, start of the BLOCK_N tile holding it) for rows from first_pos on."""
-    lo = tl.maximum(first_pos - sliding_window + 1, 0)
-    return lo, (lo // BLOCK_N) * BLOCK_N
+__all__ = ["SPLIT_CHOICES", "choose_num_splits", "default_block_n", "paged_attention"]
 
 
 @triton.jit
@@ -122,8 +113,10 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     part_max_ptr,  # [T, Hq, NUM_SPLITS] float32, running max in the log2 domain (split-K)
     part_sum_ptr,  # [T, Hq, NUM_SPLITS] float32, running sum of exponentials (split-K)
     query_ptr,  # [T, Hq, D]
-    k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_cache_ptr,  # [num_blocks, block_size, Hkv, D] (an 8-bit cache: D + 4, codes then scale)
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_scale_ptr,  # KV_QUANT: the K half's bytes as float32, a row's scale at (row offset + D) / 4
+    v_scale_ptr,  # KV_QUANT: the V half's, likewise
     query_start_loc_ptr,  # [S + 1] int32
     seq_lens_ptr,  # [S] int32
     block_tables_ptr,  # [S, max_blocks] int32
@@ -154,6 +147,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 models, which are checked against HF to 1e-5
     SLIDING: tl.constexpr = False,  # rows see only their last sliding_window positions
     SOFT_CAP: tl.constexpr = False,  # scores soft-capped at soft_cap
+    KV_QUANT: tl.constexpr = False,  # an 8-bit cache (engine/kernels/kv_quant.py): tiles dequantized
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     kv_head = tl.program_id(1) // NUM_SPLITS
@@ -198,11 +192,11 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     kv_lo = 0
     kv_base = 0
     if SLIDING:
-        kv_lo, kv_base = _window_base(num_cached + q_tile * BLOCK_Q, sliding_window, BLOCK_N)
+        kv_lo, kv_base = window_base(num_cached + q_tile * BLOCK_Q, sliding_window, BLOCK_N)
     kv_start = kv_base
     num_used = 1
     if NUM_SPLITS > 1:
-        num_used, partition = _request_splits(seq_len - kv_base, min_partition, NUM_SPLITS, BLOCK_N)
+        num_used, partition = request_splits(seq_len - kv_base, min_partition, NUM_SPLITS, BLOCK_N)
         kv_start = kv_base + split * partition
         kv_stop = tl.minimum(kv_stop, kv_start + partition)
     if split >= num_used:  # this request's context is too short to need this partition
@@ -224,6 +218,12 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         kv_mask = n_valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            # Codes times their row's scale, in the query's dtype: the dots then run as for a float cache.
+            k_s = tl.load(k_scale_ptr + (kv_off + HEAD_SIZE) // 4, mask=n_valid, other=0.0)
+            v_s = tl.load(v_scale_ptr + (kv_off + HEAD_SIZE) // 4, mask=n_valid, other=0.0)
+            k = (k.to(tl.float32) * k_s[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_s[:, None]).to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -261,72 +261,6 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         tl.store(a_ptrs, acc, mask=row_valid[:, None] & d_mask[None, :])
 
 
-@triton.jit
-def _merge_splits_kernel(  # type: ignore[no-untyped-def]
-    out_ptr,  # [T, Hq, D]
-    part_acc_ptr,  # [T, Hq, NUM_SPLITS, D] float32
-    part_max_ptr,  # [T, Hq, NUM_SPLITS] float32
-    part_sum_ptr,  # [T, Hq, NUM_SPLITS] float32
-    query_start_loc_ptr,  # [S + 1] int32
-    seq_lens_ptr,  # [S] int32
-    min_partition,
-    sliding_window,
-    stride_ot,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    HEAD_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    SLIDING: tl.constexpr = False,
-):
-    # One program per (request, query head); split-K runs on decode-only steps: one token each.
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    if tl.load(query_start_loc_ptr + seq + 1) == q_start:  # a request with nothing scheduled
-        return
-    seq_len = tl.load(seq_lens_ptr + seq)
-    kv_base = 0
-    if SLIDING:  # the span the attention kernel cut into partitions
-        _, kv_base = _window_base(seq_len - 1, sliding_window, BLOCK_N)
-    num_used, _ = _request_splits(seq_len - kv_base, min_partition, NUM_SPLITS, BLOCK_N)
-    if num_used == 1:  # the attention kernel wrote the final output itself
-        return
-    token = q_start.to(tl.int64)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_used  # only the partitions this request used were written
-    row = (token * NUM_HEADS + head) * NUM_SPLITS + offs_s  # [SPLITS_PAD]
-    m = tl.load(part_max_ptr + row, mask=s_mask, other=float("-inf"))
-    l_part = tl.load(part_sum_ptr + row, mask=s_mask, other=0.0)
-    m_all = tl.max(m, axis=0)
-    m_ref = tl.where(m_all == float("-inf"), 0.0, m_all)
-    w = tl.math.exp2(m - m_ref)  # rescales each partition to the global max
-    a_mask = s_mask[:, None] & (offs_d[None, :] < HEAD_SIZE)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_SIZE + offs_d[None, :], mask=a_mask, other=0.0)
-    total = tl.sum(w * l_part, axis=0)
-    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        out_ptr + token * stride_ot + head * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_SIZE,
-    )
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """The most splits a request may use: split-K only when the plain grid (one program per request
-    and kv head) leaves SMs idle, and every partition stays long."""
-    programs = num_seqs * num_kv_heads
-    if programs >= num_sms:  # every SM already has a program; a merge would only add work
-        return 1
-    wanted = min(
-        triton.cdiv(_PROGRAMS_PER_SM * num_sms, programs), max_seq_len // _MIN_PARTITION, _MAX_SPLITS
-    )
-    return 1 << (wanted.bit_length() - 1) if wanted > 1 else 1  # rounded down to SPLIT_CHOICES
-
-
 def default_block_n(tile_bytes: int) -> int:
     """KV positions per iteration for a [BLOCK_D] row of tile_bytes: K and V tiles stay in shared memory."""
     return 64 if tile_bytes <= 256 else (32 if tile_bytes <= 512 else 16)
@@ -334,7 +268,7 @@ def default_block_n(tile_bytes: int) -> int:
 
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, D]
-    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]; 8-bit: [..., D + 4] (kv_quant.py)
     query_start_loc: torch.Tensor,  # [S + 1] int32
     seq_lens: torch.Tensor,  # [S] int32
     block_tables: torch.Tensor,  # [S, max_blocks] int32
@@ -354,7 +288,8 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads over {num_kv_heads} kv heads"
     assert query.stride(2) == 1, "head_size dimension of query must be contiguous"
-    assert query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
+    kv_quantized = kv_quant.is_quantized(kv_cache.dtype)
+    assert kv_quantized or query.dtype == kv_cache.dtype, (query.dtype, kv_cache.dtype)
     assert query_start_loc.shape == (num_seqs + 1,) and query_start_loc.dtype == torch.int32
     assert seq_lens.dtype == torch.int32
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.dtype == torch.int32
@@ -385,7 +320,7 @@ def paged_attention(
     block_n = config.block_n or default_block_n(tile_bytes)
 
     splits = 1
-    min_partition = _MIN_PARTITION
+    min_partition = MIN_PARTITION
     if decode_only:
         if num_splits is None:
             span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_n)
@@ -393,7 +328,7 @@ def paged_attention(
         else:
             # A forced count is honoured down to one BLOCK_N tile per partition (tests use it).
             min_partition = block_n
-            splits = max(1, min(num_splits, _MAX_SPLITS, triton.cdiv(max_seq_len, block_n)))
+            splits = max(1, min(num_splits, MAX_SPLITS, triton.cdiv(max_seq_len, block_n)))
 
     if splits > 1:
         part_acc = torch.empty(
@@ -404,6 +339,10 @@ def paged_attention(
     else:
         part_acc = part_max = part_sum = out  # unused by the kernel when NUM_SPLITS == 1
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    # An 8-bit cache's scales are read through float32 views of the same bytes (rows of D + 4 bytes,
+    # D a multiple of 4, keep every scale aligned).
+    k_scales = k_cache.view(torch.float32) if kv_quantized else k_cache
+    v_scales = v_cache.view(torch.float32) if kv_quantized else v_cache
 
     def launch(grid: tuple[int, int], block_m: int, n: int, num_splits: int, flat: bool, **opts: int) -> None:
         _paged_attention_kernel[grid](
@@ -414,6 +353,8 @@ def paged_attention(
             query,
             k_cache,
             v_cache,
+            k_scales,
+            v_scales,
             query_start_loc,
             seq_lens,
             block_tables,
@@ -444,6 +385,7 @@ def paged_attention(
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             SLIDING=sliding_window is not None,
             SOFT_CAP=logits_soft_cap is not None,
+            KV_QUANT=kv_quantized,
             **opts,
         )
 
@@ -467,7 +409,7 @@ def paged_attention(
         opts["num_stages"] = config.num_stages
     launch((num_seqs, num_kv_heads * splits), max(16, group_pad), block_n, splits, False, **opts)
     if splits > 1:
-        _merge_splits_kernel[(num_seqs, num_heads)](
+        merge_splits_kernel[(num_seqs, num_heads)](
             out,
             part_acc,
             part_max,

@@ -2,14 +2,17 @@
 
 Written for clarity, not speed (the CPU attention backend has its own faster paths). Shapes use
 T = tokens in the step, S = requests, Hq / Hkv = query / key-value heads, D = head size,
-I = MLP intermediate size. The paged cache is token-major, ``[2, num_blocks, block_size, Hkv, D]``; a
-cache in another layout is read through its token-major contents (``KVLayout.to_token_major``). The
-layouts and the packed-step metadata are described in ``engine/attention/backend.py``.
+I = MLP intermediate size. The paged cache is token-major, ``[2, num_blocks, block_size, Hkv, D]``
+(an 8-bit cache's rows are D + 4 elements, codes then scale: ``engine/kernels/kv_quant.py``); a cache
+in another layout is read through its token-major contents (``KVLayout.to_token_major``). The layouts
+and the packed-step metadata are described in ``engine/attention/backend.py``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from engine.kernels import kv_quant
 
 
 def store_kvcache(
@@ -18,13 +21,14 @@ def store_kvcache(
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]; 0: K, 1: V
     slot_mapping: torch.Tensor,  # [T] int64, block_id * block_size + offset; -1: padding, skipped
 ) -> None:
-    """Writes each token's K/V into its cache slot, in place."""
-    num_kv_heads, head_size = kv_cache.shape[-2:]
+    """Writes each token's K/V into its cache slot, in place; an 8-bit cache quantizes each row."""
+    num_kv_heads, row = kv_cache.shape[-2:]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     # A flat view over (block, offset) makes the slot number a plain row index.
-    kv_cache[0].view(-1, num_kv_heads, head_size)[slots] = key[keep].to(kv_cache.dtype)
-    kv_cache[1].view(-1, num_kv_heads, head_size)[slots] = value[keep].to(kv_cache.dtype)
+    for half, x in enumerate((key[keep], value[keep])):
+        rows = kv_quant.quantize(x, kv_cache.dtype) if kv_quant.is_quantized(kv_cache.dtype) else x
+        kv_cache[half].view(-1, num_kv_heads, row)[slots] = rows.to(kv_cache.dtype)
 
 
 def gather_kv(
@@ -33,8 +37,8 @@ def gather_kv(
     seq_len: int,
     start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # K, V: [seq_len - start, Hkv, D] each
-    """One request's cached positions ``start .. seq_len - 1``, in position order; blocks wholly
-    before ``start`` are not read.
+    """One request's cached rows at positions ``start .. seq_len - 1``, in position order, as stored
+    (``kv_quant.dequantize`` gives an 8-bit cache's values); blocks wholly before ``start`` are not read.
 
     Example, block_size 4, start 6, seq_len 11: blocks 1 and 2 of the table are read (positions 4..11),
     then the first 2 and the last 1 positions trimmed.
@@ -115,7 +119,7 @@ def paged_attention(
         if q_end == q_start:
             continue
         first = window_start(seq_len - (q_end - q_start), sliding_window)
-        k, v = gather_kv(kv_cache, block_tables[r], seq_len, first)
+        k, v = (kv_quant.dequantize(x) for x in gather_kv(kv_cache, block_tables[r], seq_len, first))
         # Positions relative to ``first``: causality and the window only compare differences.
         o = causal_attention(query[q_start:q_end], k, v, scale, sliding_window, logits_soft_cap)
         out[q_start:q_end] = o.to(query.dtype)

@@ -22,6 +22,7 @@ import itertools
 
 import torch
 
+from engine.kernels import kv_quant
 from engine.kernels.paged_attention import SPLIT_CHOICES, paged_attention
 from engine.kernels.sampling import sample
 
@@ -34,12 +35,15 @@ def warm_up(
     dtype: torch.dtype,
     vocab_size: int,
     device: torch.device,
+    kv_cache_dtype: torch.dtype | None = None,  # None: dtype; an 8-bit cache compiles its own variants
 ) -> list[str]:
     """Launches every variant once; returns what it launched (one line each)."""
     launched: list[str] = []
     prefill_len = 128  # long enough for BLOCK_M 128 whatever the GQA group
     num_blocks = -(-prefill_len // block_size)
-    kv_cache = torch.zeros((2, num_blocks, block_size, num_kv_heads, head_size), dtype=dtype, device=device)
+    cache_dtype = kv_cache_dtype or dtype
+    row = kv_quant.row_elements(cache_dtype, head_size)
+    kv_cache = torch.zeros((2, num_blocks, block_size, num_kv_heads, row), dtype=cache_dtype, device=device)
     q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
     qkv = torch.zeros((prefill_len, q_size + 2 * kv_size), dtype=dtype, device=device)
     query = qkv[:, :q_size].view(prefill_len, num_heads, head_size)

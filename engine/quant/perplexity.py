@@ -10,6 +10,7 @@ Perplexity = exp(mean over positions 1..T-1 of -log p(token | the tokens before 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,10 @@ import torch.nn.functional as F
 from engine.quant.gguf_weights import Weight, embedding_rows, read_gguf_weights
 from engine.quant.linear import quant_linear
 from engine.quant.weight import QuantizedWeight
+
+# (layer index, q [T, Hq, D] rotated, k [T, Hkv, D] rotated, v [T, Hkv, D]) -> [T, Hq, D]: causal
+# attention of the T positions; None: SDPA on the tensors as they are (no KV cache).
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -65,8 +70,11 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 @torch.inference_mode()
-def llama_logits(weights: dict[str, Weight], shape: LlamaShape, token_ids: torch.Tensor) -> torch.Tensor:
-    """[T, vocab] float32 logits of a causal Llama over ``token_ids`` [T]."""
+def llama_logits(
+    weights: dict[str, Weight], shape: LlamaShape, token_ids: torch.Tensor, attend: Attend | None = None
+) -> torch.Tensor:
+    """[T, vocab] float32 logits of a causal Llama over ``token_ids`` [T]; ``attend`` replaces the
+    attention (bench/kv_dtype.py passes the engine's backends over a paged cache)."""
     embed = weights["model.embed_tokens.weight"]
     x = embedding_rows(embed, token_ids) if isinstance(embed, QuantizedWeight) else embed[token_ids]
     num_tokens, d = token_ids.shape[0], shape.head_dim
@@ -80,15 +88,16 @@ def llama_logits(weights: dict[str, Weight], shape: LlamaShape, token_ids: torch
         k = _linear(h, weights[layer + "self_attn.k_proj.weight"]).view(num_tokens, shape.num_kv_heads, d)
         v = _linear(h, weights[layer + "self_attn.v_proj.weight"]).view(num_tokens, shape.num_kv_heads, d)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        group = shape.num_heads // shape.num_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        # [H, T, D] each; causal: position t sees 0..t.
-        attn = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
-        )
-        x = x + _linear(
-            attn.transpose(0, 1).reshape(num_tokens, -1), weights[layer + "self_attn.o_proj.weight"]
-        )
+        if attend is not None:
+            attn = attend(i, q, k, v)  # [T, H, D]
+        else:
+            group = shape.num_heads // shape.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            # [H, T, D] each; causal: position t sees 0..t.
+            attn = F.scaled_dot_product_attention(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+            ).transpose(0, 1)
+        x = x + _linear(attn.reshape(num_tokens, -1), weights[layer + "self_attn.o_proj.weight"])
         h = _rms_norm(x, weights[layer + "post_attention_layernorm.weight"], shape.rms_norm_eps)
         gate = _linear(h, weights[layer + "mlp.gate_proj.weight"])
         up = _linear(h, weights[layer + "mlp.up_proj.weight"])

@@ -18,6 +18,7 @@ import torch
 from engine.attention.backend import AttentionMetadata, get_attention_backend
 from engine.config import EngineConfig
 from engine.distributed.parallel_state import SINGLE, TensorParallel
+from engine.kernels import kv_quant
 from engine.kv_cache.manager import cdiv
 from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
@@ -121,9 +122,12 @@ class ModelRunner:
         # Each rank sizes its cache from its own memory; the one scheduler uses the smallest.
         self.num_blocks = tp.agree_min(self._decide_num_blocks())
         # The backend picks the layout its kernels read (engine/attention/backend.py, KVLayout).
-        self.kv_layout = self.backend.kv_layout(config.dtype, mc.head_dim, self.device)
-        self.backend.prepare(self.model.num_heads, self.model.num_kv_heads, mc.head_dim, config.dtype)
-        shape = self.kv_layout.shape(self.num_blocks, config.block_size, self.model.num_kv_heads, mc.head_dim)
+        # An 8-bit cache's rows carry their scale: D + 4 elements (engine/kernels/kv_quant.py).
+        kv_dtype = config.kv_cache_dtype
+        self.kv_layout = self.backend.kv_layout(kv_dtype, mc.head_dim, self.device)
+        self.backend.prepare(self.model.num_heads, self.model.num_kv_heads, mc.head_dim, kv_dtype)
+        row = kv_quant.row_elements(kv_dtype, mc.head_dim)
+        shape = self.kv_layout.shape(self.num_blocks, config.block_size, self.model.num_kv_heads, row)
         self.kv_caches = [self._kv_cache(shape) for _ in range(mc.num_hidden_layers)]
         self.max_blocks_per_req = cdiv(config.max_model_len, config.block_size)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, self.max_blocks_per_req)
@@ -142,6 +146,7 @@ class ModelRunner:
                 config.dtype,
                 mc.vocab_size,
                 self.device,
+                config.kv_cache_dtype,
             )
         # Async scheduling: steps run behind the engine thread (a worker thread on CPU, the stream on CUDA).
         self.overlap = StepOverlap(self) if config.async_scheduling and tp.rank == 0 else None
@@ -187,15 +192,15 @@ class ModelRunner:
     def _kv_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self.device.type == "cpu":
             # Blocks are read scattered over the cache: 2 MiB pages spare a TLB miss per block.
-            return memory.huge_page_zeros(shape, self.config.dtype)
-        return torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+            return memory.huge_page_zeros(shape, self.config.kv_cache_dtype)
+        return torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
 
     # ---- KV cache sizing -------------------------------------------------------------------
     def bytes_per_block(self) -> int:
         mc = self.config.model
-        elem = torch.empty((), dtype=self.config.dtype).element_size()
+        per_head = kv_quant.bytes_per_token_head(self.config.kv_cache_dtype, mc.head_dim)
         kv_heads = self.model.num_kv_heads  # this rank's
-        return 2 * mc.num_hidden_layers * self.config.block_size * kv_heads * mc.head_dim * elem
+        return 2 * mc.num_hidden_layers * self.config.block_size * kv_heads * per_head
 
     def _decide_num_blocks(self) -> int:
         cfg = self.config

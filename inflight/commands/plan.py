@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--model", default=None, help="checkpoint (default: the bench preset)")
     cal.add_argument("--out", required=True, help="where to write the cost model (JSON)")
     cal.add_argument("--dtype", default="auto")
+    cal.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "int8", "fp8_e4m3"),
+        help="the engine's kv_cache_dtype",
+    )
     cal.add_argument("--threads", type=int, default=0, help="intra-op threads (0: torch's default)")
     cal.add_argument("--max-num-seqs", type=int, default=64)
     cal.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -76,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pre.add_argument("--max-num-batched-tokens", type=int, default=8192)
     pre.add_argument("--max-model-len", type=int, default=8192)
     pre.add_argument("--block-size", type=int, default=16)
+    pre.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "int8", "fp8_e4m3"),
+        help="the KV cache's format: auto (bf16), or int8 / fp8_e4m3 (a byte a value plus a scale a row)",
+    )
     pre.add_argument("--mbu", type=float, default=None, help="share of peak HBM bandwidth (default 0.8)")
     pre.add_argument("--mfu", type=float, default=None, help="share of peak bf16 FLOP/s (default 0.5)")
     pre.add_argument("--gpu-memory-utilization", type=float, default=None, help="(default 0.9)")
@@ -204,6 +216,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     engine_args = dict(
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,

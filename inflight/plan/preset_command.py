@@ -36,14 +36,15 @@ def run_from_args(args: argparse.Namespace) -> int:
         settings = presets.EngineLimits(
             args.max_num_seqs, args.max_num_batched_tokens, args.max_model_len, args.block_size
         )
-        cost = presets.build(args.gpu, args.model, settings, assumptions, tp=args.tp)
+        shape = replace(presets.model_shape(args.model), kv_cache_dtype=args.kv_cache_dtype)
+        cost = presets.build(args.gpu, shape, settings, assumptions, tp=args.tp)
     except presets.PresetError as err:
         raise SystemExit(f"plan preset: {err}") from None
     cost.save(args.out)
     print(describe(cost))
     memory = cost.host["memory"]
     print(
-        f"{presets.model_shape(args.model).describe()}; KV cache {cost.engine['num_blocks']} blocks of "
+        f"{shape.describe()}; KV cache ({args.kv_cache_dtype}) {cost.engine['num_blocks']} blocks of "
         f"{args.block_size} ({memory['kv_bytes'] / 1e9:.1f} GB after {memory['weight_bytes'] / 1e9:.1f} GB "
         f"of weights and {memory['reserve_bytes'] / 1e9:.1f} GB reserved"
         + (f", each of {args.tp} ranks)" if args.tp > 1 else ")")

@@ -99,7 +99,10 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: biases on q, k and v
-    bytes_per_param: int = 2  # bf16 weights and KV cache
+    bytes_per_param: int = 2  # bf16 weights, and the KV cache at kv_cache_dtype "auto"
+    # The engine's kv_cache_dtype: auto (bytes_per_param a value), or int8 / fp8_e4m3 (one byte a value
+    # plus a float32 scale per token and KV head: engine/kernels/kv_quant.py).
+    kv_cache_dtype: str = "auto"
 
     @property
     def layer_params(self) -> int:
@@ -134,7 +137,14 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.bytes_per_param
+        """K and V of one token over all layers, in the cache's format."""
+        if self.kv_cache_dtype == "auto":
+            row = self.head_dim * self.bytes_per_param
+        elif self.kv_cache_dtype in ("int8", "fp8_e4m3"):
+            row = self.head_dim + 4  # codes, then the row's float32 scale
+        else:
+            raise PresetError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use auto, int8 or fp8_e4m3")
+        return 2 * self.num_layers * self.num_kv_heads * row
 
     @property
     def attention_flops_per_pair(self) -> int:
@@ -423,6 +433,7 @@ def build(
         "max_model_len": settings.max_model_len,
         "block_size": settings.block_size,
         "num_blocks": num_blocks,
+        "kv_cache_dtype": shape.kv_cache_dtype,
         "enable_prefix_caching": False,
         "enable_chunked_prefill": True,
         "device": "cuda",

@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine.kernels import paged_attention, rotary, sampling
+from engine.kernels import cache, paged_attention, rotary, sampling, split_k
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -45,6 +45,8 @@ def main() -> int:
         "query_ptr": "*bf16",
         "k_cache_ptr": "*bf16",
         "v_cache_ptr": "*bf16",
+        "k_scale_ptr": "*bf16",
+        "v_scale_ptr": "*bf16",
         "query_start_loc_ptr": "*i32",
         "seq_lens_ptr": "*i32",
         "block_tables_ptr": "*i32",
@@ -88,6 +90,28 @@ def main() -> int:
             consts,
             **options,
         )
+    # The 8-bit caches (int8, fp8 e4m3): codes and float32 scale views, decode split 8 and flat.
+    for code_type in ("*i8", "*fp8e4nv"):
+        quant_types = {**attn_types, "k_cache_ptr": code_type, "v_cache_ptr": code_type}
+        quant_types.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+        for splits, block_m, flat in ((8, 16, False), (1, 128, True)):
+            consts = {
+                "NUM_HEADS": 32,
+                "GROUP": 4,
+                "GROUP_PAD": 4,
+                "HEAD_SIZE": 128,
+                "BLOCK_D": 128,
+                "BLOCK_SIZE": 16,
+                "BLOCK_Q": block_m // 4,
+                "BLOCK_N": 64,
+                "NUM_SPLITS": splits,
+                "FLAT": flat,
+                "DOT_FP32": False,
+                "DOT_PRECISION": "tf32",
+                "KV_QUANT": True,
+            }
+            name = f"paged attention {code_type[1:]} cache {'flat' if flat else 'decode'} NUM_SPLITS={splits}"
+            ok &= compile_one(name, paged_attention._paged_attention_kernel, quant_types, consts)
     for windowed in (False, True):
         consts = {
             "NUM_HEADS": 32,
@@ -99,7 +123,7 @@ def main() -> int:
             "SLIDING": windowed,
         }
         name = f"merge splits{' SLIDING' if windowed else ''}"
-        ok &= compile_one(name, paged_attention._merge_splits_kernel, attn_types, consts)
+        ok &= compile_one(name, split_k.merge_splits_kernel, attn_types, consts)
     consts = {
         "NUM_HEADS": 32,
         "NUM_KV_HEADS": 8,
@@ -135,6 +159,20 @@ def main() -> int:
         "NUM_CAND": 16,
     }
     ok &= compile_one("sampling (top-k, top-p, min-p)", sampling._sample_kernel, sample_types, consts)
+    # The KV store quantizing into an 8-bit cache (int8 codes rounded; fp8 rounded to e4m3 by bit ops).
+    for code_type, round_int8 in (("*i8", True), ("*fp8e4nv", False)):
+        store_types = {
+            "key_ptr": "*bf16",
+            "value_ptr": "*bf16",
+            "k_cache_ptr": code_type,
+            "v_cache_ptr": code_type,
+            "slot_mapping_ptr": "*i64",
+            "k_scale_ptr": "*fp32",
+            "v_scale_ptr": "*fp32",
+        }
+        consts = {"HEAD_SIZE": 128, "BLOCK_D": 128, "QUANT": True, "QMAX": 127.0 if round_int8 else 448.0}
+        consts["ROUND"] = round_int8
+        ok &= compile_one(f"kv store {code_type[1:]}", cache._store_kvcache_kernel, store_types, consts)
     return 0 if ok else 1
 
 

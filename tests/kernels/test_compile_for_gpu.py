@@ -40,4 +40,5 @@ def test_kernels_compile_for_sm90(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok   ") == 10 and "FAIL" not in proc.stdout, proc.stdout
+    # 10 float-cache variants, 4 of attention over 8-bit caches, 2 of the quantizing KV store.
+    assert proc.stdout.count("ok   ") == 16 and "FAIL" not in proc.stdout, proc.stdout

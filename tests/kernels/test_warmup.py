@@ -17,3 +17,9 @@ def test_warm_up_launches_every_variant(device):
     )
     assert sum(line.startswith("sampling ") for line in launched) == 8
     assert len(set(launched)) == len(launched)
+
+
+def test_warm_up_launches_the_8bit_caches_variants(device):
+    # An int8 cache compiles its own attention variants (codes and scales): they launch too.
+    launched = warm_up(4, 2, 16, 16, torch.float32, 40, torch.device(device), kv_cache_dtype=torch.int8)
+    assert "attention prefill max_query_len=128" in launched and len(launched) == len(set(launched))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,16 @@ def test_a_big_prefill_is_compute_bound() -> None:
     small, big = (roof.prefill_time(n) - a.step_overhead_s for n in (2048, 8192))
     assert 4.0 < big / small < 4.6
     assert roof.prefill_time(8192) == pytest.approx(0.268, rel=0.01)
+
+
+def test_an_8bit_kv_cache_holds_about_twice_the_blocks(h200_llama: StepCostModel) -> None:
+    int8 = presets.build("h200", replace(LLAMA, kv_cache_dtype="int8"))
+    # A byte a value plus a float32 scale per (token, KV head) row: 132 bytes a row against bf16's 256.
+    assert replace(LLAMA, kv_cache_dtype="fp8_e4m3").kv_bytes_per_token == 2 * 32 * 8 * (128 + 4)
+    assert int8.engine["kv_cache_dtype"] == "int8" and h200_llama.engine["kv_cache_dtype"] == "auto"
+    assert int8.engine["num_blocks"] == pytest.approx(h200_llama.engine["num_blocks"] * 256 / 132, rel=1e-3)
+    with pytest.raises(PresetError, match="unknown kv_cache_dtype"):
+        _ = replace(LLAMA, kv_cache_dtype="fp4").kv_bytes_per_token
 
 
 def test_kv_blocks_come_from_the_memory_left(h200_llama: StepCostModel) -> None:

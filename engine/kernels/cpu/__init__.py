@@ -1,7 +1,8 @@
 """The CPU engine's C++ kernels: paged attention and the KV store (read in place through block tables),
 the layer's fused pointwise ops (RMSNorm with the residual add, rotary, SiLU-and-mul), the linear
 layers on weights packed into column panels (gemm.cpp, AVX-512 hosts), and the linear layers on weights
-kept in GGUF block formats (quant_gemm.cpp).
+kept in GGUF block formats (quant_gemm.cpp). The 8-bit KV cache's attention and store (kv_quant.cpp) are a
+library of their own, built by ``load_kv_quant()`` the first time an engine keeps such a cache.
 
 ``load()`` builds them on first use (a torch extension compiled with the host's g++, cached per source
 and torch version in ``engine.paths.cpu_ext_root()``; ``make setup`` builds it ahead of time, and a build
@@ -35,18 +36,20 @@ _SOURCES = [
     _HERE / "quant_gemm.cpp",
 ]
 _HEADERS = [_HERE / "vec.h", _HERE / "quant_gemm_isa.h"]
+_KV_QUANT_SOURCES = [_HERE / "kv_quant.cpp"]
+_KV_QUANT_HEADERS = [_HERE / "vec.h", _HERE / "kv_quant_rows.h"]
 _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]
 _LIBRARY = "inflight_cpu"
 # Written last by a build that succeeded: the library beside it is complete and matches the folder's key.
 BUILT_STAMP = "inflight-built"
 
 
-def build_dir() -> Path:
+def build_dir(sources: list[Path] | None = None, headers: list[Path] | None = None) -> Path:
     """Cache folder keyed by what the binary depends on: the source, the flags, torch's version, and
     the paths ninja's command names (two checkouts sharing one folder rebuilt it on every load)."""
     key = hashlib.sha256(" ".join(_FLAGS).encode() + torch.__version__.encode())
     key.update(f"{_HERE.resolve()}:{Path(torch.__file__).resolve()}".encode())
-    for path in _SOURCES + _HEADERS:
+    for path in (sources or _SOURCES) + (headers or _HEADERS):
         key.update(path.read_bytes())
     return cpu_ext_root() / key.hexdigest()[:16]
 
@@ -93,6 +96,24 @@ def load() -> bool:
     except Exception as exc:  # a compiler error, a missing ninja or g++: the torch path still works
         log.warning(
             "CPU attention kernels unavailable (%s: %s); using the slower torch path", type(exc).__name__, exc
+        )
+        return False
+    return True
+
+
+@functools.cache
+def load_kv_quant() -> bool:
+    """True when ``torch.ops.inflight_cpu.paged_attention_quant`` / ``store_kv_quant`` (the 8-bit KV
+    cache's kernels) are ready; False (after one warning) when they cannot be built."""
+    if envs.cpu_kernels_disabled():
+        return False
+    try:
+        build("inflight_cpu_kv_quant", _KV_QUANT_SOURCES, build_dir(_KV_QUANT_SOURCES, _KV_QUANT_HEADERS))
+    except Exception as exc:  # as load(): the torch path reads the same cache format
+        log.warning(
+            "CPU 8-bit KV cache kernels unavailable (%s: %s); using the slower torch path",
+            type(exc).__name__,
+            exc,
         )
         return False
     return True
