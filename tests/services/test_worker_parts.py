@@ -264,7 +264,7 @@ async def test_runner_renders_chat_as_the_client_asked(
 
 
 async def test_runner_renders_chat_off_its_event_loop_within_the_message_bound(
-    parts: Parts, engine: AsyncLLMEngine, monkeypatch: pytest.MonkeyPatch
+    parts: Parts, engine: InprocClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The chat template renders on the runner's prompt thread, never the worker's loop (which renews
     leases and heartbeats); more messages than INFLIGHT_MAX_MESSAGES are refused before any render."""
