@@ -50,21 +50,15 @@ BODY: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def stack(
-    kafka: ServerProcess,
-    redis_server: ServerProcess,
-    model_path: Path,
-    tmp_path_factory: pytest.TempPathFactory,
+    kafka: ServerProcess, redis_server: ServerProcess, model_path: Path, tmp_path: Path
 ) -> Iterator[Stack]:
-    """One stack for the module's two poison requests: each leaves two workers whose engine cores were
-    killed and restarted by their workers, which then serve as before (the second test's killer starts
-    afresh), so a stack of its own per test would only add three model loads."""
     s = new_stack(
         kafka,
         redis_server,
         model_path,
-        tmp_path_factory.mktemp("poison"),
+        tmp_path,
         workers=BOUND + 1,
         INFLIGHT_FAULT_STEP_DELAY_S="0.05",
         INFLIGHT_MAX_ENGINE_FAILURES=str(BOUND),
