@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test browser lint typecheck pytest bench bench-service bench-peers clean images
+.PHONY: setup run test browser lint typecheck pytest bench bench-service bench-peers bench-llamacpp clean images
 
 setup: $(STAMP)
 
@@ -134,6 +134,25 @@ $(PEERS)/.installed:
 	fi
 	$(PEERS)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PEERS)/bin/python -c "import vllm"
+	touch $@
+
+# llama.cpp as a benchmark peer (`python -m bench llamacpp`): llama-cpp-python compiled from source with
+# this host's compiler and instruction sets (GGML_NATIVE: AVX-512, VNNI, BF16 where the CPU has them;
+# about 10 minutes of CPU on 2 cores), in its own virtualenv. The stamp makes a second run a no-op.
+# Not part of `make test`.
+LLAMACPP := .venv-llamacpp
+LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
+bench-llamacpp: $(LLAMACPP)/.installed
+
+$(LLAMACPP)/.installed:
+	test -x $(LLAMACPP)/bin/python || $(PY) -m venv $(LLAMACPP)
+	if ! $(LLAMACPP)/bin/python -c "import importlib.metadata as m, sys; \
+			sys.exit(m.version('llama-cpp-python') != '$(LLAMA_CPP_PYTHON_VERSION)')" 2>/dev/null; then \
+		$(LLAMACPP)/bin/python -m pip install -q --upgrade pip && \
+		CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP)/bin/python -m pip install -q --no-cache-dir \
+			--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)" numpy; \
+	fi
+	$(LLAMACPP)/bin/python -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
 	touch $@
 
 clean:
