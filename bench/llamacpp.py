@@ -183,10 +183,10 @@ def _measure(args: argparse.Namespace, ftype: str, path: Path, token_ids: list[i
             prompts = [[rng.randrange(100, vocab) for _ in range(args.burst_prompt)] for _ in range(n)]
             spec = {**base, "op": "burst", "prompts": prompts, "new_tokens": args.burst_new}
             theirs = _driver(args.llamacpp_python, spec)
-            ours = _ours_burst(llm, prompts, args.burst_new)
-            same = sum(a == b for a, b in zip(ours.pop("outputs"), theirs.pop("outputs"), strict=True))
+            mine = _ours_burst(llm, prompts, args.burst_new)
+            same = sum(a == b for a, b in zip(mine.pop("outputs"), theirs.pop("outputs"), strict=True))
             row["bursts"][str(n)] = {
-                "inflight_tok_s": ours["output_tokens"] / ours["wall_s"],
+                "inflight_tok_s": mine["output_tokens"] / mine["wall_s"],
                 "llama.cpp_tok_s": theirs["output_tokens"] / theirs["wall_s"],
                 "identical_outputs": f"{same}/{n}",
             }
