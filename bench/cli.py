@@ -5,6 +5,7 @@ python -m bench engine    the seed's experiment: continuous vs static vs HF peer
 python -m bench sweep     any targets over a range of request rates, Poisson / gamma / trace
 python -m bench peers     this engine vs vLLM's CPU backend, same workload, dtype and threads
 python -m bench llamacpp  this engine vs llama.cpp on the same GGUF files: perplexity, batch 1, bursts
+python -m bench memory    resident memory quantized vs float32, and the largest model a host fits
 python -m bench trace     Chrome/Perfetto trace (and timelines) from saved run JSON files
 python -m bench service   the full service path (bench/service_bench.py)
 python -m bench chaos     fault-injection soak of the service path (bench/chaos.py, make chaos)
@@ -21,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench import experiment, host_drift, llamacpp, peers, plan_validate, policy_bench, sweep
+from bench import experiment, host_drift, llamacpp, memory, peers, plan_validate, policy_bench, sweep
 
 
 def _trace_command(args: argparse.Namespace) -> int:
@@ -47,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
             "llamacpp", help="this engine vs llama.cpp on the same GGUF files (make bench-llamacpp)"
         )
     )
+    memory.add_arguments(sub.add_parser("memory", help="resident memory by weight format; what fits a host"))
     t = sub.add_parser("trace", help="Chrome/Perfetto trace from saved runs (out/runs/*.json)")
     t.add_argument("runs", nargs="+", help="run JSON files written by engine or sweep")
     t.add_argument("--trace-out", required=True)
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         return peers.main(args)
     if args.command == "llamacpp":
         return llamacpp.main(args)
+    if args.command == "memory":
+        return memory.main(args)
     if args.command == "host":
         return host_drift.main(args)
     if args.command == "policies":
