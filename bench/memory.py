@@ -3,7 +3,8 @@
 Measured: the resident memory (VmRSS, and its peak VmHWM) of a fresh process after ``LLM(...)`` has
 loaded the model with a fixed KV cache (``--num-blocks``), for the default model (SmolLM2-135M) served
 from its own Q4_1 blocks, as W8A16 int8 (a compressed-tensors checkpoint made here from its float copy)
-and as its float32 copy. One child process per configuration, so no one's pages stay behind.
+and as its float32 copy; then, in the same process, batch-1 decode tok/s. One child process per
+configuration, so no one's pages stay behind.
 
 Computed: the largest of the planner's model shapes (inflight/plan/presets.py) that fits a host of
 ``--host-gb`` GB for each weight format, by the planner's arithmetic (``activation_reserve``: 1 GiB of
@@ -45,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=int, default=8192, help="KV tokens the fit keeps room for")
     p.add_argument("--kv-dtype-bytes", type=int, default=2, help="bytes a KV value takes (2: bf16)")
     p.add_argument("--skip-measure", action="store_true", help="only the computed fit")
+    p.add_argument("--decode-tokens", type=int, default=64, help="batch-1 decode timed after load (0: none)")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "QUANTIZATION"), help=argparse.SUPPRESS)
     p.add_argument("--out", default="bench-results/memory.json")
 
@@ -56,17 +58,40 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def _one(model: str, quantization: str, num_blocks: int) -> dict[str, Any]:
-    """In this (fresh) process: load, then report resident memory and the weights' own bytes."""
-    from engine import LLM
+def _one(model: str, quantization: str, num_blocks: int, decode_tokens: int) -> dict[str, Any]:
+    """In this (fresh) process: load, report resident memory and the weights' own bytes, then time a
+    batch-1 decode (a 128-token prompt, then ``decode_tokens`` greedy tokens; best of two)."""
+    import time
 
-    llm = LLM(model, dtype="float32", quantization=quantization, num_blocks=num_blocks, max_num_seqs=16)
+    from engine import LLM, SamplingParams
+
+    llm = LLM(
+        model,
+        dtype="float32",
+        quantization=quantization,
+        num_blocks=num_blocks,
+        max_num_seqs=16,
+        enable_prefix_caching=False,
+    )
     weights = llm.engine.runner.model.weight_bytes()
-    return {
+    out = {
         "rss_mib": _status_kib("VmRSS") / 1024,
         "peak_rss_mib": _status_kib("VmHWM") / 1024,
         "weight_mib": sum(weights.values()) / 2**20,
     }
+    if decode_tokens > 1:
+        prompt = [100 + (37 * i) % 20000 for i in range(128)]
+
+        def timed(n: int) -> float:
+            start = time.perf_counter()
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            return time.perf_counter() - start
+
+        timed(2)  # warm-up
+        first = min(timed(1) for _ in range(2))
+        total = min(timed(decode_tokens) for _ in range(2))
+        out["decode_tok_s"] = (decode_tokens - 1) / max(total - first, 1e-9)
+    return out
 
 
 def write_w8a16_copy(float_dir: Path, target: Path) -> Path:
@@ -121,7 +146,7 @@ def _measure(args: argparse.Namespace, gguf: Path) -> list[dict[str, Any]]:
         ("float32 copy", str(gguf), "none"),
     ):
         cmd = [sys.executable, "-m", "bench", "memory", "--one", model, quantization]
-        cmd += ["--num-blocks", str(args.num_blocks)]
+        cmd += ["--num-blocks", str(args.num_blocks), "--decode-tokens", str(args.decode_tokens)]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
         rows.append({"label": label, **json.loads(proc.stdout.strip().splitlines()[-1])})
         print(f"{label}: {rows[-1]}", flush=True)
@@ -156,7 +181,7 @@ def fit(host_gb: float, context: int, kv_bytes: int) -> list[dict[str, Any]]:
 
 def main(args: argparse.Namespace) -> int:
     if args.one:
-        print(json.dumps(_one(args.one[0], args.one[1], args.num_blocks)))
+        print(json.dumps(_one(args.one[0], args.one[1], args.num_blocks, args.decode_tokens)))
         return 0
     from engine.models.gguf import default_gguf_path
 
@@ -165,13 +190,13 @@ def main(args: argparse.Namespace) -> int:
     fits = fit(args.host_gb, args.context, args.kv_dtype_bytes)
     write_json(args.out, {"args": vars(args), "measured": measured, "fit": fits})
     if measured:
-        print(
-            "\n| served as | resident memory after load | peak | the weights' own bytes |\n|---|---|---|---|"
-        )
+        print("\n| served as | resident memory after load | peak | the weights' own bytes | decode b=1 |")
+        print("|---|---|---|---|---|")
         for r in measured:
+            speed = f"{r['decode_tok_s']:.1f} tok/s" if "decode_tok_s" in r else "-"
             print(
                 f"| {r['label']} | {r['rss_mib']:,.0f} MiB | {r['peak_rss_mib']:,.0f} MiB "
-                f"| {r['weight_mib']:,.0f} MiB |"
+                f"| {r['weight_mib']:,.0f} MiB | {speed} |"
             )
     formats = list(_BYTES_PER_VALUE)
     print(f"\nGB needed on a {args.host_gb:g} GB host ({args.context} KV tokens; * = does not fit):\n")
