@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine.kernels import paged_attention, rotary, sampling
+from engine.kernels import paged_attention, rotary, sampling, w8_matmul
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -135,6 +135,17 @@ def main() -> int:
         "NUM_CAND": 16,
     }
     ok &= compile_one("sampling (top-k, top-p, min-p)", sampling._sample_kernel, sample_types, consts)
+    # W8A16 linear, bf16 activations on the tensor cores: a decode tile and a prefill tile.
+    w8_types = {
+        "out_ptr": "*bf16",
+        "x_ptr": "*bf16",
+        "q_ptr": "*i8",
+        "scale_ptr": "*fp32",
+        "bias_ptr": "*bf16",
+    }
+    for block_m in (16, 64):
+        consts = {"HAS_BIAS": True, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_FP32": False}
+        ok &= compile_one(f"w8 linear (BLOCK_M {block_m})", w8_matmul._w8_matmul_kernel, w8_types, consts)
     return 0 if ok else 1
 
 
