@@ -61,7 +61,9 @@ class Model:
         cp.n_threads = threads
         cp.n_threads_batch = threads
         cp.no_perf = False
-        cp.kv_unified = True  # one pool shared by the slots, as the server's unified KV cache
+        # A KV stream per sequence (n_ctx split evenly), as the server's slots each hold their own
+        # context: attention then reads a sequence's own cells, not every cell of a shared pool.
+        cp.kv_unified = False
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
