@@ -21,14 +21,16 @@ from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
 from engine.quant.int8 import Int8Weight, int8_linear
-from engine.quant.linear import quant_linear
+from engine.quant.linear import dequantize_for_step, quant_linear
 from engine.quant.weight import QuantizedWeight
 
 Weight = torch.Tensor | QuantizedWeight | Int8Weight
-# Up to this many rows a block-format weight is multiplied as stored (engine/quant: a decode step reads
-# each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step. Measured
-# on SmolLM2-135M Q4_1 (docs/benchmarks.md, "Quantized weights").
-QUANT_KERNEL_MAX_ROWS = 32
+# Up to this many rows a block-format or int8 weight is multiplied as stored (engine/quant: a decode step
+# reads each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step.
+# 64 covers a full decode batch at the default max_num_seqs: on SmolLM2-135M's layer shapes, one thread,
+# 64 rows, the kernels took 0.4-0.5x the time of the torch dequantisation plus a float linear (Q4_1,
+# Q8_0, int8) and were even with the C++ dequantisation plus a float linear; at 128 rows all were even.
+QUANT_KERNEL_MAX_ROWS = 64
 
 
 class Linear:
@@ -68,7 +70,7 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
             return quant_linear(x, weight, bias)
         # A prefill's many rows are bound by the multiplies, not by reading the weight: dequantising it
         # once for the whole chunk and multiplying in float beats re-expanding blocks per row tile.
-        return F.linear(x, weight.dequantize().to(x.dtype), bias)
+        return F.linear(x, dequantize_for_step(weight).to(x.dtype), bias)
     if weight.dim() == 3:  # column panels (cpu_gemm.pack)
         return cpu_gemm.linear(x, weight, bias)
     if kernels.prepack_rows:

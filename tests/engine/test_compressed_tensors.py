@@ -133,9 +133,9 @@ def _max_error(outputs: Any, prompts: list[list[int]], reference: Path) -> float
 def test_w8a16_serves_int8_and_matches_the_dequantized_model(fmt: str, checkpoints: dict[str, Path]) -> None:
     path = checkpoints[fmt]
     rng = random.Random(5)
-    # Short prompts (rows multiplied by the int8 kernel) and one past its 32-row bound (a prefill that
+    # Short prompts (rows multiplied by the int8 kernel) and one past its 64-row bound (a prefill that
     # multiplies the dequantized weight).
-    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 11, 45)]
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (4, 11, 70)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
     llm = LLM(str(path), dtype="float32", max_num_seqs=4)
     layer = llm.engine.runner.model.layers[0]
