@@ -146,10 +146,15 @@ bench-llamacpp: $(LLAMACPP)/.installed
 
 $(LLAMACPP)/.installed:
 	test -x $(LLAMACPP)/bin/python || $(PY) -m venv $(LLAMACPP)
-	if ! $(LLAMACPP)/bin/python -c "import importlib.metadata as m, sys; \
-			sys.exit(m.version('llama-cpp-python') != '$(LLAMA_CPP_PYTHON_VERSION)')" 2>/dev/null; then \
+	# Rebuilt when the version differs, or when this CPU has AVX-512 and the build does not use it (a
+	# wheel compiled for a generic x86-64 would make llama.cpp the slower peer for the wrong reason).
+	if ! $(LLAMACPP)/bin/python -c "import importlib.metadata as m, sys, llama_cpp; \
+			wide = 'avx512f' in open('/proc/cpuinfo').read(); \
+			info = llama_cpp.llama_print_system_info().decode(); \
+			sys.exit(m.version('llama-cpp-python') != '$(LLAMA_CPP_PYTHON_VERSION)' or (wide and 'AVX512 = 1' not in info))" \
+			2>/dev/null; then \
 		$(LLAMACPP)/bin/python -m pip install -q --upgrade pip && \
-		CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP)/bin/python -m pip install -q --no-cache-dir \
+		CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP)/bin/python -m pip install -q --no-cache-dir --force-reinstall \
 			--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)" numpy; \
 	fi
 	$(LLAMACPP)/bin/python -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
