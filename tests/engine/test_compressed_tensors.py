@@ -211,3 +211,16 @@ def test_quantization_argument_checks_the_checkpoint(checkpoints: dict[str, Path
         LLM(str(checkpoints["float"]), quantization="compressed-tensors")
     with pytest.raises(ValueError, match="do not split over tensor-parallel ranks"):
         LLM(str(checkpoints["int-quantized"]), tensor_parallel_size=2)
+
+
+def test_fused_checkpoint_tensors_split_by_rows(tmp_path: Path) -> None:
+    """Phi-3 stores q/k/v and gate/up fused: each int8 tensor and its scales split by row ranges."""
+    from tests.engine.hf_reference import hf_greedy
+
+    source = write_hf_checkpoint(tmp_path / "float", "phi3", seed=2)
+    path = _write_w8a16(source, tmp_path / "int", "int-quantized", torch.float32)
+    llm = LLM(str(path), dtype="float32", max_num_seqs=2)
+    assert isinstance(llm.engine.runner.model.layers[0].qkv_proj.weight, Int8Weight)
+    prompt = [7, 99, 250, 31, 480]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(_dequant(path), prompt, 8)
