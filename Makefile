@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: setup run test browser lint typecheck pytest bench bench-service bench-serve bench-peers clean images
+.PHONY: setup run test browser lint typecheck pytest bench bench-service bench-serve bench-peers bench-llamacpp clean images
 
 setup: $(STAMP)
 
@@ -143,6 +143,30 @@ $(PEERS)/.installed:
 	fi
 	$(PEERS)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(PEERS)/bin/python -c "import vllm"
+	touch $@
+
+# llama.cpp as a benchmark peer (`python -m bench llamacpp`): llama-cpp-python compiled from source with
+# this host's compiler and instruction sets (GGML_NATIVE: AVX-512, VNNI, BF16 where the CPU has them;
+# about 10 minutes of CPU on 2 cores), in its own virtualenv. The stamp makes a second run a no-op.
+# Not part of `make test`.
+LLAMACPP := .venv-llamacpp
+LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
+bench-llamacpp: $(LLAMACPP)/.installed
+
+$(LLAMACPP)/.installed:
+	test -x $(LLAMACPP)/bin/python || $(PY) -m venv $(LLAMACPP)
+	# Rebuilt when the version differs, or when this CPU has AVX-512 and the build does not use it (a
+	# wheel compiled for a generic x86-64 would make llama.cpp the slower peer for the wrong reason).
+	if ! $(LLAMACPP)/bin/python -c "import importlib.metadata as m, sys, llama_cpp; \
+			wide = 'avx512f' in open('/proc/cpuinfo').read(); \
+			info = llama_cpp.llama_print_system_info().decode(); \
+			sys.exit(m.version('llama-cpp-python') != '$(LLAMA_CPP_PYTHON_VERSION)' or (wide and 'AVX512 = 1' not in info))" \
+			2>/dev/null; then \
+		$(LLAMACPP)/bin/python -m pip install -q --upgrade pip && \
+		CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP)/bin/python -m pip install -q --no-cache-dir --force-reinstall \
+			--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)" numpy; \
+	fi
+	$(LLAMACPP)/bin/python -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
 	touch $@
 
 clean:

@@ -4,6 +4,8 @@ repository root (bench/ is not installed: it imports engine, services and inflig
 python -m bench engine    the seed's experiment: continuous vs static vs HF peers (make bench)
 python -m bench sweep     any targets over a range of request rates, Poisson / gamma / trace
 python -m bench peers     this engine vs vLLM's CPU backend, same workload, dtype and threads
+python -m bench llamacpp  this engine vs llama.cpp on the same GGUF files: perplexity, batch 1, bursts
+python -m bench memory    resident memory quantized vs float32, and the largest model a host fits
 python -m bench trace     Chrome/Perfetto trace (and timelines) from saved run JSON files
 python -m bench service   the full service path (bench/service_bench.py)
 python -m bench serve     the stack beside `vllm serve`, both driven by `vllm bench serve` (serve_bench.py)
@@ -23,7 +25,18 @@ import json
 import sys
 from pathlib import Path
 
-from bench import core_cpu, experiment, host_drift, kv_dtype, peers, plan_validate, policy_bench, sweep
+from bench import (
+    core_cpu,
+    experiment,
+    host_drift,
+    kv_dtype,
+    llamacpp,
+    memory,
+    peers,
+    plan_validate,
+    policy_bench,
+    sweep,
+)
 
 
 def _trace_command(args: argparse.Namespace) -> int:
@@ -44,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     experiment.add_arguments(sub.add_parser("engine", help="continuous vs static batching vs HF"))
     sweep.add_arguments(sub.add_parser("sweep", help="rate sweep over any targets"))
     peers.add_arguments(sub.add_parser("peers", help="this engine vs vLLM's CPU backend, side by side"))
+    llamacpp.add_arguments(
+        sub.add_parser(
+            "llamacpp", help="this engine vs llama.cpp on the same GGUF files (make bench-llamacpp)"
+        )
+    )
+    memory.add_arguments(sub.add_parser("memory", help="resident memory by weight format; what fits a host"))
     t = sub.add_parser("trace", help="Chrome/Perfetto trace from saved runs (out/runs/*.json)")
     t.add_argument("runs", nargs="+", help="run JSON files written by engine or sweep")
     t.add_argument("--trace-out", required=True)
@@ -104,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         return sweep.run(args)
     if args.command == "peers":
         return peers.main(args)
+    if args.command == "llamacpp":
+        return llamacpp.main(args)
+    if args.command == "memory":
+        return memory.main(args)
     if args.command == "host":
         return host_drift.main(args)
     if args.command == "policies":

@@ -207,9 +207,11 @@ class EngineArgs:
     device: str = "auto"  # auto: cuda when available, else cpu; or a torch device name.
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json only
     # auto: a .gguf file's linear layers and embedding stay in its block formats (Q8_0, Q4_0, Q4_1,
-    # Q4_K, Q5_K, Q6_K), an HF checkpoint is read as stored; gguf: the same, refused for anything but a
-    # .gguf file; none: every weight dequantised to dtype (a GGUF's float copy in the model cache).
-    quantization: Literal["auto", "gguf", "none"] = "auto"
+    # Q4_K, Q5_K, Q6_K), an HF checkpoint is read as stored (compressed-tensors W8A16: int8 weights with
+    # per-channel scales; other quantization schemes refused); gguf / compressed-tensors: the same,
+    # refused for any other kind of checkpoint; none: every weight dequantised to dtype (a GGUF's float
+    # copy in the model cache).
+    quantization: Literal["auto", "gguf", "compressed-tensors", "none"] = "auto"
     # auto: K/V cached in dtype; int8 or fp8_e4m3: one byte per value plus a float32 scale per token and
     # kv head (engine/kernels/kv_quant.py), a quarter of float32's bytes or about half of bf16's, so
     # about twice the tokens in the same memory (fp8_e4m3 on GPUs needs compute capability 8.9+).
@@ -263,10 +265,10 @@ class EngineArgs:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
-        if self.quantization not in ("auto", "gguf", "none"):
+        if self.quantization not in ("auto", "gguf", "compressed-tensors", "none"):
             raise ValueError(
                 f"unsupported quantization {self.quantization!r}; inflight serves auto, gguf (a .gguf file's "
-                "block formats kept) and none"
+                "block formats kept), compressed-tensors (W8A16 int8 weights kept) and none"
             )
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
             raise ValueError(
@@ -446,12 +448,15 @@ def _kv_cache_dtype(
 
 
 def _quantization(args: EngineArgs) -> str | None:
-    """``EngineArgs.quantization`` resolved against the checkpoint: "gguf" or None (float weights)."""
+    """``EngineArgs.quantization`` resolved against the checkpoint: "gguf", "compressed-tensors" or None
+    (float weights, a quantized checkpoint's dequantised)."""
     from engine.models.gguf import is_gguf
 
     gguf_file = args.load_format == "auto" and is_gguf(args.model)
     if args.quantization == "gguf" and not gguf_file:
         raise ValueError(f"quantization='gguf' needs a .gguf checkpoint; {args.model!r} is not one")
+    if not gguf_file:
+        return _hf_quantization(args)
     if not gguf_file or args.quantization == "none":
         return None
     if args.tensor_parallel_size > 1:
@@ -460,3 +465,29 @@ def _quantization(args: EngineArgs) -> str | None:
             "use quantization='none' (its float copy) with tensor_parallel_size > 1"
         )
     return "gguf"
+
+
+def _hf_quantization(args: EngineArgs) -> str | None:
+    """An HF checkpoint's ``quantization_config``: compressed-tensors W8A16 kept as int8 (or dequantised
+    with ``quantization='none'``), anything else refused by name (engine/quant/compressed_tensors.py)."""
+    from engine.quant import compressed_tensors
+
+    cfg = Path(args.model) / "config.json"
+    raw = json.loads(cfg.read_text()) if args.load_format == "auto" and cfg.is_file() else {}
+    method = compressed_tensors.quantization_method(raw)
+    if method is None:
+        if args.quantization == "compressed-tensors":
+            raise ValueError(
+                "quantization='compressed-tensors' needs a compressed-tensors checkpoint; "
+                f"{args.model!r} is not one"
+            )
+        return None
+    compressed_tensors.check_w8a16(raw)
+    if args.quantization == "none":
+        return None
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            "int8 (W8A16) weights do not split over tensor-parallel ranks here; use quantization='none' "
+            "(dequantised to dtype) with tensor_parallel_size > 1"
+        )
+    return compressed_tensors.METHOD

@@ -1,7 +1,8 @@
 """Linear layers: ``y = x W^T (+ b)`` on whatever layout the engine's kernel reads.
 
 The weight kind decides the kernel, in ``matmul`` and nowhere else: a GGUF block format
-(``QuantizedWeight``: engine/quant, multiplied as stored), column panels (3-D, the engine's own CPU
+(``QuantizedWeight``: engine/quant, multiplied as stored), per-channel int8 (``Int8Weight``, W8A16),
+column panels (3-D, the engine's own CPU
 kernels: engine/models/cpu_gemm.py), oneDNN's packed weights (CPU), or a plain [out, in] tensor
 (torch's matmul; cuBLAS on a GPU).
 
@@ -19,14 +20,17 @@ import torch.nn.functional as F
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
-from engine.quant.linear import quant_linear
+from engine.quant.int8 import Int8Weight, int8_linear
+from engine.quant.linear import dequantize_for_step, quant_linear
 from engine.quant.weight import QuantizedWeight
 
-Weight = torch.Tensor | QuantizedWeight
-# Up to this many rows a block-format weight is multiplied as stored (engine/quant: a decode step reads
-# each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step. Measured
-# on SmolLM2-135M Q4_1 (docs/benchmarks.md, "Quantized weights").
-QUANT_KERNEL_MAX_ROWS = 32
+Weight = torch.Tensor | QuantizedWeight | Int8Weight
+# Up to this many rows a block-format or int8 weight is multiplied as stored (engine/quant: a decode step
+# reads each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step.
+# 64 covers a full decode batch at the default max_num_seqs: on SmolLM2-135M's layer shapes, one thread,
+# 64 rows, the kernels took 0.4-0.5x the time of the torch dequantisation plus a float linear (Q4_1,
+# Q8_0, int8) and were even with the C++ dequantisation plus a float linear; at 128 rows all were even.
+QUANT_KERNEL_MAX_ROWS = 64
 
 
 class Linear:
@@ -39,7 +43,7 @@ class Linear:
         reduce: bool = False,  # row-parallel: all-reduce the partial products over ``tp``
         tp: TensorParallel = SINGLE,
     ) -> None:
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, QuantizedWeight | Int8Weight):
             self.out_features, self.in_features = weight.out_features, weight.in_features
             self.weight: Weight = weight
         else:
@@ -59,12 +63,14 @@ class Linear:
 
 def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: Kernels) -> torch.Tensor:
     """One linear product on any weight layout ``Kernels.pack`` returns, or a GGUF block format."""
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, QuantizedWeight | Int8Weight):
         if x.shape[0] <= QUANT_KERNEL_MAX_ROWS:
+            if isinstance(weight, Int8Weight):
+                return int8_linear(x, weight, bias)
             return quant_linear(x, weight, bias)
         # A prefill's many rows are bound by the multiplies, not by reading the weight: dequantising it
         # once for the whole chunk and multiplying in float beats re-expanding blocks per row tile.
-        return F.linear(x, weight.dequantize().to(x.dtype), bias)
+        return F.linear(x, dequantize_for_step(weight).to(x.dtype), bias)
     if weight.dim() == 3:  # column panels (cpu_gemm.pack)
         return cpu_gemm.linear(x, weight, bias)
     if kernels.prepack_rows:

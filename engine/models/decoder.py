@@ -33,6 +33,7 @@ from engine.layers.kernels import CustomOp, Kernels
 from engine.layers.linear import Linear, Weight
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.quant.int8 import Int8Weight
 from engine.quant.weight import QuantizedWeight
 
 # What fills the rows a step is padded with (Kernels.row_padding): any valid id and position; no
@@ -338,4 +339,4 @@ class DecoderModel:
 
 
 def _nbytes(t: Weight) -> int:
-    return t.nbytes if isinstance(t, QuantizedWeight) else t.numel() * t.element_size()
+    return t.nbytes if isinstance(t, QuantizedWeight | Int8Weight) else t.numel() * t.element_size()

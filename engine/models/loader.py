@@ -10,6 +10,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.gguf import local_checkpoint
+from engine.quant.int8 import Int8Weight
 from engine.quant.weight import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -66,6 +67,47 @@ def read_safetensors(
 
                 tensors[name] = plan.take(name, read)
     return tensors
+
+
+def read_compressed_tensors(
+    path: Path, family: Family, raw_config: dict[str, Any], keep_int8: bool
+) -> dict[str, torch.Tensor | Int8Weight]:
+    """A compressed-tensors W8A16 checkpoint's tensors under their canonical names, each quantized linear
+    an ``Int8Weight`` (``keep_int8``) or its dequantised float32 weight. No tensor-parallel slicing
+    (refused with int8 weights; the dequantised copy is read whole)."""
+    from safetensors.torch import load_file
+
+    from engine.quant.compressed_tensors import check_w8a16, combine
+
+    check_w8a16(raw_config)
+    stored: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        stored.update(load_file(str(file)))
+    out: dict[str, torch.Tensor | Int8Weight] = {}
+    for stored_name, weight in combine(stored).items():
+        if isinstance(weight, Int8Weight) and not keep_int8:
+            weight = weight.dequantize()
+        name = family.canonical(stored_name)
+        parts = family.fused(name, raw_config) if family.fused else None
+        if parts is None:
+            out[name] = weight
+            continue
+        start = 0
+        for part, rows in parts:  # a fused checkpoint tensor (Phi-3's qkv_proj): row ranges
+            out[part] = (
+                weight.narrow_rows(start, start + rows)
+                if isinstance(weight, Int8Weight)
+                else weight[start : start + rows].clone()
+            )
+            start += rows
+    return out
+
+
+def _region_reader(weight: Any) -> Any:
+    """``plan.take``'s reader over a tensor already in memory (a dequantised checkpoint's)."""
+    from engine.distributed.sharding import slice_region
+
+    return lambda region: slice_region(weight, region).clone()
 
 
 def _take(plan: ShardPlan | None, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -144,19 +186,21 @@ def dummy_weights(
     return w
 
 
-Weight = torch.Tensor | QuantizedWeight
+Weight = torch.Tensor | QuantizedWeight | Int8Weight
 
 
 def _cat(parts: list[Weight]) -> Weight:
-    """Rows one after another: q/k/v into qkv, gate/up into gate_up (block rows stay as stored)."""
+    """Rows one after another: q/k/v into qkv, gate/up into gate_up (block and int8 rows as stored)."""
     if all(isinstance(p, QuantizedWeight) for p in parts):
         return QuantizedWeight.cat_rows(parts)  # type: ignore[arg-type]
-    dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+    if all(isinstance(p, Int8Weight) for p in parts):
+        return Int8Weight.cat_rows(parts)  # type: ignore[arg-type]
+    dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
     return torch.cat(dense)
 
 
 def _place(weight: Weight, dtype: torch.dtype, device: torch.device) -> Weight:
-    if isinstance(weight, QuantizedWeight):
+    if isinstance(weight, QuantizedWeight | Int8Weight):
         return weight.to(device)
     return weight.to(device=device, dtype=dtype).contiguous()
 
@@ -166,7 +210,8 @@ def merge_weights(
 ) -> dict[str, Any]:
     """Cast, move, fuse q/k/v and gate/up (two fewer matmuls a layer), and stack each MoE layer's
     experts into ``mlp.experts.w13`` [E, 2I, H] (gate rows, then up) and ``mlp.experts.w2`` [E, H, I].
-    Weights kept in a GGUF block format (``QuantizedWeight``) are fused by whole rows, never cast."""
+    Weights kept in a GGUF block format (``QuantizedWeight``) or as int8 (``Int8Weight``) are fused by
+    whole rows, never cast."""
 
     def take(name: str) -> Any:
         if name not in raw:
@@ -229,7 +274,8 @@ def load_weights(
     quantization: str | None = None,
 ) -> dict[str, Any]:
     """The merged weights; with a tensor-parallel ``plan``, this rank's shard of them; with
-    ``quantization="gguf"``, a GGUF file's linear layers and embedding in its block formats."""
+    ``quantization="gguf"``, a GGUF file's linear layers and embedding in its block formats; with
+    ``"compressed-tensors"``, a W8A16 checkpoint's linears as int8 (without it, dequantised)."""
     from engine.models.registry import family_of
 
     if quantization == "gguf":
@@ -245,5 +291,11 @@ def load_weights(
     else:
         local = local_checkpoint(path)
         raw_config = json.loads((local / "config.json").read_text())
-        raw = read_safetensors(local, plan, family_of(config.architecture), raw_config)
+        if raw_config.get("quantization_config"):
+            keep = quantization == "compressed-tensors"
+            raw = read_compressed_tensors(local, family_of(config.architecture), raw_config, keep)
+            if plan is not None:
+                raw = {name: plan.take(name, _region_reader(w)) for name, w in raw.items()}
+        else:
+            raw = read_safetensors(local, plan, family_of(config.architecture), raw_config)
     return merge_weights(config, raw, dtype, device)

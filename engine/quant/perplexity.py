@@ -117,12 +117,18 @@ def gguf_perplexity(path: str | Path, text: str, dequantize: bool = False) -> tu
     tokenizer; ``dequantize``: every weight as float32 (the reference the formats compare with)."""
     from gguf import GGUFReader
 
-    from engine.models.gguf import build_tokenizer
-
     reader = GGUFReader(str(path))
-    meta = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.ggml")}
-    token_ids = torch.tensor(build_tokenizer(meta).encode(text).ids, dtype=torch.long)
+    token_ids = torch.tensor(gguf_token_ids(reader, text), dtype=torch.long)
     weights = read_gguf_weights(path, dequantize_embeddings=dequantize)
     if dequantize:
         weights = {n: w.dequantize() if isinstance(w, QuantizedWeight) else w for n, w in weights.items()}
     return perplexity_of_ids(weights, LlamaShape.from_gguf(reader), token_ids), int(token_ids.shape[0])
+
+
+def gguf_token_ids(reader: Any, text: str) -> list[int]:
+    """``text`` tokenized by the tokenizer in a GGUF's metadata (``reader``: a ``gguf.GGUFReader``): the
+    tokens a peer's perplexity on the same file is computed over too."""
+    from engine.models.gguf import build_tokenizer
+
+    meta = {name: f.contents() for name, f in reader.fields.items() if name.startswith("tokenizer.ggml")}
+    return list(build_tokenizer(meta).encode(text).ids)

@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine.kernels import cache, paged_attention, rotary, sampling, split_k
+from engine.kernels import cache, paged_attention, rotary, sampling, split_k, w8_matmul
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -173,6 +173,17 @@ def main() -> int:
         consts = {"HEAD_SIZE": 128, "BLOCK_D": 128, "QUANT": True, "QMAX": 127.0 if round_int8 else 448.0}
         consts["ROUND"] = round_int8
         ok &= compile_one(f"kv store {code_type[1:]}", cache._store_kvcache_kernel, store_types, consts)
+    # W8A16 linear, bf16 activations on the tensor cores: a decode tile and a prefill tile.
+    w8_types = {
+        "out_ptr": "*bf16",
+        "x_ptr": "*bf16",
+        "q_ptr": "*i8",
+        "scale_ptr": "*fp32",
+        "bias_ptr": "*bf16",
+    }
+    for block_m in (16, 64):
+        consts = {"HAS_BIAS": True, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_FP32": False}
+        ok &= compile_one(f"w8 linear (BLOCK_M {block_m})", w8_matmul._w8_matmul_kernel, w8_types, consts)
     return 0 if ok else 1
 
 

@@ -1,6 +1,7 @@
 // Linear layers on weights kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): out = x @ w.T
 // (+ bias), w read as stored, one row of blocks per output feature (engine/quant/formats.py documents
-// each block's struct; the format is the contract).
+// each block's struct; the format is the contract). And on per-channel int8 weights (w8_linear:
+// engine/quant/int8.py), through the same tiles.
 //
 // Why dequantize into float32 rather than quantize x to int8 (llama.cpp's way, maddubs / VNNI dot
 // products). A decode step multiplies 1 to 64 rows by every weight: its time is the weights' stream
@@ -49,7 +50,10 @@
 namespace {
 
 // ggml's type ids (GGMLQuantizationType), the format names of engine/quant/formats.py.
-enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+// kW8: per-channel int8 rows (compressed-tensors W8A16), no ggml type: k bytes a row, one float32 scale a
+// row in Job::scales; the multiply is the blocks' (a tile dequantized, then a float GEMM), and one or two
+// rows of x (decode) convert the int8 weights in registers instead (multiply_w8_direct).
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kW8 = 1000 };
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
 
 constexpr int kTileRows = 4;  // weight rows per tile: 2 x 4 accumulators fit AVX2's 16 registers
@@ -86,6 +90,7 @@ struct Job {
   int64_t row_bytes, n, fmt;
   const float* bias;  // [n] or null
   float* out;         // [m, n] contiguous
+  const float* scales;  // kW8: [n], each row's scale
 };
 
 // The kernels, once per instruction set (quant_gemm_isa.h).
@@ -204,6 +209,52 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t in_fe
   return out;
 }
 
+// Per-channel int8 weights (weight-only, W8A16): out = x @ (scale[:, None] * qweight).T (+ bias).
+at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
+                  qweight.is_contiguous(),
+              "qweight must be a contiguous int8 [out features, in features] CPU tensor");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  TORCH_CHECK(k > 0 && k % 16 == 0, "w8_linear needs in features in multiples of 16, got ", k);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.numel() == n && scale.is_contiguous(),
+              "scale must be a contiguous float32 [out features] tensor");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "x must be a 2-D float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
+  Job job{};
+  job.w = reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>());
+  job.row_bytes = k;
+  job.n = n;
+  job.k = k;
+  job.fmt = kW8;
+  job.scales = scale.data_ptr<float>();
+  at::Tensor xf = x.to(at::kFloat);
+  if (xf.stride(1) != 1) xf = xf.contiguous();
+  at::Tensor bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "bias must be [out features]");
+    bf = bias->to(at::kFloat).contiguous();
+    job.bias = bf.data_ptr<float>();
+  }
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  const int64_t chosen = pick(isa);
+  if (x.size(0) == 0) return out.to(dtype);
+  job.x = xf.data_ptr<float>();
+  job.ldx = xf.stride(0);
+  job.m = xf.size(0);
+  job.out = out.data_ptr<float>();
+  TilesFn fn = isa_portable::tiles;
+#ifdef QUANT_X86
+  if (chosen == kAvx512) fn = isa_avx512::tiles;
+  if (chosen == kAvx2) fn = isa_avx2::tiles;
+#endif
+  const int64_t tiles = (n + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { fn(job, t0, t1); });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
 int64_t quant_linear_isa() { return best_isa(); }
 
 }  // namespace
@@ -212,6 +263,7 @@ TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
   // fmt: the ggml type id; isa: -1 the host's best, else 0 portable, 1 AVX2, 2 AVX-512 (tests pick).
   m.def("quant_linear(Tensor x, Tensor blocks, int fmt, int in_features, Tensor? bias, int isa=-1) -> Tensor");
   m.def("quant_dequantize(Tensor blocks, int fmt, int in_features, int isa=-1) -> Tensor");
+  m.def("w8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int isa=-1) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("quant_linear_isa() -> int", &quant_linear_isa);
 }
@@ -219,4 +271,5 @@ TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
 TORCH_LIBRARY_IMPL(inflight_cpu, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("w8_linear", &w8_linear);
 }

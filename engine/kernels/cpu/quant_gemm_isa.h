@@ -55,6 +55,26 @@ INLINE void emit(float* out, Q q, float scale, float offset) {
 }
 #endif
 
+// load_i8(p): VF's lane count of int8 values at p as floats, converted in registers (the per-channel
+// int8 weights' decode path reads them straight into the multiply).
+#if QUANT_ISA == 2
+INLINE VF load_i8(const uint8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return (VF)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+#elif QUANT_ISA == 1
+INLINE VF load_i8(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return (VF)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+}
+#else
+INLINE VF load_i8(const uint8_t* p) {
+  VF v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(static_cast<int8_t>(p[i]));
+  return v;
+}
+#endif
+
 // Each dequantizer writes one block's values to out[0 .. block size).
 
 INLINE void dq_q8_0(const uint8_t* b, float* out) {
@@ -134,6 +154,16 @@ INLINE void dq_q6_k(const uint8_t* b, float* out) {
   }
 }
 
+// A per-channel int8 row (not a block format): x[i] = scale * q[i], k a multiple of 16. round(q * scale)
+// in float32, as the dequantized float weight holds it.
+INLINE void dq_w8(const uint8_t* row, int64_t k, float scale, float* out) {
+  for (int64_t i = 0; i < k; i += 16) {
+    vi8 q;
+    std::memcpy(&q, row + i, 16);
+    emit(out + i, q, scale, 0.f);
+  }
+}
+
 template <int64_t FMT>
 INLINE void dq_row_as(const uint8_t* row, int64_t num_blocks, float* out) {
   constexpr int64_t bytes = FMT == kQ8_0 ? 34 : FMT == kQ4_0 ? 18 : FMT == kQ4_1 ? 20 : FMT == kQ4_K ? 144
@@ -209,11 +239,68 @@ INLINE void multiply_tile(const Job& job, const float* tile, int64_t r, int64_t 
   }
 }
 
+// Per-channel int8 weights times one or two rows of x (a decode step): each weight vector converted in
+// registers and multiplied at once, no tile buffer; the row's scale multiplies its sum at the end. Rows
+// past the last (rows < 4) read the tile's first row again and are not stored.
+template <int MR>
+INLINE void multiply_w8_direct(const Job& job, int64_t r, int64_t col, int64_t rows) {
+  const int64_t k = job.k;
+  const float* x0 = job.x + r * job.ldx;
+  const float* x1 = x0 + (MR == 2 ? job.ldx : 0);
+  const uint8_t* w0 = job.w + col * job.row_bytes;
+  const uint8_t* w1 = rows > 1 ? w0 + job.row_bytes : w0;
+  const uint8_t* w2 = rows > 2 ? w0 + 2 * job.row_bytes : w0;
+  const uint8_t* w3 = rows > 3 ? w0 + 3 * job.row_bytes : w0;
+  VF a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
+  for (int64_t i = 0; i < k; i += sizeof(VF) / sizeof(float)) {
+    const VF q0 = load_i8(w0 + i), q1 = load_i8(w1 + i), q2 = load_i8(w2 + i), q3 = load_i8(w3 + i);
+    const VF xa = load_vf(x0 + i);
+    a0 += xa * q0;
+    a1 += xa * q1;
+    a2 += xa * q2;
+    a3 += xa * q3;
+    if constexpr (MR == 2) {
+      const VF xb = load_vf(x1 + i);
+      b0 += xb * q0;
+      b1 += xb * q1;
+      b2 += xb * q2;
+      b3 += xb * q3;
+    }
+  }
+  const float sums[2][4] = {{hsum(a0), hsum(a1), hsum(a2), hsum(a3)}, {hsum(b0), hsum(b1), hsum(b2), hsum(b3)}};
+  for (int mm = 0; mm < MR; ++mm) {
+    for (int64_t j = 0; j < rows; ++j) {
+      const float bias = job.bias != nullptr ? job.bias[col + j] : 0.f;
+      job.out[(r + mm) * job.n + col + j] = sums[mm][j] * job.scales[col + j] + bias;
+    }
+  }
+}
+
+INLINE void dq_any_row(const Job& job, int64_t row, float* out) {
+  const uint8_t* w = job.w + row * job.row_bytes;
+  if (job.fmt == kW8) {
+    dq_w8(w, job.k, job.scales[row], out);
+  } else {
+    dq_row(job.fmt, w, job.k, out);
+  }
+}
+
 INLINE void run_tiles(const Job& job, int64_t t0, int64_t t1) {
+  if (job.fmt == kW8 && job.m <= 2) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t col = t * kTileRows, rows = std::min<int64_t>(kTileRows, job.n - col);
+      if (job.m == 2) {
+        multiply_w8_direct<2>(job, 0, col, rows);
+      } else {
+        multiply_w8_direct<1>(job, 0, col, rows);
+      }
+    }
+    return;
+  }
   std::vector<float> tile(kTileRows * job.k);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t col = t * kTileRows, rows = std::min<int64_t>(kTileRows, job.n - col);
-    for (int64_t j = 0; j < rows; ++j) dq_row(job.fmt, job.w + (col + j) * job.row_bytes, job.k, tile.data() + j * job.k);
+    for (int64_t j = 0; j < rows; ++j) dq_any_row(job, col + j, tile.data() + j * job.k);
     if (rows < kTileRows) std::fill(tile.begin() + rows * job.k, tile.end(), 0.f);  // the last tile's gap
     int64_t r = 0;
     for (; r + 2 <= job.m; r += 2) multiply_tile<2>(job, tile.data(), r, col, rows);
@@ -222,7 +309,7 @@ INLINE void run_tiles(const Job& job, int64_t t0, int64_t t1) {
 }
 
 INLINE void dequantize_rows(const Job& job, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) dq_row(job.fmt, job.w + r * job.row_bytes, job.k, job.out + r * job.k);
+  for (int64_t r = r0; r < r1; ++r) dq_any_row(job, r, job.out + r * job.k);
 }
 
 // Entry points: out features' tiles [t0, t1) of a multiply; rows [r0, r1) of a dequantization.

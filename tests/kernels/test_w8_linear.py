@@ -1,0 +1,98 @@
+"""Per-channel int8 linear layers (W8A16): the C++ kernel (engine/kernels/cpu/quant_gemm.cpp,
+``w8_linear``) on every instruction set this host has, and the Triton kernel
+(engine/kernels/w8_matmul.py, under the interpreter without a GPU), against the float64 product of the
+dequantized weight; ``int8_linear``'s dispatch and its torch fallback.
+
+Rows 1 and 2 take the C++ kernel's in-register path, 3 and more its dequantized tiles; out features 37
+end in a partial tile of four rows. Tolerance, float32 x: one float32 sum of k products per output
+(the C++ tiles multiply the dequantized float32 values, the in-register path and Triton the integers,
+scaled after the sum: a few more roundings of the same size), so |got - exact| <= 1e-6 * sum_k |x_k w_k|
++ 2^-22 |exact|. bf16 x: rounded to bf16 once more (2^-8 |exact|; 2^-7 where Triton's interpreter
+truncates).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import cpu as cpu_kernels
+from engine.quant.int8 import Int8Weight, int8_linear, path_for, quantize_per_channel, reference_linear
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _weight(out_features: int, in_features: int, seed: int) -> Int8Weight:
+    gen = torch.Generator().manual_seed(seed)
+    return quantize_per_channel(torch.randn(out_features, in_features, generator=gen) / in_features**0.5)
+
+
+def _check(got: torch.Tensor, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> None:
+    weight = w.dequantize().double()
+    exact = x.double() @ weight.T + (0 if bias is None else bias.double())
+    bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 2.0**-22 * exact.abs()
+    if got.dtype == torch.bfloat16:
+        bound = bound + 2.0**-7 * exact.abs()
+    assert got.shape == exact.shape
+    assert ((got.cpu().double() - exact).abs() <= bound).all(), (got.cpu().double() - exact).abs().max()
+
+
+def test_quantize_per_channel_round_trips_within_half_a_step() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(9, 48, generator=gen)
+    w = quantize_per_channel(weight)
+    assert w.qweight.dtype == torch.int8 and w.scale.shape == (9,)
+    assert (w.qweight.abs().amax(dim=1) == 127).all(), "each row's largest value uses the full range"
+    assert ((w.dequantize() - weight).abs() <= w.scale[:, None] / 2 + 1e-7).all()
+    fused = Int8Weight.cat_rows([w, w.narrow_rows(2, 5)])
+    assert fused.out_features == 12 and torch.equal(fused.dequantize()[9:], w.dequantize()[2:5])
+
+
+@pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels cannot be built here")
+def test_cpu_kernel_on_every_instruction_set() -> None:
+    w = _weight(37, 96, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(37, generator=gen)
+    for isa in range(int(torch.ops.inflight_cpu.quant_linear_isa()) + 1):
+        for rows in (1, 2, 3, 5, 33):
+            x = torch.randn(rows, 96, generator=gen)
+            for b in (None, bias):
+                _check(torch.ops.inflight_cpu.w8_linear(x, w.qweight, w.scale, b, isa), x, w, b)
+        x16 = torch.randn(2, 96, generator=gen).bfloat16()
+        got = torch.ops.inflight_cpu.w8_linear(x16, w.qweight, w.scale, None, isa)
+        assert got.dtype == torch.bfloat16
+        _check(got, x16, w, None)
+    with pytest.raises(RuntimeError, match="multiples of 16"):
+        torch.ops.inflight_cpu.w8_linear(
+            torch.zeros(1, 40), torch.zeros(3, 40, dtype=torch.int8), torch.ones(3), None
+        )
+
+
+def test_int8_linear_dispatch_and_fallback() -> None:
+    """Widths the C++ kernel cannot step through (not a multiple of 16) take the torch reference;
+    the rest the kernel, where it is built. Both give the dequantized weight's product."""
+    gen = torch.Generator().manual_seed(3)
+    for in_features in (40, 64):
+        w = _weight(11, in_features, seed=in_features)
+        x = torch.randn(3, in_features, generator=gen)
+        expected = "cpu" if in_features % 16 == 0 and cpu_kernels.load() else "reference"
+        assert path_for(w) == expected
+        _check(int8_linear(x, w), x, w, None)
+        _check(reference_linear(x, w), x, w, None)
+    with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
+        int8_linear(torch.zeros(2, 63), w)
+
+
+def test_triton_kernel() -> None:
+    w8_matmul = pytest.importorskip("engine.kernels.w8_matmul").w8_matmul
+    gen = torch.Generator().manual_seed(4)
+    w = _weight(37, 80, seed=6)  # 80: a partial last slice of 64 in features
+    bias = torch.randn(37, generator=gen)
+    q, s = w.qweight.to(DEVICE), w.scale.to(DEVICE)
+    for rows, b in ((1, bias), (17, None)):
+        x = torch.randn(rows, 80, generator=gen)
+        _check(w8_matmul(x.to(DEVICE), q, s, None if b is None else b.to(DEVICE)), x, w, b)
+    x16 = torch.randn(3, 80, generator=gen).bfloat16()
+    got = w8_matmul(x16.to(DEVICE), q, s)
+    assert got.dtype == torch.bfloat16
+    _check(got, x16, w, None)
