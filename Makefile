@@ -56,8 +56,8 @@ typecheck: setup
 
 # PYTEST_WORKERS=N runs test files side by side in N processes (pytest-xdist; tests/conftest.py keeps a
 # file's tests together so its fixtures start once, and hands out the longest files first). Much of the
-# suite waits (for stacks to start, sessions to lapse, paced steps), so on two cores three processes
-# keep both busy where two leave them idle close to half the time. The
+# suite waits (for stacks to start, sessions to lapse, paced steps), so on two cores four processes
+# keep both busy where two leave them idle a third of the time or more. The
 # tests marked `serial` compare a prediction or a cost with a timed run; they run afterwards, alone, in
 # one process, so no other test's CPU moves their figures (exit status 5 there: none was selected).
 # Tests marked `slow` (minutes of a real model's forwards: the quantized perplexity) run with
@@ -65,7 +65,7 @@ typecheck: setup
 # 0: everything in one process.
 # PYTEST_ARGS="-p tests.cpu_report" adds, at the end, each test file's wall and CPU seconds (pytest and the
 # stacks and interpreters it started): where the suite's time goes, most CPU first.
-PYTEST_WORKERS ?= 3
+PYTEST_WORKERS ?= 4
 PYTEST := $(BIN)/python -m pytest -q -p no:cacheprovider
 pytest: setup
 ifeq ($(PYTEST_WORKERS),0)

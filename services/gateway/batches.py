@@ -140,7 +140,9 @@ async def advance(gw: Gateway, batch_id: str) -> None:
         if record["status"] == "in_progress" and time.time() > float(record["expires_at"]):
             # The completion window has passed: what has not finished by now is not run.
             await stop(gw, batch_id, expiring=True)
-            record["status"] = "cancelling"
+            # As stored by stop(): lines not yet taken end at once, so this very round may finish the
+            # batch, and it must finish as "expired", not "cancelled".
+            record.update(status="cancelling", expiring="1")
         if record["status"] == "in_progress":
             await _submit(gw, record)
         await _count_and_finish(gw, record)
