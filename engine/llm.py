@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.inputs import EngineRequest
 from engine.llm_engine import LLMEngine, Prompt
-from engine.outputs import ChoiceAccumulator, CompletionOutput, RequestOutput
+from engine.outputs import ChoiceAccumulator, CompletionOutput, PromptLogprobList, RequestOutput
 from engine.platform.threads import limit_torch_threads
 from engine.sampling_params import SamplingParams
 
@@ -73,9 +73,12 @@ class _Accumulator:
         self.last: RequestOutput | None = None
         self.choices: ChoiceAccumulator[dict[int, float]] = ChoiceAccumulator()
         self.num_output_tokens: dict[int, int] = {}
+        self.prompt_logprobs: PromptLogprobList | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.last = out
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for d in out.outputs:
             self.choices.add(d.index, d.token_ids, d.text, d.finish_reason, d.stop_reason, d.logprobs)
             self.num_output_tokens[d.index] = d.num_output_tokens
@@ -95,4 +98,5 @@ class _Accumulator:
             )
             for i, c in sorted(self.choices.choices.items())
         ]
+        out.prompt_logprobs = self.prompt_logprobs
         return out

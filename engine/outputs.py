@@ -34,6 +34,20 @@ class CompletionOutput:
 
 
 @dataclass
+class Logprob:
+    """One token's entry in a prompt's logprobs (vLLM's ``Logprob``)."""
+
+    logprob: float
+    rank: int  # 1: the most likely token at its position
+    decoded_token: str | None = None
+
+
+# One per prompt token: None for the first (nothing scores it), else token id -> its Logprob, holding
+# the prompt token itself and the top-k.
+PromptLogprobList = list[dict[int, Logprob] | None]
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -47,6 +61,9 @@ class RequestOutput:
     # With ``error``: the request field it blames, when the input was at fault (a grammar that did not
     # compile); the worker answers such a failure as a 400 naming it.
     error_param: str | None = None
+    # SamplingParams.prompt_logprobs: the prompt's logprobs, in the first output that has them (in
+    # ``LLM.generate``'s final output too); None when not asked for.
+    prompt_logprobs: PromptLogprobList | None = None
 
 
 @dataclass

@@ -15,6 +15,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -123,6 +124,9 @@ class Request:
         self.num_cached_tokens = 0
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
         self.logprobs: list[dict[int, float]] = []
+        # Prompt logprobs gathered chunk by chunk (requests that ask); sent once, with the first token.
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.prompt_logprobs_sent = False
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.error_param: str | None = None  # the request field an input error blames (a bad grammar)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from engine.structured.spec import StructuredOutput
 
 MAX_LOGIT_BIAS = 300  # OpenAI's bound on logit_bias entries
+MAX_LOGPROBS = 20  # OpenAI's bound on top_logprobs; prompt_logprobs takes the same
 
 
 @dataclass
@@ -31,6 +32,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token; None: off
+    # Top-k logprobs per prompt token (plus the token itself); None: off. Such a request skips the
+    # prefix cache: a cached block's positions get no logits.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Constrained decoding: the output must match this (a JSON schema, regex, ...); None: free text.
@@ -63,8 +67,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.logit_bias is not None:

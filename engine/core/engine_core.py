@@ -24,6 +24,7 @@ from engine.cost_model import StepCostModel
 from engine.inputs import EngineRequest, PromptLimits, check_context_length, prepare_prompt
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineMetrics, RequestRecord, SchedulerStats, StepRecord
+from engine.prompt_logprobs import PromptLogprobs
 from engine.request import Request, RequestStatus
 from engine.runner.model_runner import ModelRunner
 from engine.runner.step_io import RunnerOutput
@@ -278,6 +279,7 @@ class EngineCore:
     def _process(self, step: _Submitted, result: RunnerOutput) -> list[SeqOutput]:
         """A step's tokens: into the requests, out as each sequence's new token and finish."""
         executed_at = time.monotonic()
+        self._gather_prompt_logprobs(result)
         got_token = self.scheduler.update_from_output(step.out, result.sampled)
         outputs: list[SeqOutput] = []
         for request in got_token:
@@ -286,9 +288,10 @@ class EngineCore:
             if lp is not None:
                 request.logprobs.append(lp)
             logprobs = None if lp is None else [lp]
+            prompt_logprobs = self._take_prompt_logprobs(request)
             if request.finished:
                 self.metrics.on_finished(request)
-                outputs.append(self._ended(request, [token], logprobs))
+                outputs.append(self._ended(request, [token], logprobs, prompt_logprobs))
             else:
                 outputs.append(
                     SeqOutput(
@@ -299,6 +302,7 @@ class EngineCore:
                         None,
                         logprobs,
                         request.num_output_tokens,
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         if not self.config.async_scheduling:
@@ -320,11 +324,32 @@ class EngineCore:
         )
         return outputs
 
+    def _gather_prompt_logprobs(self, result: RunnerOutput) -> None:
+        """Each prefill chunk's prompt scores, appended to its request's (a recomputed chunk, after
+        preemption, adds nothing it already has)."""
+        for req_id, chunk in result.prompt_logprobs.items():
+            request = self.scheduler.requests.get(req_id)
+            if request is None or request.prompt_logprobs_sent:
+                continue
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = PromptLogprobs(1)
+            request.prompt_logprobs.extend(chunk)
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request) -> PromptLogprobs | None:
+        """The prompt logprobs to send with this token: once, with the first, when asked for."""
+        if request.sampling_params.prompt_logprobs is None or request.prompt_logprobs_sent:
+            return None
+        request.prompt_logprobs_sent = True
+        # A one-token prompt has no entry to score: an empty set (the client's list is [None]).
+        return request.prompt_logprobs or PromptLogprobs(1)
+
     def _ended(
         self,
         request: Request,
         token_ids: list[int] | None = None,
         logprobs: list[dict[int, float]] | None = None,
+        prompt_logprobs: PromptLogprobs | None = None,
     ) -> SeqOutput:
         """A finished sequence's last output (its record with it); the core forgets it here."""
         group = self._groups.get(request.parent_id)
@@ -343,6 +368,7 @@ class EngineCore:
             RequestRecord.from_request(request),
             request.error,
             request.error_param,
+            prompt_logprobs,
         )
 
     def _report_rejected(self) -> list[SeqOutput]:

@@ -22,6 +22,7 @@ import msgspec
 
 from engine.inputs import ContextLengthError, EngineRequest, PromptError, PromptLimits
 from engine.metrics import RequestRecord, SchedulerStats, StepRecord
+from engine.prompt_logprobs import PromptLogprobs
 from engine.structured.spec import StructuredOutputError
 
 
@@ -129,6 +130,8 @@ class SeqOutput(msgspec.Struct, array_like=True, frozen=True):
     metrics: RequestRecord | None = None  # with a finish: the sequence's record
     error: str | None = None
     error_param: str | None = None  # the request field an input error blames (a grammar that failed)
+    # With the sequence's first token, when its request asks: the whole prompt's logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class Step(msgspec.Struct, tag="step", array_like=True):

@@ -27,7 +27,8 @@ import msgspec
 from engine.core.messages import SeqOutput
 from engine.core.request_group import RequestGroup, SeqState
 from engine.inputs import EngineRequest, PromptLimits, prepare_prompt
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, PromptLogprobList, RequestOutput
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
@@ -107,7 +108,20 @@ class OutputProcessor:
                     del self._groups[group.request_id]
             return results
 
+    def _decode_prompt_logprobs(self, scores: PromptLogprobs) -> PromptLogprobList:
+        """The core's prompt logprob ids as vLLM shapes them, each token decoded on its own."""
+        entries = scores.entries()
+        ids = sorted({tok for e in entries if e is not None for tok in e})
+        tok = self.tokenizer
+        text = {i: tok.decode([i], skip_special_tokens=False) for i in ids} if tok is not None else {}
+        return [
+            None if e is None else {i: Logprob(lp, rank, text.get(i)) for i, (lp, rank) in e.items()}
+            for e in entries
+        ]
+
     def _apply(self, group: RequestGroup, seq: SeqState, out: SeqOutput) -> None:
+        if out.prompt_logprobs is not None and group.prompt_logprobs is None:
+            group.prompt_logprobs = self._decode_prompt_logprobs(out.prompt_logprobs)
         finish, stop_reason, last = out.finish_reason, out.stop_reason, out
         if seq.stop is not None:
             # Already ended by a stop string: only the core's confirmation (or its own end) is left.

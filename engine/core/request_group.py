@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.metrics import RequestRecord
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, PromptLogprobList, RequestOutput
 from engine.sampling.detokenizer import IncrementalDetokenizer
 
 
@@ -36,6 +36,10 @@ class RequestGroup:
     error: str | None = None
     error_param: str | None = None
     completions: dict[int, CompletionOutput] = field(default_factory=dict)  # this step's, by index
+    # The prompt's logprobs (when asked for): set from the first sequence that brings them, sent in
+    # the next delta only.
+    prompt_logprobs: PromptLogprobList | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def all_reported(self) -> bool:
@@ -48,6 +52,9 @@ class RequestGroup:
         self.completions.clear()
         finished = self.all_reported
         first = next(iter(self.seqs.values()))
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -57,4 +64,5 @@ class RequestGroup:
             metrics=first.record if finished else None,
             error=self.error,
             error_param=self.error_param,
+            prompt_logprobs=prompt_logprobs,
         )

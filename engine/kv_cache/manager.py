@@ -118,9 +118,10 @@ class KVCacheManager:
         """The longest run of this request's leading full blocks already in the cache.
 
         At least one token is always left to compute: the step that samples the next token needs
-        the last position's logits.
+        the last position's logits. A request asking for prompt logprobs gets no hit: the cached
+        positions would have no logits to score its prompt with (vLLM does the same).
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         self._update_block_hashes(request, request.num_tokens // self.block_size)

@@ -28,6 +28,7 @@ from engine.platform import memory
 from engine.runner.cuda_graph import GraphedDecode
 from engine.runner.input_batch import CachedRequestState, InputBatch
 from engine.runner.piecewise_graph import PiecewiseGraphs, piecewise_buckets
+from engine.runner.prompt_scoring import PromptScores, plan_prompt_scoring, score_prompt
 from engine.runner.staging import InputStaging
 from engine.runner.step_io import PreparedInputs, RunnerOutput, StepArrays
 from engine.runner.step_overlap import StepHandle, StepOverlap
@@ -272,6 +273,8 @@ class ModelRunner:
         samples = seq_lens == batch.num_tokens[rows]
         logits_indices = query_start_loc[1:][samples] - 1
         sampling_requests = [r for r, s in zip(states, samples, strict=True) if s]
+        # Requests asking for prompt logprobs: their prefill positions get logits too.
+        prompt_plan = plan_prompt_scoring(states, computed, num_sched, query_start_loc[:-1])
         arrays = StepArrays(
             input_ids=input_ids,
             positions=positions,
@@ -282,8 +285,10 @@ class ModelRunner:
             logits_indices=logits_indices,
             max_query_len=int(num_sched.max()),
             decode_only=bool((num_sched == 1).all()),
+            prompt_logits_indices=None if prompt_plan is None else prompt_plan.indices,
         )
         prepared = self.to_device(arrays, sampling_requests)
+        prepared.prompt_plan = prompt_plan
         if self.ranks is not None:
             prepared.arrays = arrays  # the other ranks get them when the step runs (forward)
         return prepared
@@ -373,6 +378,8 @@ class ModelRunner:
         if self.device.type != "cpu":
             self._broadcast_ids(inputs.input_ids)
         hidden = self.forward(inputs)
+        if arrays.prompt_logits_indices is not None:  # before the sampling logits, as rank 0 does
+            self.model.compute_logits(hidden.index_select(0, torch.from_numpy(arrays.prompt_logits_indices)))
         if arrays.logits_indices.size:
             self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
@@ -397,8 +404,10 @@ class ModelRunner:
         # Grammar masks (structured outputs) fill while the model runs; nothing happens without one.
         masks = self.sampler.begin_masks(rows, self.config.model.vocab_size)
         hidden = self.forward(inputs)
+        scores = self.score_prompts(hidden, inputs)
+        prompt_logprobs = scores.to_host() if scores is not None else {}
         if not inputs.sampling_requests:
-            return RunnerOutput({}, {}, prepare_time)
+            return RunnerOutput({}, {}, prepare_time, prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         result = self.sampler(logits, rows, masks)
         sampled = {}
@@ -410,7 +419,16 @@ class ModelRunner:
             for r, lp in zip(inputs.sampling_requests, result.logprobs, strict=True)
             if lp is not None
         }
-        return RunnerOutput(sampled, logprobs, prepare_time)
+        return RunnerOutput(sampled, logprobs, prepare_time, prompt_logprobs=prompt_logprobs)
+
+    def score_prompts(self, hidden: torch.Tensor, inputs: PreparedInputs) -> PromptScores | None:
+        """Prompt logprobs of this step's prefill positions, for the requests that ask (else None).
+        Before the sampling logits: tensor-parallel ranks gather their logits in the same order."""
+        plan = inputs.prompt_plan
+        if plan is None:
+            return None
+        index = torch.from_numpy(plan.indices).to(hidden.device)
+        return score_prompt(self.model.compute_logits(hidden.index_select(0, index)), plan)
 
     # ---- async scheduling (engine/runner/step_overlap.py) ----------------------------------------
     def submit(self, out: SchedulerOutput, prev: StepHandle | None) -> StepHandle:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.prompt_logprobs import PromptLogprobs
 from engine.runner.input_batch import CachedRequestState
+from engine.runner.prompt_scoring import PromptPlan
 
 
 @dataclass
@@ -25,6 +27,8 @@ class StepArrays:
     logits_indices: np.ndarray  # [N] int64
     max_query_len: int
     decode_only: bool
+    # [M] int64: positions whose logits score the next prompt token (prompt logprobs); None: none.
+    prompt_logits_indices: np.ndarray | None = None
 
 
 @dataclass
@@ -35,6 +39,7 @@ class PreparedInputs:
     logits_indices: torch.Tensor  # [N] int64: the flat index of each sampling request's last token
     sampling_requests: list[CachedRequestState]  # the N requests that sample a token this step
     arrays: StepArrays | None = None  # kept by rank 0 of a tensor-parallel group only
+    prompt_plan: PromptPlan | None = None  # the requests that score prompt tokens this step
 
 
 @dataclass
@@ -45,3 +50,5 @@ class RunnerOutput:
     # Seconds of packing, model and sampling, measured apart from the host's wait (async scheduling:
     # the step ran behind the engine thread); None: the caller's wall-clock around execute() is it.
     execute_time: float | None = None
+    # Request id -> the prompt logprobs this step's chunk scored (requests that ask only).
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

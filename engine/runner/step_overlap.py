@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.runner.input_batch import CachedRequestState
+from engine.runner.prompt_scoring import PromptScores
 from engine.runner.step_io import PreparedInputs, RunnerOutput
 from engine.sampling.sampled import SampledTensors
 from engine.sampling.sampler import SamplingRow
@@ -64,6 +65,7 @@ class _DeviceResult:
     seconds: float  # CPU: the worker's time on the step
     # CUDA: events around the step's kernels (the host only queued them, its own time says nothing)
     events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    prompt: PromptScores | None = None  # prompt logprobs the step scored (requests that ask)
 
     def device_time(self) -> float:
         if self.events is None:
@@ -173,8 +175,10 @@ class StepOverlap:
 
     def collect(self, handle: StepHandle) -> RunnerOutput:
         done = handle.future.result()
+        prompt_logprobs = done.prompt.to_host() if done.prompt is not None else {}
         if done.sampled is None:
-            return RunnerOutput({}, {}, handle.prepare_time, handle.prepare_time + done.device_time())
+            execute_time = handle.prepare_time + done.device_time()
+            return RunnerOutput({}, {}, handle.prepare_time, execute_time, prompt_logprobs)
         result = done.sampled.to_host()
         batch = self.runner.input_batch
         sampled: dict[str, int] = {}
@@ -187,7 +191,7 @@ class StepOverlap:
             if batch.requests.get(req_id) is p.state:  # else finished or preempted: its row is gone
                 batch.set_token(p.state, p.position, token)
         execute_time = handle.prepare_time + done.device_time()
-        return RunnerOutput(sampled, logprobs, handle.prepare_time, execute_time)
+        return RunnerOutput(sampled, logprobs, handle.prepare_time, execute_time, prompt_logprobs)
 
     # ---- device side (the worker thread on CPU) ----------------------------------------------
     @torch.inference_mode()
@@ -197,12 +201,14 @@ class StepOverlap:
         if self.runner.device.type == "cuda":
             events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             events[0].record(torch.cuda.current_stream(self.runner.device))
-        sampled = self._device_step(step, prev)
+        sampled, prompt = self._device_step(step, prev)
         if events is not None:
             events[1].record(torch.cuda.current_stream(self.runner.device))
-        return _DeviceResult(sampled, time.perf_counter() - start, events)
+        return _DeviceResult(sampled, time.perf_counter() - start, events, prompt)
 
-    def _device_step(self, step: _DeviceStep, prev: Future[_DeviceResult] | None) -> SampledTensors | None:
+    def _device_step(
+        self, step: _DeviceStep, prev: Future[_DeviceResult] | None
+    ) -> tuple[SampledTensors | None, PromptScores | None]:
         runner = self.runner
         inputs = step.inputs
         prev_tokens = None
@@ -225,9 +231,10 @@ class StepOverlap:
         # In step order, after the previous step's tokens advanced the grammars: fills during the forward.
         masks = runner.sampler.begin_masks(step.rows, runner.config.model.vocab_size)
         hidden = runner.forward(inputs)
+        prompt = runner.score_prompts(hidden, inputs)
         if not step.rows:
-            return None
+            return None, prompt
         logits = runner.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         sampled = runner.sampler.sample(logits, step.rows, masks)
         sampled.copy_to_host_async()
-        return sampled
+        return sampled, prompt

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from engine.outputs import PromptLogprobList
 from services.common.wire_sampling import SamplingWireError, WireSampling
 
 WIRE_VERSION = 1
@@ -196,11 +197,28 @@ class DoneEvent:
     param: str | None = None  # the request field an invalid_request error blames (OpenAI's "param")
     # Prompt tokens whose K/V came from the engine's prefix cache (OpenAI's usage.prompt_tokens_details).
     cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: per prompt of the request (several for a batched completions
+    # prompt), vLLM's list for it: None for the first token, then {token id: {"logprob", "rank",
+    # "decoded_token"}} per token.
+    prompt_logprobs: list[list[dict[str, dict[str, Any]] | None]] | None = None
 
     type: Literal["done"] = field(default="done", init=False)
 
 
 Event = DeltaEvent | DoneEvent
+
+
+def prompt_logprobs_json(entries: PromptLogprobList) -> list[dict[str, dict[str, Any]] | None]:
+    """The engine's prompt logprobs in vLLM's response shape (token ids as strings: JSON's keys)."""
+    return [
+        None
+        if e is None
+        else {
+            str(tok): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tok, lp in e.items()
+        }
+        for e in entries
+    ]
 
 
 def encode_event(event: Event) -> str:
@@ -245,6 +263,7 @@ def decode_event(raw: bytes | str) -> Event:
         worker=str(obj.get("worker", "")),
         param=obj.get("param") if isinstance(obj.get("param"), str) else None,
         cached_tokens=int(obj.get("cached_tokens", 0)),
+        prompt_logprobs=obj.get("prompt_logprobs") if isinstance(obj.get("prompt_logprobs"), list) else None,
     )
 
 

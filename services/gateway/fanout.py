@@ -34,6 +34,12 @@ def combine(done: list[DoneEvent]) -> DoneEvent:
         prompt_tokens=sum(d.prompt_tokens for d in done),
         completion_tokens=sum(d.completion_tokens for d in done),
         cached_tokens=sum(d.cached_tokens for d in done),
+        # One list per prompt, in prompt order (present only when every prompt's is).
+        prompt_logprobs=(
+            [lp for d in done for lp in d.prompt_logprobs or []]
+            if all(d.prompt_logprobs is not None for d in done)
+            else None
+        ),
     )
 
 

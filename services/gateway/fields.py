@@ -46,6 +46,7 @@ SAMPLING_APPLIED = frozenset(
         "guided_regex",
         "guided_choice",
         "guided_grammar",
+        "prompt_logprobs",  # not with stream: they come with the whole response
     }
 )
 COMPLETION_APPLIED = SAMPLING_APPLIED | {
@@ -55,7 +56,6 @@ COMPLETION_APPLIED = SAMPLING_APPLIED | {
     "echo",
     "suffix",  # only empty: a fill-in-the-middle prompt needs a template this server does not have
     "best_of",  # only equal to n: there is no server-side ranking
-    "prompt_logprobs",  # only unset: the engine computes no prompt logprobs
 }
 CHAT_APPLIED = SAMPLING_APPLIED | {
     "messages",

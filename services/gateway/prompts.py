@@ -130,10 +130,6 @@ def _bad(message: str, param: str | None = None) -> APIError:
 
 def prepare_completion(req: CompletionRequest, info: ModelInfo) -> Prepared:
     check_fields(req)
-    if req.prompt_logprobs is not None:
-        raise _bad(
-            "prompt_logprobs is not supported (the engine computes no prompt logprobs)", "prompt_logprobs"
-        )
     if req.suffix:
         raise _bad("suffix is not supported", "suffix")
     if req.echo and req.logprobs is not None:
@@ -346,6 +342,9 @@ def _finish(
     vocab = info.vocab_size
     if vocab is not None and req.stop_token_ids and max(req.stop_token_ids) >= vocab:
         raise _bad(f"stop_token_ids must be below the vocabulary size {vocab}", "stop_token_ids")
+    if req.prompt_logprobs is not None and req.stream:
+        # They are known once the prompt is computed but travel with the request's end (DoneEvent).
+        raise _bad("prompt_logprobs is not supported with stream", "prompt_logprobs")
     room = None if info.max_model_len is None else info.max_model_len - len(ids)
     fields: dict[str, Any] = {
         "n": req.n,
@@ -363,6 +362,7 @@ def _finish(
         "stop_token_ids": list(req.stop_token_ids or []),
         "ignore_eos": req.ignore_eos,
         "logprobs": logprobs,
+        "prompt_logprobs": req.prompt_logprobs,
         "include_stop_str_in_output": req.include_stop_str_in_output,
         "skip_special_tokens": req.skip_special_tokens,
         "structured": structured,

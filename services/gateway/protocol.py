@@ -81,6 +81,8 @@ class _Sampling(_Checked):
     user: str | None = None
     # Token id (as a string, JSON's only key type) -> bias added to its logit; checked in prompts.py.
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    # vLLM's: the top-k logprobs of every prompt token (and the token itself), in each choice.
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # vLLM's extra sampling parameters
     top_k: int | None = Field(None, ge=-1, le=_MAX_INT)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -119,7 +121,6 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=16)
-    prompt_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class TextPart(BaseModel):

@@ -151,6 +151,7 @@ class ResponseBuilder:
                     i, self._echo(i) + c.text, c.finish_reason, c.stop_reason, c.token_ids, c.logprobs
                 )
             )
+        add_prompt_logprobs(choices, done.prompt_logprobs)
         body = self._envelope(choices, chunk=False)
         body["usage"] = done_usage(done)
         return body
@@ -268,6 +269,15 @@ def sse_data(obj: dict[str, Any]) -> str:
     return f"data: {_dumps(obj)}\n\n"
 
 
+def add_prompt_logprobs(choices: list[dict[str, Any]], per_prompt: list[Any] | None) -> None:
+    """vLLM's ``prompt_logprobs`` on each choice: its prompt's (choices run n per prompt, in order)."""
+    if not per_prompt or not choices:
+        return
+    n = max(len(choices) // len(per_prompt), 1)
+    for i, choice in enumerate(choices):
+        choice["prompt_logprobs"] = per_prompt[min(i // n, len(per_prompt) - 1)]
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens served from the engine's prefix cache."""
     return {
@@ -316,6 +326,8 @@ def response_from_record(record: dict[str, str], request_id: str) -> dict[str, A
         builder._choice(c["index"], c["text"], c.get("finish_reason"), c.get("stop_reason"), [], [])
         for c in result.get("choices", [])
     ]
+    plp = result.get("prompt_logprobs")
+    add_prompt_logprobs(choices, None if plp is None else [plp])
     body = builder._envelope(choices, chunk=False)
     details = used.get("prompt_tokens_details") or {}
     body["usage"] = usage(

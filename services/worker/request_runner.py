@@ -29,7 +29,15 @@ from services.common.engine_spans import EngineSpanExporter
 from services.common.metrics import service_families
 from services.common.settings import Settings
 from services.common.store import Store
-from services.common.wire import CANCELLED, COMPLETED, FAILED, DeltaEvent, DoneEvent, encode_event
+from services.common.wire import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    DeltaEvent,
+    DoneEvent,
+    encode_event,
+    prompt_logprobs_json,
+)
 from services.worker.lifecycle import RunEvent, RunStatus
 from services.worker.poison import fail_if_poison, failed_before
 from services.worker.publisher import Publisher
@@ -213,6 +221,8 @@ class Runner:
             async for out in stream:
                 for c in out.outputs:
                     self._on_completion(run, params, c, out.error)
+                if out.prompt_logprobs is not None:  # once, with the first tokens
+                    run.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
                 if out.metrics is not None:  # the finished request's record: its prefix-cache hit
                     run.cached_tokens = min(out.metrics.num_cached_tokens, len(run.prompt_token_ids))
                 if out.error_param is not None:  # the input's fault (a grammar that did not compile): a 400
@@ -332,7 +342,7 @@ class Runner:
             "model": run.msg.model,
             "created": f"{run.msg.created:.6f}",
             "job": int(run.msg.job),
-            "result": json.dumps({"choices": choices}),
+            "result": json.dumps({"choices": choices, "prompt_logprobs": run.prompt_logprobs}),
             "usage": json.dumps(usage),
             "worker": self.settings.worker_id,
             "resumed_tokens": run.resumed_from,

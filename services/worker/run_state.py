@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import InitVar, dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from aiokafka.structs import TopicPartition
 from opentelemetry import trace
@@ -126,6 +127,8 @@ class Run:
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (usage)
+    # SamplingParams.prompt_logprobs: the prompt's, in vLLM's response shape (wire.prompt_logprobs_json).
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
     log_full: bool = False  # its log reached INFLIGHT_MAX_LOG_BYTES: failed, its engine request aborted
     task: asyncio.Task[Outcome] | None = None
 
@@ -222,5 +225,6 @@ class Run:
             worker=worker,
             param=box.final.param,
             cached_tokens=self.cached_tokens,
+            prompt_logprobs=None if self.prompt_logprobs is None else [self.prompt_logprobs],
         )
         return encode_event(done)
