@@ -32,3 +32,11 @@ def hf_greedy(path: str | Path, prompt: list[int], max_new_tokens: int) -> list[
                 input_ids=torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True
             )
     return out
+
+
+def hf_prompt_logprobs(path: str | Path, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, V]: row i is the log-softmax that scores prompt token i + 1 (one full forward)."""
+    model = _load(str(path))
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1)

@@ -179,3 +179,49 @@ def test_cached_tokens_show_the_prefix_hit(stack: Stack) -> None:
 
     view = wait_for(finished, 60, message="the job to finish")
     assert view["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+
+
+def _check_prompt_logprobs(entries: Any, num_tokens: int, k: int) -> None:
+    """vLLM's shape: None first, then token id (str) -> {logprob, rank, decoded_token}, the prompt
+    token plus the top k (k + 1 entries, or k when the prompt token is among them)."""
+    assert isinstance(entries, list) and len(entries) == num_tokens and entries[0] is None
+    for entry in entries[1:]:
+        assert k <= len(entry) <= k + 1
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks[:k] == list(range(1, k + 1))  # the top k, then the prompt token's own (if not in)
+        assert all(
+            set(e) == {"logprob", "rank", "decoded_token"} and e["logprob"] <= 0 for e in entry.values()
+        )
+        assert all(int(tok) >= 0 and isinstance(e["decoded_token"], str) for tok, e in entry.items())
+        best = max(entry.values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1
+
+
+def test_prompt_logprobs_per_choice(stack: Stack) -> None:
+    client = stack.client()
+    prompts = ["The capital of France is", "One two three four five six"]
+    one = client.completions.create(
+        model=MODEL_NAME, prompt=prompts[0], max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    assert one.usage is not None
+    _check_prompt_logprobs(one.choices[0].model_extra["prompt_logprobs"], one.usage.prompt_tokens, 2)
+    # A batch: each choice carries its own prompt's list (n per prompt).
+    batch = client.completions.create(
+        model=MODEL_NAME, prompt=prompts, n=2, max_tokens=2, extra_body={"prompt_logprobs": 2}
+    )
+    lists = [c.model_extra["prompt_logprobs"] for c in sorted(batch.choices, key=lambda c: c.index)]
+    assert lists[0] == lists[1] == one.choices[0].model_extra["prompt_logprobs"] and lists[2] == lists[3]
+    assert batch.usage is not None and len(lists[0]) + len(lists[2]) == batch.usage.prompt_tokens
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )
+    assert chat.usage is not None
+    _check_prompt_logprobs(chat.choices[0].model_extra["prompt_logprobs"], chat.usage.prompt_tokens, 0)
+    for extra, says in (({"prompt_logprobs": 21}, "20"), ({"prompt_logprobs": 1, "stream": True}, "stream")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=2, extra_body=extra)
+        error = _error(caught.value)
+        assert error["param"] == "prompt_logprobs" and says in error["message"]
