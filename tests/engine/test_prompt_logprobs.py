@@ -73,7 +73,9 @@ def test_one_token_prompt_and_k_zero(tiny_llama_path: Path) -> None:
     assert three.prompt_logprobs is not None and three.prompt_logprobs[0] is None
     # k = 0: the prompt token alone, with its rank.
     assert [list(e) for e in three.prompt_logprobs[1:] if e is not None] == [[8], [9]]
-    assert all(e is not None and e[t].logprob <= 0.0 for e, t in zip(three.prompt_logprobs[1:], [8, 9]))
+    assert all(
+        e is not None and e[t].logprob <= 0.0 for e, t in zip(three.prompt_logprobs[1:], [8, 9], strict=True)
+    )
 
 
 def test_bound_like_logprobs() -> None:

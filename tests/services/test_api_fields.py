@@ -197,6 +197,14 @@ def _check_prompt_logprobs(entries: Any, num_tokens: int, k: int) -> None:
         assert best["rank"] == 1
 
 
+def _same_scores(a: list[Any], b: list[Any]) -> None:
+    """The same prompt's lists, computed in different batches (float sums may differ in the last bits)."""
+    assert len(a) == len(b) and a[0] is None and b[0] is None
+    for x, y in zip(a[1:], b[1:], strict=True):
+        assert set(x) == set(y)
+        assert all(x[t]["logprob"] == pytest.approx(y[t]["logprob"], abs=1e-3) for t in x)
+
+
 def test_prompt_logprobs_per_choice(stack: Stack) -> None:
     client = stack.client()
     prompts = ["The capital of France is", "One two three four five six"]
@@ -210,7 +218,9 @@ def test_prompt_logprobs_per_choice(stack: Stack) -> None:
         model=MODEL_NAME, prompt=prompts, n=2, max_tokens=2, extra_body={"prompt_logprobs": 2}
     )
     lists = [c.model_extra["prompt_logprobs"] for c in sorted(batch.choices, key=lambda c: c.index)]
-    assert lists[0] == lists[1] == one.choices[0].model_extra["prompt_logprobs"] and lists[2] == lists[3]
+    _same_scores(lists[0], one.choices[0].model_extra["prompt_logprobs"])
+    _same_scores(lists[1], lists[0])
+    _same_scores(lists[3], lists[2])
     assert batch.usage is not None and len(lists[0]) + len(lists[2]) == batch.usage.prompt_tokens
     chat = client.chat.completions.create(
         model=MODEL_NAME,
