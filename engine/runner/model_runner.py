@@ -28,7 +28,7 @@ from engine.platform import memory
 from engine.runner.cuda_graph import GraphedDecode
 from engine.runner.input_batch import CachedRequestState, InputBatch
 from engine.runner.piecewise_graph import PiecewiseGraphs, piecewise_buckets
-from engine.runner.prompt_scoring import PromptScores, plan_prompt_scoring, score_prompt
+from engine.runner.prompt_scoring import PromptScores, blocks, plan_prompt_scoring, score_prompt
 from engine.runner.staging import InputStaging
 from engine.runner.step_io import PreparedInputs, RunnerOutput, StepArrays
 from engine.runner.step_overlap import StepHandle, StepOverlap
@@ -379,7 +379,8 @@ class ModelRunner:
             self._broadcast_ids(inputs.input_ids)
         hidden = self.forward(inputs)
         if arrays.prompt_logits_indices is not None:  # before the sampling logits, as rank 0 does
-            self.model.compute_logits(hidden.index_select(0, torch.from_numpy(arrays.prompt_logits_indices)))
+            for index in blocks(arrays.prompt_logits_indices, hidden.device):
+                self.model.compute_logits(hidden.index_select(0, index))
         if arrays.logits_indices.size:
             self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
@@ -427,8 +428,7 @@ class ModelRunner:
         plan = inputs.prompt_plan
         if plan is None:
             return None
-        index = torch.from_numpy(plan.indices).to(hidden.device)
-        return score_prompt(self.model.compute_logits(hidden.index_select(0, index)), plan)
+        return score_prompt(hidden, plan, self.model.compute_logits)
 
     # ---- async scheduling (engine/runner/step_overlap.py) ----------------------------------------
     def submit(self, out: SchedulerOutput, prev: StepHandle | None) -> StepHandle:

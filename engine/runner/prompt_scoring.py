@@ -7,6 +7,7 @@ sampling positions alone, as before. See engine/prompt_logprobs.py for the index
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,10 @@ import torch
 
 from engine.prompt_logprobs import PromptLogprobs
 from engine.runner.input_batch import CachedRequestState
+
+# Logits rows per block: a long prompt chunk is scored in blocks, so its [rows, V] logits stay bounded
+# (512 rows of a 152k vocabulary in float32: about 300 MB) whatever the step's token budget.
+SCORE_ROWS = 512
 
 
 @dataclass
@@ -90,17 +95,33 @@ class PromptScores:
         return out
 
 
-def score_prompt(logits: torch.Tensor, plan: PromptPlan) -> PromptScores:
-    """``logits``: [M, V] at ``plan.indices``. Log-softmax of the raw logits (before any sampling
-    knob), the actual token's logprob and rank, and the top-k."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [M, V]
-    targets = torch.from_numpy(plan.targets).to(logits.device)
-    target = logprobs.gather(1, targets[:, None])  # [M, 1]
-    ranks = (logprobs > target).sum(dim=-1) + 1  # [M]: 1 + tokens strictly more likely
-    top_vals, top_ids = logprobs.topk(plan.num_top, dim=-1)  # k == 0 gives [M, 0]
-    tensors = [top_vals, top_ids, target.squeeze(1), ranks]
+def blocks(indices: np.ndarray, device: torch.device) -> Iterator[torch.Tensor]:
+    """``indices`` in blocks of SCORE_ROWS, on ``device``: every tensor-parallel rank gathers its
+    logits in these same blocks."""
+    for start in range(0, len(indices), SCORE_ROWS):
+        yield torch.from_numpy(indices[start : start + SCORE_ROWS]).to(device)
+
+
+def score_prompt(
+    hidden: torch.Tensor, plan: PromptPlan, compute_logits: Callable[[torch.Tensor], torch.Tensor]
+) -> PromptScores:
+    """Log-softmax of the raw logits at ``plan.indices`` (before any sampling knob): the actual
+    token's logprob and rank, and the top-k. ``hidden``: the step's [T, hidden] states."""
+    parts: list[list[torch.Tensor]] = [[], [], [], []]
+    targets = torch.from_numpy(plan.targets).to(hidden.device)
+    start = 0
+    for index in blocks(plan.indices, hidden.device):
+        logits = compute_logits(hidden.index_select(0, index))  # [m, V]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        target = logprobs.gather(1, targets[start : start + len(index), None])  # [m, 1]
+        ranks = (logprobs > target).sum(dim=-1) + 1  # [m]: 1 + tokens strictly more likely
+        top_vals, top_ids = logprobs.topk(plan.num_top, dim=-1)  # k == 0 gives [m, 0]
+        for part, t in zip(parts, (top_vals, top_ids, target.squeeze(1), ranks), strict=True):
+            part.append(t)
+        start += len(index)
+    tensors = [torch.cat(part) for part in parts]
     copied = None
-    if logits.device.type == "cuda":
+    if hidden.device.type == "cuda":
         # Queued behind the step, read when the step is collected: no wait on the engine thread.
         tensors = [t.to("cpu", non_blocking=True) for t in tensors]
         copied = torch.cuda.Event()
