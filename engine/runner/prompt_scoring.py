@@ -126,4 +126,5 @@ def score_prompt(
         tensors = [t.to("cpu", non_blocking=True) for t in tensors]
         copied = torch.cuda.Event()
         copied.record()
-    return PromptScores(plan, *tensors, copied=copied)
+    top_vals, top_ids, target_logprobs, target_ranks = tensors
+    return PromptScores(plan, top_vals, top_ids, target_logprobs, target_ranks, copied)

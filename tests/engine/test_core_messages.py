@@ -30,6 +30,7 @@ from engine.core.messages import (
 )
 from engine.inputs import ContextLengthError, EngineRequest
 from engine.metrics import RequestRecord, SchedulerStats, StepRecord
+from engine.prompt_logprobs import PromptLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -62,6 +63,13 @@ def test_a_step_crosses_with_every_field() -> None:
     assert isinstance(step, Step) and step.busy and step.load == record.stats
     assert step.steps == [record] and step.finished == finished
     assert step.outputs == outputs  # int logprob keys, the stop reason's union, the records: all as sent
+    # A first token with its prompt's logprobs (prompt tokens 1 and 2: the token, then the top 1).
+    first = SeqOutput(
+        "p", 0, [5], prompt_logprobs=PromptLogprobs(1, [[9, 4], [4, 4]], [[-2.5, -0.5], [-0.1, -0.1]], [3, 1])
+    )
+    again = client_codec().decode(core_codec().encode(Step([first])))
+    assert again.outputs == [first]
+    assert again.outputs[0].prompt_logprobs.entries() == [None, {9: (-2.5, 3), 4: (-0.5, 1)}, {4: (-0.1, 1)}]
 
 
 def test_commands_cross_and_sampling_params_are_validated_on_arrival() -> None:
