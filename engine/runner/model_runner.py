@@ -405,10 +405,10 @@ class ModelRunner:
         # Grammar masks (structured outputs) fill while the model runs; nothing happens without one.
         masks = self.sampler.begin_masks(rows, self.config.model.vocab_size)
         hidden = self.forward(inputs)
-        scores = self.score_prompts(hidden, inputs)
-        prompt_logprobs = scores.to_host() if scores is not None else {}
+        scores = self.score_prompts(hidden, inputs)  # read after sampling: one wait for both
         if not inputs.sampling_requests:
-            return RunnerOutput({}, {}, prepare_time, prompt_logprobs=prompt_logprobs)
+            prompt_only = scores.to_host() if scores is not None else {}
+            return RunnerOutput({}, {}, prepare_time, prompt_logprobs=prompt_only)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
         result = self.sampler(logits, rows, masks)
         sampled = {}
@@ -420,6 +420,7 @@ class ModelRunner:
             for r, lp in zip(inputs.sampling_requests, result.logprobs, strict=True)
             if lp is not None
         }
+        prompt_logprobs = scores.to_host() if scores is not None else {}
         return RunnerOutput(sampled, logprobs, prepare_time, prompt_logprobs=prompt_logprobs)
 
     def score_prompts(self, hidden: torch.Tensor, inputs: PreparedInputs) -> PromptScores | None:
