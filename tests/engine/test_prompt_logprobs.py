@@ -87,3 +87,17 @@ def test_bound_like_logprobs() -> None:
         SamplingParams(prompt_logprobs=21)
     with pytest.raises(ValueError, match="prompt_logprobs must be in"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_preempted_requests_keep_one_entry_per_token(tiny_llama_path: Path) -> None:
+    # A pool too small for all five: some are preempted and prefill their prompt again, which adds no
+    # second copy of the entries they already have.
+    rng = random.Random(6)
+    batch = [[rng.randrange(5, 1000) for _ in range(rng.randint(20, 30))] for _ in range(5)]
+    llm = LLM(str(tiny_llama_path), num_blocks=18, block_size=4, max_num_seqs=5, max_model_len=64)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=K)
+    outs = llm.generate(batch, params)
+    assert llm.engine.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    for prompt, out in zip(batch, outs, strict=True):
+        check_against_hf(tiny_llama_path, prompt, out.prompt_logprobs)
+    llm.engine.kv.check_integrity()
