@@ -16,6 +16,7 @@ import pytest
 
 from harness.servers import ServerProcess
 from services.common import keys
+from services.worker.main import EXIT_HAND_OVER
 from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for, worker_stats
 
 pytestmark = pytest.mark.timeout(240)
@@ -123,9 +124,16 @@ def test_a_worker_whose_engine_died_leaves_the_group(servers: Any, model_path: P
         )
         failed = {k: v for k, v in statuses.items() if v != "completed"}
         assert not failed, failed
-        # The doomed worker is not ready, and holds no partition.
-        resp = httpx.get(f"{doomed.url}/readyz", timeout=10)
-        assert resp.status_code == 503 and resp.json()["partitions"] == []
-        assert httpx.get(f"{doomed.url}/healthz", timeout=10).status_code == 500
+        try:
+            ready = httpx.get(f"{doomed.url}/readyz", timeout=10)
+        except httpx.ConnectError:
+            # Leaving the group can hang in a rebalance the broker does not finish (a loaded host): past
+            # its bound the worker exits instead, which frees its partitions just the same.
+            assert doomed.proc.wait(60) == EXIT_HAND_OVER
+            assert "the group could not be left" in doomed.log_path.read_text(errors="replace")
+        else:
+            # The doomed worker is not ready, and holds no partition.
+            assert ready.status_code == 503 and ready.json()["partitions"] == []
+            assert httpx.get(f"{doomed.url}/healthz", timeout=10).status_code == 500
     finally:
         stack.close()
