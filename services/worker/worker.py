@@ -80,6 +80,7 @@ class Worker:
         # Set once a dead engine's requests are handed back and the group left (main.py may then exit).
         self.handed_over = asyncio.Event()
         self.hand_over_failed = False  # a dead engine's worker could not leave the group (main exits)
+        self._leave_step = ""  # which step of leaving the group is under way (named if it hangs)
         self._tasks: list[asyncio.Task[Any]] = []
         self._consumer_tasks: list[asyncio.Task[Any]] = []
         self._background: set[asyncio.Task[Any]] = set()  # fire-and-forget, referenced until done
@@ -299,19 +300,27 @@ class Worker:
             # aiokafka's stop() first waits for its coordination task, which a rebalance the broker
             # never completes holds for good: the member would keep this worker's partitions, and
             # their requests would wait, for as long as the process lives.
-            log.error("leaving the consumer group took over %.0fs: giving up on it", _HAND_OVER_TIMEOUT_S)
+            log.error(
+                "leaving the consumer group took over %.0fs (stuck %s): giving up on it",
+                _HAND_OVER_TIMEOUT_S,
+                self._leave_step,
+            )
             self.hand_over_failed = True
         self.handed_over.set()
 
     async def _leave_group(self) -> None:
         for task in self._consumer_tasks:
             task.cancel()
+        self._leave_step = "ending the fetch tasks"
         await asyncio.gather(*self._consumer_tasks, return_exceptions=True)
+        self._leave_step = "committing"
         await self.committer.commit_now()
         if self.consumer is not None:
             consumer, self.consumer = self.consumer, None  # stop() must not leave the group twice
             try:
+                self._leave_step = "leaving a first generation"
                 await leave_first_generation(consumer)
+                self._leave_step = "stopping the consumer"
                 await consumer.stop()
                 log.info("left the consumer group: the engine is dead")
             except (KafkaError, OSError) as exc:

@@ -20,6 +20,7 @@ from harness.servers import ServerProcess
 from harness.stack import ServiceProcess
 from services.common import keys
 from services.common.wire import DeltaEvent, DoneEvent, decode_event
+from services.worker.main import EXIT_ENGINE_STALLED, EXIT_HAND_OVER
 from tests.services.conftest import ExtraGateway
 from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for, worker_stats
 
@@ -112,8 +113,13 @@ def test_a_stalled_core_is_killed_and_its_request_resumes_on_another_worker(pace
             if i == 10:
                 stop_the_core(request_id)
         ((owner, core_pid),) = stalled
-        # The worker said it is not ready, then exited for a restart with the stall's exit code.
-        assert owner.proc.wait(timeout=60) == 3
+        # The worker said it is not ready, then exited for a restart with the stall's exit code (or, where
+        # leaving the group hung in a rebalance the broker did not finish, a loaded host, with the
+        # hand-over's: its partitions are freed by its exit just the same).
+        code = owner.proc.wait(timeout=60)
+        assert code == EXIT_ENGINE_STALLED or (
+            code == EXIT_HAND_OVER and "the group could not be left" in owner.tail_log(20_000)
+        )
         stop.set()
         assert 503 in statuses and 200 not in statuses[statuses.index(503) :]
         assert "the engine core stalled" in owner.tail_log(20_000)

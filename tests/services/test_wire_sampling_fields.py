@@ -43,6 +43,7 @@ def test_every_field_round_trips_through_json() -> None:
         skip_special_tokens=False,
         structured=StructuredOutput("regex", "[ab]+", "response_format"),
         logit_bias={5: 1.5, 9: -100.0},
+        prompt_logprobs=3,
     )
     defaults = SamplingParams()
     # Every field differs from its default here, so a field the codec dropped would show.
