@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -37,6 +38,8 @@ from services.gateway.token_streams import Hub
 from services.gateway.uploads import BodyLimitButUploads
 
 log = logging.getLogger(__name__)
+
+_SHUTDOWN_STEP_S = 5.0  # each step of the shutdown after the drain (see lifespan)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -79,10 +82,18 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             yield
         finally:
-            await live_feed.stop()
-            await dispatcher.stop()
-            await hub.stop()
-            await client.aclose()
+            # Each step bounded: a broker or Redis that stops answering must not keep the process past
+            # its drain (its orchestrator would SIGKILL it anyway, after the whole grace period).
+            for name, step in (
+                ("the live feed", live_feed.stop()),
+                ("the dispatcher", dispatcher.stop()),
+                ("the token hub", hub.stop()),
+                ("the Redis client", client.aclose()),
+            ):
+                try:
+                    await asyncio.wait_for(step, _SHUTDOWN_STEP_S)
+                except TimeoutError:
+                    log.warning("shutdown: stopping %s took over %.0fs: not waiting", name, _SHUTDOWN_STEP_S)
 
     app = FastAPI(
         title="inflight",
