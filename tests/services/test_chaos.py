@@ -38,7 +38,7 @@ def test_short_seeded_soak(model_path: Path, tmp_path: Path) -> None:
     assert sorted(names) == sorted(FAULTS) and names[-1] == "kill gateway"
     assert all(f.ok for f in report.faults), [(f.name, f.detail) for f in report.faults]
     stall = next(f for f in report.faults if f.name == "stall core")
-    assert "worker exited with 3" in stall.detail and "witness same text" in stall.detail
+    assert "worker exited with " in stall.detail and "witness same text" in stall.detail
     oom = next(f for f in report.faults if f.name == "redis oom")
     assert oom.detail == "writes answered OOM"
     # How many are refused at the door depends on where the broker restart and the spell fall.
