@@ -181,6 +181,14 @@ return 1
 # while the record exists and is not terminal (a worker's finish, or a cancel, is never overwritten),
 # and never leaving a key without a TTL (a record that lost its TTL gets its own "ttl" back, else the
 # default). Returns 1 when written, 0 when refused.
+# HSET on a hash only while it exists (a batch record past its TTL is not re-created without one).
+# ARGV: field, value, ... Returns 1 written, 0 missing.
+UPDATE_EXISTING = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+
 SET_FIELDS = f"""
 {_TERMINAL}
 local status = redis.call('HGET', KEYS[1], 'status')

@@ -174,6 +174,16 @@ class Store:
         args = [default_ttl_s, *flat]
         return bool(await self._eval(redis_scripts.SET_FIELDS, [keys.record(request_id)], args))
 
+    def update_existing_call(
+        self, key: str, fields: dict[str, str | int | float]
+    ) -> tuple[str, list[str], list[str]]:
+        """For ``eval_many``: write ``fields`` into the hash ``key`` only if it exists."""
+        return redis_scripts.UPDATE_EXISTING, [key], [str(v) for kv in fields.items() for v in kv]
+
+    async def update_existing(self, key: str, fields: dict[str, str | int | float]) -> bool:
+        """Write ``fields`` into the hash ``key`` if it exists (it keeps its TTL); False when it is gone."""
+        return bool(await self._eval(*self.update_existing_call(key, fields)))
+
     async def get_record(self, request_id: str) -> dict[str, str] | None:
         record = await self.client.hgetall(keys.record(request_id))
         return {str(k): str(v) for k, v in record.items()} or None

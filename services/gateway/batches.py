@@ -53,6 +53,12 @@ _LOCK_MS = 30_000
 _SUBMIT_PER_ROUND = 256  # lines one advance submits at most: a round stays short
 
 
+def _eval_args(call: tuple[str, list[str], list[str]]) -> tuple[Any, ...]:
+    """A store script call as ``pipeline.eval``'s arguments (script, number of keys, keys, args)."""
+    script, keys_, args = call
+    return (script, len(keys_), *keys_, *args)
+
+
 def batch_key(batch_id: str) -> str:
     return keys.record(batch_id)
 
@@ -154,8 +160,12 @@ async def stop(gw: Gateway, batch_id: str, *, expiring: bool = False) -> None:
     """No more lines are submitted and the unfinished jobs are cancelled (a cancel, or the window's end);
     the batch is "cancelled" (or "expired") once they have all ended."""
     client = gw.store.client
-    fields = {"status": "cancelling", "cancelling_at": int(time.time()), "expiring": int(expiring)}
-    await client.hset(batch_key(batch_id), mapping=cast(Any, fields))
+    fields: dict[str, str | int | float] = {
+        "status": "cancelling",
+        "cancelling_at": int(time.time()),
+        "expiring": int(expiring),
+    }
+    await gw.store.update_existing(batch_key(batch_id), fields)
     for raw in await client.lrange(lines_key(batch_id), 0, -1):
         job_id = json.loads(raw).get("job")
         if job_id:
@@ -176,7 +186,7 @@ async def _num_queued(gw: Gateway, record: dict[str, str]) -> int:
     queued = [str(s or "") == QUEUED for s in await pipe.execute()]
     moved = next((i for i, q in enumerate(queued) if q), len(queued))
     if moved:
-        await client.hset(batch_key(batch_id), "queued_from", low + moved)
+        await gw.store.update_existing(batch_key(batch_id), {"queued_from": low + moved})
         record["queued_from"] = str(low + moved)
     return sum(queued)
 
@@ -203,7 +213,7 @@ async def _submit(gw: Gateway, record: dict[str, str]) -> None:
         pipe = client.pipeline(transaction=True)
         pipe.rpush(lines_key(batch_id), json.dumps(entry))
         pipe.expire(lines_key(batch_id), 2 * gw.settings.job_ttl_s)  # as long as the batch record
-        pipe.hset(batch_key(batch_id), "cursor", index + 1)
+        pipe.eval(*_eval_args(gw.store.update_existing_call(batch_key(batch_id), {"cursor": index + 1})))
         await pipe.execute()
         record["cursor"] = str(index + 1)
 
@@ -263,14 +273,14 @@ async def _count_and_finish(gw: Gateway, record: dict[str, str]) -> None:
     client = gw.store.client
     batch_id = record["id"]
     counts, entries, statuses = await counts_of(gw, batch_id)
-    await client.hset(batch_key(batch_id), "request_counts", json.dumps(counts))
+    await gw.store.update_existing(batch_key(batch_id), {"request_counts": json.dumps(counts)})
     cancelling = record["status"] == "cancelling"
     submitted_all = int(record["cursor"]) >= int(record["total"])
     if not (submitted_all or cancelling) or any(
         e.get("job") and s not in TERMINAL for e, s in zip(entries, statuses, strict=True)
     ):
         return
-    await client.hset(batch_key(batch_id), "finalizing_at", int(time.time()))
+    await gw.store.update_existing(batch_key(batch_id), {"finalizing_at": int(time.time())})
     output, errors = [], []
     for index, (entry, status) in enumerate(zip(entries, statuses, strict=True)):
         if "error" in entry:

@@ -189,3 +189,21 @@ async def test_a_burst_past_the_pool_waits_its_turn(own_redis: ServerProcess) ->
     finally:
         await client.aclose()
         await checker.aclose()
+
+
+async def test_update_existing_never_recreates_a_hash(store: Store) -> None:
+    """A batch record's progress writes: into the record while it lives (its TTL kept), never re-creating
+    one that expired (it would have no TTL and live for good)."""
+    await store.client.hset("inflight:batch:live", mapping={"status": "in_progress"})
+    await store.client.expire("inflight:batch:live", 60)
+    assert await store.update_existing("inflight:batch:live", {"cursor": 3, "status": "cancelling"})
+    assert await store.client.hgetall("inflight:batch:live") == {"status": "cancelling", "cursor": "3"}
+    assert 0 < await store.client.ttl("inflight:batch:live") <= 60
+    assert not await store.update_existing("inflight:batch:gone", {"cursor": 3})
+    assert not await store.client.exists("inflight:batch:gone")
+    # In a transaction beside other writes, as the batch's submit round does.
+    pipe = store.client.pipeline(transaction=True)
+    script, keys_, args = store.update_existing_call("inflight:batch:gone", {"cursor": 4})
+    pipe.eval(script, len(keys_), *keys_, *args)
+    assert await pipe.execute() == [0]
+    assert not await store.client.exists("inflight:batch:gone")
