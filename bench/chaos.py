@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from bench.chaos_faults import FAULTS, FaultRunner, make_schedule
-from bench.chaos_hostile import Crowd
+from bench.chaos_hostile import Crowd, snapshot
 from bench.chaos_report import Fault, Report, SlowSummary, check, print_table
 from bench.chaos_slow import (
     RssSampler,
@@ -157,6 +157,9 @@ def soak(
         sampler.start()
         start = time.monotonic()
         runner = FaultRunner(stack, MODEL_NAME, random.Random(seed + 2), start, (WITNESS, texts[-1]))
+        if crowd is not None:
+            crowd_gateway = crowd.gateway
+            runner.snapshot = lambda: snapshot(stack, crowd_gateway)
         done_faults: list[Fault] = []
         over = threading.Event()
 

@@ -126,6 +126,8 @@ class FaultRunner:
         self.retired: list[ServiceProcess] = []
         self.stopped_pids: list[int] = []
         self.spell_s = 3.0
+        # What is left after each fault (chaos_hostile.snapshot), when the soak has a crowd gateway.
+        self.snapshot: Callable[[], dict[str, float]] | None = None
 
     def run(self, schedule: list[tuple[float, str]]) -> list[Fault]:
         faults = []
@@ -137,6 +139,11 @@ class FaultRunner:
             except Exception as exc:  # reported as a failed fault; the soak and its checks go on
                 fault = Fault(name, 0.0, round(time.monotonic() - began, 1), ok=False, detail=repr(exc)[:300])
             fault.at_s = round(began - self.start, 1)
+            if self.snapshot is not None:
+                try:
+                    fault.leaks = self.snapshot()
+                except Exception as exc:  # a figure missing from the table, not a failed soak
+                    fault.detail = f"{fault.detail}; no leak snapshot: {exc!r}"[:400]
             faults.append(fault)
         return faults
 

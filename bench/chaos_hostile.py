@@ -141,9 +141,37 @@ def leaks(stack: Stack, gateway: ServiceProcess, summary: HostileSummary, timeou
         if summary.subscriptions_left == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
-    summary.keys_without_ttl = [str(n) for n in redis.scan_iter(count=1000) if redis.pttl(n) == -1][:20]
+    summary.keys_without_ttl = _keys_without_ttl(stack)[:20]
     summary.series_after = num_series(gateway.url)
     summary.rss_mib["after"] = rss_mib(gateway.proc.pid)
+
+
+def _keys_without_ttl(stack: Stack) -> list[str]:
+    """Keys with no TTL that still have none a second later (a key is written, then given its TTL, in
+    one transaction or script: a second is far past any such window)."""
+    redis = stack.redis_client()
+    found = [str(n) for n in redis.scan_iter(count=1000) if redis.pttl(n) == -1]
+    if found:
+        time.sleep(1.0)
+        found = [n for n in found if redis.pttl(n) == -1]
+    return found
+
+
+def snapshot(stack: Stack, gateway: ServiceProcess) -> dict[str, float]:
+    """What is held right now: the crowd gateway's metric series and RSS, Redis keys without a TTL,
+    open event subscriptions, and the requests the live workers hold (traffic may still be running:
+    the last two are figures, the first three must not grow)."""
+    running = 0
+    for worker in stack.workers:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            running += len(httpx.get(f"{worker.url}/stats", timeout=5).json()["requests"])
+    return {
+        "series": num_series(gateway.url),
+        "keys_without_ttl": len(_keys_without_ttl(stack)),
+        "subscriptions": len(stack.redis_client().pubsub_channels(f"{keys.PREFIX}:events:*")),
+        "running": running,
+        "gateway_rss_mib": rss_mib(gateway.proc.pid) or -1.0,
+    }
 
 
 class Crowd:

@@ -26,6 +26,9 @@ class Fault:
     lasted_s: float = 0.0  # a spell's length; for a stalled core, until its worker exited
     ok: bool = True  # the fault did what it should (a stall detected, writes refused) and was recovered from
     detail: str = ""
+    # Taken once it was recovered from (bench/chaos_hostile.py snapshot): metric series, Redis keys without a
+    # TTL, open event subscriptions, requests the workers hold, the crowd gateway's RSS (MiB).
+    leaks: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -227,6 +230,15 @@ def print_table(report: Report) -> None:
     for f in report.faults:
         if f.detail:
             print(f"  {f.name}: {f.detail}")
+    if any(f.leaks for f in report.faults):
+        print("after each fault      series   keys without TTL   subscriptions   running   gateway RSS MiB")
+        for f in report.faults:
+            got = f.leaks
+            print(
+                f"{f.name:<18} {got.get('series', -1):>9.0f}   {got.get('keys_without_ttl', -1):>16.0f}   "
+                f"{got.get('subscriptions', -1):>13.0f}   {got.get('running', -1):>7.0f}   "
+                f"{got.get('gateway_rss_mib', -1):>15.1f}"
+            )
     slow = report.slow
     rows = [
         ("faults injected", len(report.faults)),

@@ -54,4 +54,9 @@ def test_short_seeded_soak(model_path: Path, tmp_path: Path) -> None:
     assert crowd is not None and sum(crowd.sent.values()) == 16, crowd
     assert crowd.series_after - crowd.series_before <= 8 and not crowd.keys_without_ttl, crowd
     assert crowd.subscriptions_left == 0 and crowd.ok, crowd
+    # After each fault, not only at the end: no key without a TTL, the series set bounded.
+    for fault in report.faults:
+        assert fault.leaks["keys_without_ttl"] == 0, (fault.name, fault.leaks)
+        assert fault.leaks["series"] - crowd.series_before <= 8, (fault.name, fault.leaks)
+        assert fault.leaks["gateway_rss_mib"] > 0 and fault.leaks["running"] >= 0, (fault.name, fault.leaks)
     assert report.ok
