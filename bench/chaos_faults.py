@@ -9,6 +9,10 @@ What "recovered" means depends on the fault:
 - a stalled engine core (SIGSTOP): from the stop until every request the core held streams again (its
   log gains a token from another worker) or has ended. On the way the stall watchdog must kill the core
   and the worker must exit, as a readiness probe sees it; the soak then restarts it, as a Deployment would.
+- a poison request (a job whose engine dies each time it runs: the soak SIGKILLs the engine core of every
+  worker that publishes a token of it, as an OOM or a crashing kernel would): from its submission until it
+  has failed with ``engine_failed`` after the bound's number of engines, its dead letter is written, and a
+  canary succeeds on the restarted workers.
 """
 
 from __future__ import annotations
@@ -40,8 +44,16 @@ FAULTS = (
     "stall core",
     "redis oom",
     "redis readonly",
+    "poison request",
     "kill gateway",  # last: it is not restarted
 )
+POISON_BODY: dict[str, Any] = {
+    "prompt": "A poison request: every engine that runs it dies. Once upon a time",
+    "max_tokens": 200,  # paced steps: each kill finds it still running
+    "temperature": 0.0,
+    "ignore_eos": True,
+}
+ENGINE_FAILURE_BOUND = 3  # INFLIGHT_MAX_ENGINE_FAILURES's default, which the soak's stack keeps
 RECOVERY_LIMIT_S = 90.0  # a fault not recovered from by then is reported as such (recovery_s = the limit)
 
 
@@ -152,6 +164,8 @@ class FaultRunner:
             return self.stall_core()
         if name in ("redis oom", "redis readonly"):
             return self.redis_spell(name)
+        if name == "poison request":
+            return self.poison_request(began)
         self.crash(name)
         ok = _wait(lambda: canary(self.stack, self.model))
         return Fault(name, 0.0, round(time.monotonic() - began, 1), ok=ok)
@@ -182,6 +196,54 @@ class FaultRunner:
             stack.gateways[0].kill()  # not restarted: its clients see the failure, the other serves on
         else:
             raise ValueError(name)
+
+    def poison_request(self, began: float) -> Fault:
+        gateways = self.stack.live_gateways()
+        if not gateways:
+            return Fault("poison request", 0.0, 0.0, ok=False, detail="no live gateway")
+        body = {"endpoint": "/v1/completions", "body": {**POISON_BODY, "model": self.model}}
+        resp = httpx.post(f"{gateways[0]}/v1/jobs", json=body, timeout=30)
+        if resp.status_code not in (200, 202):
+            return Fault("poison request", 0.0, 0.0, ok=False, detail=f"not accepted: {resp.status_code}")
+        job_id = str(resp.json()["id"])
+        redis = self.stack.redis_client()
+        killed: list[str] = []
+        status, code = "", ""
+        deadline = time.monotonic() + RECOVERY_LIMIT_S
+        while time.monotonic() < deadline:
+            record = redis.hgetall(keys.record(job_id))
+            status, code = str(record.get("status", "")), str(record.get("code", ""))
+            if status in ("completed", "failed", "cancelled"):
+                break
+            raw = redis.lrange(keys.log(job_id), -1, -1)
+            last = decode_event(raw[0]) if raw else None
+            if isinstance(last, DeltaEvent) and last.worker not in killed:
+                self._kill_engine_of(last.worker)
+                killed.append(last.worker)
+            time.sleep(0.05)
+        dead_letter = bool(redis.exists(keys.dead_letter(job_id)))
+        failed = status == "failed" and code == "engine_failed"
+        served = _wait(lambda: canary(self.stack, self.model))
+        ok = failed and dead_letter and len(killed) == ENGINE_FAILURE_BOUND and served
+        detail = (
+            f"{len(killed)} engines died under it; it ended {status or 'unfinished'} ({code or 'no code'}); "
+            f"dead letter {'kept' if dead_letter else 'missing'}"
+        )
+        return Fault("poison request", 0.0, round(time.monotonic() - began, 1), ok=ok, detail=detail)
+
+    def _kill_engine_of(self, worker_id: str) -> None:
+        """SIGKILL the engine core of the worker named ``worker_id``; once that worker has seen it die
+        (its liveness probe fails), restart it as a Deployment would."""
+        for index, worker in enumerate(self.stack.workers):
+            stats = _stats(worker)
+            if stats.get("worker") != worker_id:
+                continue
+            with contextlib.suppress(ProcessLookupError, KeyError, TypeError):
+                os.kill(int(stats["engine_pid"]), signal.SIGKILL)
+            _wait(lambda w=worker: not _alive_probe(w), 30, 0.2)  # type: ignore[misc]
+            worker.kill()
+            self._replace(index)
+            return
 
     def _replace(self, index: int) -> None:
         """The Deployment restarts a worker that is gone (not waited for: traffic goes on meanwhile)."""
@@ -307,6 +369,14 @@ def _write_refused(r: Any) -> str:
     except redis_lib.ResponseError as exc:
         return type(exc).__name__
     return ""
+
+
+def _alive_probe(worker: ServiceProcess) -> bool:
+    """The liveness probe: /healthz answers 500 once the worker's engine is dead."""
+    try:
+        return httpx.get(f"{worker.url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _probe(worker: ServiceProcess) -> bool:
