@@ -32,7 +32,7 @@ CPU_ISAS = ("portable", "avx2", "avx512", "avx512_vnni")
 
 # Per format, the most rows the integer path multiplies: past it the float32 kernels were as fast or
 # faster (bench/quant_gemm_bench.py, SmolLM2-135M's layer shapes, a 2-core AMD EPYC with AVX-512 VNNI).
-INT8_ACTIVATION_MAX_ROWS = {"Q8_0": 16, "Q4_0": 8, "Q4_1": 8, "Q4_K": 4, "Q5_K": 4, "Q6_K": 2}
+INT8_ACTIVATION_MAX_ROWS = {"Q8_0": 16, "Q4_0": 16, "Q4_1": 16, "Q4_K": 4, "Q5_K": 4, "Q6_K": 2}
 
 
 def cpu_kernels_loaded() -> bool:
