@@ -103,7 +103,9 @@ def report(args: argparse.Namespace) -> None:
                 quant = best_of(
                     args.repeats, [(float_kernels, inputs[w.in_features][:rows], w) for w in weights]
                 )
-                int8 = best_of(args.repeats, [(int8_kernels, inputs[w.in_features][:rows], w) for w in weights])
+                int8 = best_of(
+                    args.repeats, [(int8_kernels, inputs[w.in_features][:rows], w) for w in weights]
+                )
                 dense = best_of(args.repeats, [(F.linear, inputs[f.shape[1]][:rows], f) for f in floats])
                 quant_rate, dense_rate = quant_bytes / quant / 1e9, float_bytes / dense / 1e9
                 print(

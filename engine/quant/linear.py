@@ -4,17 +4,16 @@ CPU: the C++ kernels (engine/kernels/cpu/quant_gemm.cpp: AVX-512, AVX2 or portab
 the host) once ``torch.ops.inflight_cpu`` is loaded. Up to ``INT8_ACTIVATION_MAX_ROWS`` rows (a decode
 step) on a CPU with AVX2 or AVX-512 VNNI, the integer path (``quant_linear_int8``: x's rows quantized to
 int8 blocks of 32, integer dot products, llama.cpp's way; ``INFLIGHT_QUANT_INT8_ACTIVATIONS=0`` turns it
-off); more rows, the float32 kernels (the dequantized weight times the unrounded rows). CUDA: the Triton kernel
-(engine/kernels/quant_matmul.py). Anywhere else, or where those cannot run: the reference, the float32
-matmul of the dequantized weight (every row of x at once, so a long prompt pays the dequantization
-once).
+off); more rows, the float32 kernels (the dequantized weight times the unrounded rows). CUDA: the
+Triton kernel (engine/kernels/quant_matmul.py). Anywhere else, or where those cannot run: the
+reference, the float32 matmul of the dequantized weight (every row of x at once, so a long prompt pays
+the dequantization once).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
-
 import functools
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -58,9 +57,7 @@ def cpu_int8_dot() -> bool:
 def int8_activations(rows: int, w: QuantizedWeight) -> bool:
     """Whether ``quant_linear`` multiplies ``rows`` rows of a CPU x by ``w`` on the integer path."""
     return (
-        rows <= INT8_ACTIVATION_MAX_ROWS.get(w.format, 0)
-        and envs.quant_int8_activations()
-        and cpu_int8_dot()
+        rows <= INT8_ACTIVATION_MAX_ROWS.get(w.format, 0) and envs.quant_int8_activations() and cpu_int8_dot()
     )
 
 

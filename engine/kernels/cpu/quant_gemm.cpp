@@ -9,8 +9,10 @@
 // multiply does with the bytes once they are in a register is second. Dequantized weights multiplied in
 // float32 give exactly what the float model of the dequantized weight gives (the engine's GGUF path
 // until now), with no rounding of the activations added, so a quantized model is the same model, and
-// tests hold it to float32 rounding. Integer dot products on int8 activations would cut the multiply's
-// cost where it bounds (prefill, batches of hundreds); they are the next step, not this file.
+// tests hold it to float32 rounding. That is what these kernels compute for many rows. For a few rows
+// (a decode step) quant_linear_int8 does it llama.cpp's way instead: x's rows quantized to int8 blocks
+// of 32 and integer dot products (quant_gemm_int8.h), which on this design's float path cost more than
+// the weights' stream once the weights are 4 to 8 bits; engine/quant/linear.py picks per row count.
 //
 // How. Threads split the out features into tiles of kTileRows rows. A tile's rows are dequantized into
 // a float32 buffer (kTileRows x k, in L1/L2), then every row of x is multiplied by the whole tile, two
@@ -22,8 +24,8 @@
 // lanes), and the same code for the baseline CPU (the compiler's generic vectors: SSE2 on x86-64, plain
 // C++ elsewhere). The kernels are written once (quant_gemm_isa.h, GCC vector extensions and a few
 // per-set primitives) and compiled once per set, each in its own namespace under `#pragma GCC target`.
-// VNNI and AVX512_BF16 go unused: they multiply integers and bf16 pairs, and this design multiplies
-// float32 (see above).
+// The float kernels leave VNNI and AVX512_BF16 unused; the integer path uses VNNI where the host has it
+// (kAvx512Vnni), else AVX2's vpmaddubsw.
 //
 // Numbers. Dequantized values are bit-identical to gguf's (numpy, float32): every product of a scale and
 // a quant is exact in float32, so contraction into an FMA changes nothing. Each output is a float32 sum
