@@ -1,12 +1,16 @@
 """CPU linear layers on GGUF block formats (engine/kernels/cpu/quant_gemm.cpp) against the float linear of
 the same weights dequantized (torch's F.linear: oneDNN / MKL).
 
-    python -m bench.quant_gemm_bench [--formats Q8_0 Q4_0 ...] [--rows 1,8,16,64] [--threads 1]
+    python -m bench.quant_gemm_bench [--formats Q8_0 Q4_0 ...] [--rows 1,2,4,8,16,64] [--threads 1]
 
 One pass is every linear layer of a model's shape (qkv, o, gate_up, down, --layers times; SmolLM2-135M's
 by default) in one format, random valid blocks; the best of --repeats passes counts. Printed per format,
 dtype and row count: each path's time and the rate it reads its weights at (bytes of every weight over
-the pass's time: what bounds a decode step), and the float path's time over the quantized one's.
+the pass's time: what bounds a decode step), and the float path's time over the quantized one's. The
+quantized path is shown twice: the float32 kernels (``quant``: the dequantized weight times the rows as
+they are) and the integer path (``int8``: the rows quantized to int8 blocks of 32, integer dot
+products; ``quant_linear`` takes it up to ``INT8_ACTIVATION_MAX_ROWS`` rows), ``int8/quant`` their
+ratio of speeds.
 K-quants need in features in whole blocks of 256: SmolLM2's 576 is rounded up to 768 for them (llama.cpp
 stores those tensors in another format); the byte counts are of the weights actually multiplied.
 """
@@ -23,7 +27,19 @@ import torch.nn.functional as F
 
 from bench.run_support import add_layer_shape, cpu_kernel_parser, run_cpu_kernel_bench
 from engine.quant import FORMATS, QuantizedWeight, random_quantized
-from engine.quant.linear import cpu_isa, quant_linear
+from engine.quant.linear import cpu_isa
+
+
+def float_kernels(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.inflight_cpu.quant_linear(x, w.blocks, w.fmt.ggml_type, w.in_features, None)
+    return out
+
+
+def int8_kernels(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.inflight_cpu.quant_linear_int8(
+        x, w.blocks, w.fmt.ggml_type, w.in_features, None
+    )
+    return out
 
 
 def shapes(args: argparse.Namespace, block: int) -> list[tuple[int, int]]:
@@ -57,7 +73,7 @@ def best_of(
 def main(argv: list[str] | None = None) -> int:
     parser = cpu_kernel_parser(__doc__, 3, "passes per path")
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
-    parser.add_argument("--rows", default="1,8,16,64", help="comma list of row counts")
+    parser.add_argument("--rows", default="1,2,4,8,16,64", help="comma list of row counts")
     add_layer_shape(parser)
     args = parser.parse_args(argv)
     return run_cpu_kernel_bench("quant_gemm_bench", args.threads, lambda: report(args))
@@ -70,8 +86,8 @@ def report(args: argparse.Namespace) -> None:
         f"linear layers of {args.layers} x {shapes(args, 1)}, {args.threads} thread(s), kernels {cpu_isa()}"
     )
     print(
-        f"{'format':<6} {'dtype':<9} {'rows':>5} {'quant ms':>9} {'GB/s':>6} "
-        f"{'float ms':>9} {'GB/s':>6} {'float/quant':>11}"
+        f"{'format':<6} {'dtype':<9} {'rows':>5} {'quant ms':>9} {'GB/s':>6} {'int8 ms':>8} {'GB/s':>6} "
+        f"{'float ms':>9} {'GB/s':>6} {'float/quant':>11} {'int8/quant':>10}"
     )
     for name in args.formats:
         gen = torch.Generator().manual_seed(0)
@@ -85,13 +101,17 @@ def report(args: argparse.Namespace) -> None:
             inputs = {k: torch.randn(max(rows_list), k, generator=gen).to(dtype) for _, k in layer_shapes}
             for rows in rows_list:
                 quant = best_of(
-                    args.repeats, [(quant_linear, inputs[w.in_features][:rows], w) for w in weights]
+                    args.repeats, [(float_kernels, inputs[w.in_features][:rows], w) for w in weights]
+                )
+                int8 = best_of(
+                    args.repeats, [(int8_kernels, inputs[w.in_features][:rows], w) for w in weights]
                 )
                 dense = best_of(args.repeats, [(F.linear, inputs[f.shape[1]][:rows], f) for f in floats])
                 quant_rate, dense_rate = quant_bytes / quant / 1e9, float_bytes / dense / 1e9
                 print(
                     f"{name:<6} {dtype_name:<9} {rows:>5} {quant * 1e3:>9.2f} {quant_rate:>6.1f} "
-                    f"{dense * 1e3:>9.2f} {dense_rate:>6.1f} {dense / quant:>11.2f}",
+                    f"{int8 * 1e3:>8.2f} {quant_bytes / int8 / 1e9:>6.1f} "
+                    f"{dense * 1e3:>9.2f} {dense_rate:>6.1f} {dense / quant:>11.2f} {quant / int8:>10.2f}",
                     flush=True,
                 )
 

@@ -95,6 +95,15 @@ CPU_PREFILL_ATTENTION = EnvVar(
     "torch's flash SDPA once per attention shape at start-up and takes SDPA only where it is clearly "
     "faster; `kernel` or `sdpa` forces one.",
 )
+QUANT_INT8_ACTIVATIONS = EnvVar(
+    "INFLIGHT_QUANT_INT8_ACTIVATIONS",
+    "bool",
+    "true",
+    "GGUF block-format weights on a CPU: true multiplies a few rows (a decode step; the bound per format "
+    "is `INT8_ACTIVATION_MAX_ROWS` in `engine/quant/linear.py`) with the rows quantized to int8 blocks of 32 "
+    "and integer dot products (llama.cpp's way: AVX-512 VNNI, else AVX2), where the CPU has AVX2; false "
+    "keeps the float32 kernels, which multiply the dequantized weight by the unrounded rows.",
+)
 
 TP_TIMEOUT_S = EnvVar(
     "INFLIGHT_TP_TIMEOUT_S",
@@ -113,6 +122,7 @@ ENGINE_ENVS: tuple[EnvVar, ...] = (
     CPU_MALLOC,
     CPU_HUGE_PAGES,
     CPU_PREFILL_ATTENTION,
+    QUANT_INT8_ACTIVATIONS,
     TP_TIMEOUT_S,
 )
 
@@ -167,6 +177,18 @@ def cpu_kernels_disabled() -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{DISABLE_CPU_KERNELS.name} must be true or false, got {value!r}")
+
+
+def quant_int8_activations() -> bool:
+    """``INFLIGHT_QUANT_INT8_ACTIVATIONS``: whether block-format weights may take the integer path."""
+    value = os.environ.get(QUANT_INT8_ACTIVATIONS.name, "").strip().lower()
+    if value == "":
+        return True
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{QUANT_INT8_ACTIVATIONS.name} must be true or false, got {value!r}")
 
 
 def tp_timeout_s() -> float:

@@ -1,18 +1,23 @@
 """x @ w.T (+ bias) on a weight kept in a GGUF block format, on the kernel the device has.
 
 CPU: the C++ kernels (engine/kernels/cpu/quant_gemm.cpp: AVX-512, AVX2 or portable code, chosen from
-the host) once ``torch.ops.inflight_cpu`` is loaded. CUDA: the Triton kernel
-(engine/kernels/quant_matmul.py). Anywhere else, or where those cannot run: the reference, the float32
-matmul of the dequantized weight (every row of x at once, so a long prompt pays the dequantization
-once).
+the host) once ``torch.ops.inflight_cpu`` is loaded. Up to ``INT8_ACTIVATION_MAX_ROWS`` rows (a decode
+step) on a CPU with AVX2 or AVX-512 VNNI, the integer path (``quant_linear_int8``: x's rows quantized to
+int8 blocks of 32, integer dot products, llama.cpp's way; ``INFLIGHT_QUANT_INT8_ACTIVATIONS=0`` turns it
+off); more rows, the float32 kernels (the dequantized weight times the unrounded rows). CUDA: the
+Triton kernel (engine/kernels/quant_matmul.py). Anywhere else, or where those cannot run: the
+reference, the float32 matmul of the dequantized weight (every row of x at once, so a long prompt pays
+the dequantization once).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from engine import envs
 from engine.kernels import reference
 from engine.quant.weight import QuantizedWeight
 
@@ -22,7 +27,11 @@ if TYPE_CHECKING:
 Path = Literal["cpu", "triton", "reference"]
 
 # ``torch.ops.inflight_cpu.quant_linear_isa()``'s answer, in words.
-CPU_ISAS = ("portable", "avx2", "avx512")
+CPU_ISAS = ("portable", "avx2", "avx512", "avx512_vnni")
+
+# Per format, the most rows the integer path multiplies: past it the float32 kernels were as fast or
+# faster (bench/quant_gemm_bench.py, SmolLM2-135M's layer shapes, a 2-core AMD EPYC with AVX-512 VNNI).
+INT8_ACTIVATION_MAX_ROWS = {"Q8_0": 16, "Q4_0": 16, "Q4_1": 16, "Q4_K": 4, "Q5_K": 4, "Q6_K": 2}
 
 
 def cpu_kernels_loaded() -> bool:
@@ -37,6 +46,19 @@ def cpu_isa() -> str | None:
     if not cpu_kernels_loaded():
         return None
     return CPU_ISAS[int(torch.ops.inflight_cpu.quant_linear_isa())]
+
+
+@functools.cache
+def cpu_int8_dot() -> bool:
+    """The C++ kernels are loaded and the CPU has integer dot products worth using (AVX2 or better)."""
+    return cpu_kernels_loaded() and int(torch.ops.inflight_cpu.quant_linear_isa()) >= 1
+
+
+def int8_activations(rows: int, w: QuantizedWeight) -> bool:
+    """Whether ``quant_linear`` multiplies ``rows`` rows of a CPU x by ``w`` on the integer path."""
+    return (
+        rows <= INT8_ACTIVATION_MAX_ROWS.get(w.format, 0) and envs.quant_int8_activations() and cpu_int8_dot()
+    )
 
 
 def path_for(device: torch.device) -> Path:
@@ -75,9 +97,12 @@ def quant_linear(
         raise ValueError(f"x is on {x.device}, the weight on {w.device}")
     path = path_for(x.device)
     if path == "cpu":
-        out: torch.Tensor = torch.ops.inflight_cpu.quant_linear(
-            x, w.blocks, w.fmt.ggml_type, w.in_features, bias
+        op = (
+            torch.ops.inflight_cpu.quant_linear_int8
+            if int8_activations(x.shape[0], w)
+            else torch.ops.inflight_cpu.quant_linear
         )
+        out: torch.Tensor = op(x, w.blocks, w.fmt.ggml_type, w.in_features, bias)
         return out
     if path == "triton":
         from engine.kernels.quant_matmul import quant_matmul

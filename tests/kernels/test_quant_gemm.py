@@ -95,7 +95,9 @@ def test_the_host_path_is_the_best_the_cpu_has() -> None:
     from engine.platform.cpu import cpu_flags
 
     flags = cpu_flags()
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:
+        assert cpu_isa() == "avx512_vnni"
+    elif {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
         assert cpu_isa() == "avx512"
     elif {"avx2", "fma"} <= flags:
         assert cpu_isa() == "avx2"

@@ -35,7 +35,7 @@ _SOURCES = [
     _HERE / "gemm.cpp",
     _HERE / "quant_gemm.cpp",
 ]
-_HEADERS = [_HERE / "vec.h", _HERE / "quant_gemm_isa.h"]
+_HEADERS = [_HERE / "vec.h", _HERE / "quant_gemm_isa.h", _HERE / "quant_gemm_int8.h"]
 _KV_QUANT_SOURCES = [_HERE / "kv_quant.cpp"]
 _KV_QUANT_HEADERS = [_HERE / "vec.h", _HERE / "kv_quant_rows.h"]
 _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]

@@ -9,8 +9,10 @@
 // multiply does with the bytes once they are in a register is second. Dequantized weights multiplied in
 // float32 give exactly what the float model of the dequantized weight gives (the engine's GGUF path
 // until now), with no rounding of the activations added, so a quantized model is the same model, and
-// tests hold it to float32 rounding. Integer dot products on int8 activations would cut the multiply's
-// cost where it bounds (prefill, batches of hundreds); they are the next step, not this file.
+// tests hold it to float32 rounding. That is what these kernels compute for many rows. For a few rows
+// (a decode step) quant_linear_int8 does it llama.cpp's way instead: x's rows quantized to int8 blocks
+// of 32 and integer dot products (quant_gemm_int8.h), which on this design's float path cost more than
+// the weights' stream once the weights are 4 to 8 bits; engine/quant/linear.py picks per row count.
 //
 // How. Threads split the out features into tiles of kTileRows rows. A tile's rows are dequantized into
 // a float32 buffer (kTileRows x k, in L1/L2), then every row of x is multiplied by the whole tile, two
@@ -22,8 +24,8 @@
 // lanes), and the same code for the baseline CPU (the compiler's generic vectors: SSE2 on x86-64, plain
 // C++ elsewhere). The kernels are written once (quant_gemm_isa.h, GCC vector extensions and a few
 // per-set primitives) and compiled once per set, each in its own namespace under `#pragma GCC target`.
-// VNNI and AVX512_BF16 go unused: they multiply integers and bf16 pairs, and this design multiplies
-// float32 (see above).
+// The float kernels leave VNNI and AVX512_BF16 unused; the integer path uses VNNI where the host has it
+// (kAvx512Vnni), else AVX2's vpmaddubsw.
 //
 // Numbers. Dequantized values are bit-identical to gguf's (numpy, float32): every product of a scale and
 // a quant is exact in float32, so contraction into an FMA changes nothing. Each output is a float32 sum
@@ -35,6 +37,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -54,7 +57,9 @@ namespace {
 // row in Job::scales; the multiply is the blocks' (a tile dequantized, then a float GEMM), and one or two
 // rows of x (decode) convert the int8 weights in registers instead (multiply_w8_direct).
 enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kW8 = 1000 };
-enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAvx512Vnni: the float kernels of kAvx512, and vpdpbusd for the integer path (quant_linear_int8), which
+// runs the AVX2 code (vpmaddubsw) on kAvx2 and kAvx512.
+enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
 
 constexpr int kTileRows = 4;  // weight rows per tile: 2 x 4 accumulators fit AVX2's 16 registers
 
@@ -93,7 +98,19 @@ struct Job {
   const float* scales;  // kW8: [n], each row's scale
 };
 
-// The kernels, once per instruction set (quant_gemm_isa.h).
+// What one thread's share of an integer-path multiply needs: x's rows quantized (quantize_rows).
+struct IntJob {
+  const int8_t* xq;  // [m, k]: blocks of 32 int8 values
+  const float* xd;   // [m, k / 32]: each block's scale
+  const float* xs;   // [m, k / 32]: each block's scale times the sum of its values
+  int64_t m, k;
+  const uint8_t* w;  // [n, row_bytes]
+  int64_t row_bytes, n, fmt;
+  const float* bias;  // [n] or null
+  float* out;         // [m, n] contiguous
+};
+
+// The kernels, once per instruction set (quant_gemm_isa.h; the integer path: quant_gemm_int8.h).
 #ifdef QUANT_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
@@ -109,18 +126,30 @@ namespace isa_avx512 {
 namespace isa_avx2 {
 #define QUANT_ISA 1
 #include "quant_gemm_isa.h"
+#include "quant_gemm_int8.h"
 #undef QUANT_ISA
 }  // namespace isa_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")
+namespace isa_avx512vnni {
+#define QUANT_ISA 3
+#include "quant_gemm_int8.h"
+#undef QUANT_ISA
+}  // namespace isa_avx512vnni
 #pragma GCC pop_options
 #endif
 
 namespace isa_portable {
 #define QUANT_ISA 0
 #include "quant_gemm_isa.h"
+#include "quant_gemm_int8.h"
 #undef QUANT_ISA
 }  // namespace isa_portable
 
 using TilesFn = void (*)(const Job&, int64_t, int64_t);
+using IntTilesFn = void (*)(const IntJob&, int64_t, int64_t);
 
 #ifdef QUANT_X86
 // Asked of the CPU once, not on each call.
@@ -128,10 +157,12 @@ const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_suppo
                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                         __builtin_cpu_supports("f16c");
 const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+const bool kHasVnni = kHasAvx512 && __builtin_cpu_supports("avx512vnni");
 #endif
 
 int64_t best_isa() {
 #ifdef QUANT_X86
+  if (kHasVnni) return kAvx512Vnni;
   if (kHasAvx512) return kAvx512;
   if (kHasAvx2) return kAvx2;
 #endif
@@ -187,7 +218,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
   job.out = out.data_ptr<float>();
   TilesFn fn = isa_portable::tiles;
 #ifdef QUANT_X86
-  if (chosen == kAvx512) fn = isa_avx512::tiles;
+  if (chosen >= kAvx512) fn = isa_avx512::tiles;
   if (chosen == kAvx2) fn = isa_avx2::tiles;
 #endif
   const int64_t tiles = (job.n + kTileRows - 1) / kTileRows;
@@ -202,7 +233,7 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t in_fe
   const int64_t chosen = pick(isa);
   TilesFn fn = isa_portable::rows;
 #ifdef QUANT_X86
-  if (chosen == kAvx512) fn = isa_avx512::rows;
+  if (chosen >= kAvx512) fn = isa_avx512::rows;
   if (chosen == kAvx2) fn = isa_avx2::rows;
 #endif
   at::parallel_for(0, job.n, 16, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
@@ -247,10 +278,82 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   job.out = out.data_ptr<float>();
   TilesFn fn = isa_portable::tiles;
 #ifdef QUANT_X86
-  if (chosen == kAvx512) fn = isa_avx512::tiles;
+  if (chosen >= kAvx512) fn = isa_avx512::tiles;
   if (chosen == kAvx2) fn = isa_avx2::tiles;
 #endif
   const int64_t tiles = (n + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { fn(job, t0, t1); });
+  return dtype == at::kFloat ? out : out.to(dtype);
+}
+
+// x's rows as the integer path reads them: each block of 32 values quantized symmetrically to int8 with
+// one float32 scale, d = amax / 127 and q = round_half_even(x * (1 / d)) (llama.cpp's Q8_0 activations,
+// with the scale kept in float32 rather than fp16), and d * sum(q) for the formats with a min. Plain
+// float32 operations in a fixed order: tests repeat them in torch and get the same integers.
+void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
+  const int64_t nb = k / 32;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + r * ldx + 32 * b;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float scale = amax / 127.f;
+      const float inv = scale != 0.f ? 1.f / scale : 0.f;
+      int8_t* out = q + r * k + 32 * b;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        out[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        sum += out[i];
+      }
+      d[r * nb + b] = scale;
+      s[r * nb + b] = scale * static_cast<float>(sum);
+    }
+  }
+}
+
+// out = x @ w.T (+ bias) with x's rows quantized to int8 blocks (quantize_rows) and integer dot products
+// per 32 values (quant_gemm_int8.h): llama.cpp's way, for a few rows (a decode step), where the float
+// kernels' dequantization and float multiplies bound the time rather than the weights' bytes.
+at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int64_t fmt, int64_t in_features,
+                             const c10::optional<at::Tensor>& bias, int64_t isa) {
+  const Job shape = make_job(blocks, fmt, in_features);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "x must be a 2-D float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.size(1) == in_features, "x has ", x.size(1), " features, the weight ", in_features);
+  IntJob job{};
+  job.w = shape.w;
+  job.row_bytes = shape.row_bytes;
+  job.n = shape.n;
+  job.k = shape.k;
+  job.fmt = fmt;
+  at::Tensor bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == job.n, "bias must be [out features]");
+    bf = bias->to(at::kFloat).contiguous();
+    job.bias = bf.data_ptr<float>();
+  }
+  const int64_t m = x.size(0), k = in_features;
+  at::Tensor out = at::empty({m, job.n}, x.options().dtype(at::kFloat));
+  const int64_t chosen = pick(isa);
+  if (m == 0) return out.to(dtype);
+  at::Tensor xf = x.to(at::kFloat);
+  if (xf.stride(1) != 1) xf = xf.contiguous();
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor xd = at::empty({m, 2, k / 32}, x.options().dtype(at::kFloat));
+  quantize_rows(xf.data_ptr<float>(), xf.stride(0), m, k, xq.data_ptr<int8_t>(), xd.data_ptr<float>(),
+                xd.data_ptr<float>() + m * (k / 32));
+  job.xq = xq.data_ptr<int8_t>();
+  job.xd = xd.data_ptr<float>();
+  job.xs = job.xd + m * (k / 32);
+  job.m = m;
+  job.out = out.data_ptr<float>();
+  IntTilesFn fn = isa_portable::int_tiles;
+#ifdef QUANT_X86
+  if (chosen == kAvx512Vnni) fn = isa_avx512vnni::int_tiles;
+  if (chosen == kAvx2 || chosen == kAvx512) fn = isa_avx2::int_tiles;
+#endif
+  const int64_t tiles = (job.n + kTileRows - 1) / kTileRows;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { fn(job, t0, t1); });
   return dtype == at::kFloat ? out : out.to(dtype);
 }
@@ -260,8 +363,11 @@ int64_t quant_linear_isa() { return best_isa(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
-  // fmt: the ggml type id; isa: -1 the host's best, else 0 portable, 1 AVX2, 2 AVX-512 (tests pick).
+  // fmt: the ggml type id; isa: -1 the host's best, else 0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI
+  // (tests pick).
   m.def("quant_linear(Tensor x, Tensor blocks, int fmt, int in_features, Tensor? bias, int isa=-1) -> Tensor");
+  // The same product with x's rows quantized to int8 blocks of 32 and integer dot products (3: VNNI).
+  m.def("quant_linear_int8(Tensor x, Tensor blocks, int fmt, int in_features, Tensor? bias, int isa=-1) -> Tensor");
   m.def("quant_dequantize(Tensor blocks, int fmt, int in_features, int isa=-1) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int isa=-1) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
@@ -270,6 +376,7 @@ TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
 
 TORCH_LIBRARY_IMPL(inflight_cpu, CPU, m) {
   m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_int8", &quant_linear_int8);
   m.impl("quant_dequantize", &quant_dequantize);
   m.impl("w8_linear", &w8_linear);
 }
