@@ -98,11 +98,13 @@ CPU_PREFILL_ATTENTION = EnvVar(
 QUANT_INT8_ACTIVATIONS = EnvVar(
     "INFLIGHT_QUANT_INT8_ACTIVATIONS",
     "bool",
-    "true",
-    "GGUF block-format weights on a CPU: true multiplies a few rows (a decode step; the bound per format "
-    "is `INT8_ACTIVATION_MAX_ROWS` in `engine/quant/linear.py`) with the rows quantized to int8 blocks of 32 "
-    "and integer dot products (llama.cpp's way: AVX-512 VNNI, else AVX2), where the CPU has AVX2; false "
-    "keeps the float32 kernels, which multiply the dequantized weight by the unrounded rows.",
+    "false",
+    "GGUF block-format weights on a CPU with AVX2: true multiplies a few rows (a decode step; the bound per "
+    "format is `INT8_ACTIVATION_MAX_ROWS` in `engine/quant/linear.py`) with the rows quantized to int8 "
+    "blocks of 32 and integer dot products (llama.cpp's way: AVX-512 VNNI, else AVX2), about 1.7x the "
+    "batch-1 decode speed of Q4_0/Q4_1/Q8_0. Off by default: the step's row count picks the path, so a "
+    "request's greedy tokens can change with the batch it shares and its prefix-cache hits wherever two "
+    "tokens are near a tie; false multiplies the dequantized weight by the unrounded rows.",
 )
 
 TP_TIMEOUT_S = EnvVar(

@@ -114,11 +114,7 @@ def test_greedy_tokens_match_hf_transformers_on_the_same_gguf(llm: LLM) -> None:
         assert out.outputs[0].token_ids == _hf_greedy(prompt, MAX_TOKENS), tok.decode(prompt)
 
 
-def test_chat_answers_the_capital_of_france(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The answer's first token is a near tie ("The" -1.88, "L" -1.89 to -1.97 logprob, float32): the
-    # integer path's int8 activations (INFLIGHT_QUANT_INT8_ACTIVATIONS) can flip it to "L'Étoile, ...",
-    # so this sanity check of the model runs the float32 kernels.
-    monkeypatch.setenv("INFLIGHT_QUANT_INT8_ACTIVATIONS", "0")
+def test_chat_answers_the_capital_of_france(llm: LLM) -> None:
     tok = llm.tokenizer
     text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = llm.generate(
