@@ -183,9 +183,7 @@ def cpu_kernels_disabled() -> bool:
 
 def quant_int8_activations() -> bool:
     """``INFLIGHT_QUANT_INT8_ACTIVATIONS``: whether block-format weights may take the integer path."""
-    value = os.environ.get(QUANT_INT8_ACTIVATIONS.name, "").strip().lower()
-    if value == "":
-        return True
+    value = os.environ.get(QUANT_INT8_ACTIVATIONS.name, "").strip().lower() or QUANT_INT8_ACTIVATIONS.default
     if value in _TRUE:
         return True
     if value in _FALSE:

@@ -106,3 +106,16 @@ def test_int8_path_bf16_strided_empty_and_refused() -> None:
         _run(torch.randn(2, 256), w, torch.zeros(5), -1)
     with pytest.raises(RuntimeError, match="lacks the instructions"):
         _run(torch.randn(1, 256), w, None, len(_isas()))
+
+
+def test_int8_activations_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off unless asked: the step's row count picks the path, so the default keeps one path per step size."""
+    from engine import envs
+
+    monkeypatch.delenv("INFLIGHT_QUANT_INT8_ACTIVATIONS", raising=False)
+    assert envs.quant_int8_activations() is False
+    monkeypatch.setenv("INFLIGHT_QUANT_INT8_ACTIVATIONS", "1")
+    assert envs.quant_int8_activations() is True
+    monkeypatch.setenv("INFLIGHT_QUANT_INT8_ACTIVATIONS", "maybe")
+    with pytest.raises(ValueError, match="true or false"):
+        envs.quant_int8_activations()
