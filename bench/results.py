@@ -167,4 +167,5 @@ def clean_json(obj: Any) -> Any:
 
 
 def write_json(path: str | Path, obj: Any) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(clean_json(obj), indent=1, allow_nan=False) + "\n", encoding="utf-8")
