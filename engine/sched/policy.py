@@ -124,10 +124,21 @@ class PriorityQueue:
 
 
 class SchedulingPolicy:
-    """The policy interface, answered as fcfs does (see the module docstring)."""
+    """The policy interface, answered as fcfs does (see the module docstring).
 
-    def __init__(self) -> None:
+    Background work steps aside once per foreground arrival: when the most urgent waiting request is a
+    foreground one the policy has not stepped aside for yet, and a seat is free, that step schedules no
+    background request, so the newcomer's prefill runs without the background batch's decodes and
+    chunks beside it (a batch's lines cost an interactive request's first token little). Once per
+    arrival, so background work always progresses: a newcomer the KV cache cannot take yet does not
+    hold it back for more than one step.
+    """
+
+    def __init__(self, max_num_seqs: int | None = None) -> None:
         self.waiting: WaitingQueue = FCFSQueue()
+        self._max_num_seqs = max_num_seqs  # None: background work never steps aside
+        self._stepped_aside_for: str | None = None  # the newcomer the last step-aside was for
+        self._hold_background = False  # this step schedules no background request
 
     def begin_step(
         self, running: list[Request], now: float, tokens_left: Callable[[Request], int]
@@ -135,13 +146,27 @@ class SchedulingPolicy:
         """Before a step is scheduled: order the waiting queue (and ``running``, in place) as of
         ``now``. ``tokens_left(r)``: the tokens running request ``r`` has yet to compute. Returns the
         waiting requests to reject now, each with the error message it finishes with."""
+        self._step_aside_for_a_newcomer(running)
         return []
+
+    def _step_aside_for_a_newcomer(self, running: Sequence[Request]) -> None:
+        self._hold_background = False
+        if self._max_num_seqs is None or not len(self.waiting) or len(running) >= self._max_num_seqs:
+            return
+        head = self.waiting.peek()
+        if head.priority >= BACKGROUND_PRIORITY or head.request_id == self._stepped_aside_for:
+            return
+        if any(r.priority >= BACKGROUND_PRIORITY for r in running):
+            self._hold_background = True
+            self._stepped_aside_for = head.request_id
 
     def cap_chunk(
         self, request: Request, num_new: int, out: SchedulerOutput, scheduled: Sequence[Request]
     ) -> int:
         """How many of the ``num_new`` tokens the budget allows ``request`` this step may take, next to
         the batch so far (``out``; ``scheduled``: its requests, in order). 0 or less: none."""
+        if self._hold_background and request.priority >= BACKGROUND_PRIORITY:
+            return 0
         return num_new
 
     def admits(self, request: Request, running: Sequence[Request]) -> bool:
@@ -167,7 +192,8 @@ class SchedulingPolicy:
 class PriorityPolicy(SchedulingPolicy):
     """Lower ``priority`` first, ties by arrival; an urgent request displaces a less urgent one."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_num_seqs: int | None = None) -> None:
+        super().__init__(max_num_seqs)
         self.waiting = PriorityQueue()
 
     def victim(self, running: Sequence[Request]) -> Request:
@@ -185,9 +211,9 @@ def make_policy(config: EngineConfig, cost: StepCostModel | None = None) -> Sche
     from engine.sched.slo_policy import SLOPolicy  # it builds on this module
 
     if config.scheduling_policy == "fcfs":
-        return SchedulingPolicy()
+        return SchedulingPolicy(config.max_num_seqs)
     if config.scheduling_policy == "priority":
-        return PriorityPolicy()
+        return PriorityPolicy(config.max_num_seqs)
     if config.scheduling_policy == "slo":
         return SLOPolicy(config, cost)
     raise ValueError(f"unknown scheduling policy {config.scheduling_policy!r}")
