@@ -88,8 +88,11 @@ class EngineKiller:
             last = decode_event(raw[0]) if raw else None
             if not isinstance(last, DeltaEvent) or last.worker in {w for _, w in self.killed}:
                 continue
-            (worker,) = [w for w in self.stack.workers if worker_stats(w)["worker"] == last.worker]
-            os.kill(worker_stats(worker)["engine_pid"], signal.SIGKILL)
+            try:
+                (worker,) = [w for w in self.stack.workers if worker_stats(w)["worker"] == last.worker]
+                os.kill(worker_stats(worker)["engine_pid"], signal.SIGKILL)
+            except OSError:  # /stats slow to answer on a loaded host: try again, not end the watcher
+                continue
             self.killed.append((worker, last.worker))
 
     def stop(self) -> None:
