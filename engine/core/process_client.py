@@ -378,8 +378,10 @@ class EngineCoreClient:
                 self._died(
                     EngineStalled(f"the engine core stalled: nothing for {waited:.1f}s (bound {bound:.1f}s)")
                 )
-                with contextlib.suppress(Exception):
+                try:
                     self._proc.kill()
+                except Exception:
+                    logger.exception("killing the stalled engine core (process %s) failed", self.pid)
                 return
         except BaseException as exc:
             logger.exception("the engine core's watchdog failed")
