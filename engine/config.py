@@ -207,10 +207,10 @@ class EngineArgs:
     device: str = "auto"  # auto: cuda when available, else cpu; or a torch device name.
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json only
     # auto: a .gguf file's linear layers and embedding stay in its block formats (Q8_0, Q4_0, Q4_1,
-    # Q4_K, Q5_K, Q6_K), an HF checkpoint is read as stored (compressed-tensors W8A16: int8 weights with
-    # per-channel scales; other quantization schemes refused); gguf / compressed-tensors: the same,
-    # refused for any other kind of checkpoint; none: every weight dequantised to dtype (a GGUF's float
-    # copy in the model cache).
+    # Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), an HF checkpoint is read as stored (compressed-tensors W8A16: int8
+    # weights with per-channel scales; other quantization schemes refused); gguf / compressed-tensors:
+    # the same, refused for any other kind of checkpoint; none: every weight dequantised to dtype (a
+    # GGUF's float copy in the model cache).
     quantization: Literal["auto", "gguf", "compressed-tensors", "none"] = "auto"
     # auto: K/V cached in dtype; int8 or fp8_e4m3: one byte per value plus a float32 scale per token and
     # kv head (engine/kernels/kv_quant.py), a quarter of float32's bytes or about half of bf16's, so

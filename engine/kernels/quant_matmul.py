@@ -5,7 +5,7 @@ block's struct). A program computes a [BLOCK_M, BLOCK_N] tile of the output; for
 the in features it gathers the bytes of BLOCK_N rows x BLOCK_K values, dequantizes them in registers
 and multiplies them with ``tl.dot``. Every format is read value by value from its block: the value's
 block is ``k // block_size``, and the offsets inside it follow the struct (worked example in
-``_dequant``), so one kernel serves all six formats, the format a compile-time constant.
+``_dequant``), so one kernel serves every format, the format a compile-time constant.
 
 float32 x multiplies the dequantized float32 values exactly (``input_precision="ieee"``); bf16 x
 multiplies them rounded to bf16 on the tensor cores, summed in float32.
@@ -50,6 +50,14 @@ def _dequant(blk, w, FMT: tl.constexpr):  # type: ignore[no-untyped-def]
         q = ((_u8(blk + qs + w % 16) >> (w // 16 * 4)) & 15).to(tl.float32)
         if FMT == 2:
             return _f16(blk) * (q - 8.0)
+        return _f16(blk) * q + _f16(blk + 2)
+    elif FMT == 6 or FMT == 7:  # Q5_0: half d; qh[4]; qs[16] / Q5_1: half d, m; qh[4]; qs[16]
+        qh = 2 if FMT == 6 else 4
+        nibble = (_u8(blk + qh + 4 + w % 16) >> (w // 16 * 4)) & 15
+        # Bit w of qh as a little-endian word: byte w // 8, bit w % 8 (qh is only 2-byte aligned).
+        q = (nibble | (((_u8(blk + qh + w // 8) >> (w % 8)) & 1) << 4)).to(tl.float32)
+        if FMT == 6:
+            return _f16(blk) * (q - 16.0)
         return _f16(blk) * q + _f16(blk + 2)
     elif FMT == 12 or FMT == 13:  # Q4_K / Q5_K: half d, dmin; scales[12]; (Q5_K: qh[32]); qs[128]
         sub = w // 32  # sub-block: the low (even) or high (odd) nibbles of chunk w // 64
@@ -125,7 +133,7 @@ def _quant_matmul_kernel(  # type: ignore[no-untyped-def]
 def quant_matmul(
     x: torch.Tensor,  # [M, K] float32 or bf16, rows contiguous
     blocks: torch.Tensor,  # [N, row_bytes] uint8, contiguous
-    format: str,  # Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K
+    format: str,  # a name in engine/quant/formats.py's FORMATS
     in_features: int,
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [M, N] in x's dtype

@@ -180,7 +180,7 @@ def silu_and_mul(
 def quant_matmul(
     x: torch.Tensor,  # [T, K] float32 or bf16
     blocks: torch.Tensor,  # [N, row_bytes] uint8: each output feature's row of GGUF blocks
-    format: str,  # Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K (engine/quant/formats.py)
+    format: str,  # a name in engine/quant/formats.py's FORMATS
     in_features: int,  # K
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [T, N] in x's dtype

@@ -190,9 +190,14 @@ Weight = torch.Tensor | QuantizedWeight | Int8Weight
 
 
 def _cat(parts: list[Weight]) -> Weight:
-    """Rows one after another: q/k/v into qkv, gate/up into gate_up (block and int8 rows as stored)."""
-    if all(isinstance(p, QuantizedWeight) for p in parts):
-        return QuantizedWeight.cat_rows(parts)  # type: ignore[arg-type]
+    """Rows one after another: q/k/v into qkv, gate/up into gate_up (block and int8 rows as stored).
+
+    Block rows of different formats are dequantized, as a mix of block and float rows is: llama.cpp's
+    mixes put them in one fused weight (Q4_K_M keeps v in Q6_K, or Q8_0 where rows are not whole 256s,
+    beside Q4_K or Q5_0 q and k), and a fused weight is one format's rows."""
+    blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if len(blocks) == len(parts) and len({(p.format, p.in_features) for p in blocks}) == 1:
+        return QuantizedWeight.cat_rows(blocks)
     if all(isinstance(p, Int8Weight) for p in parts):
         return Int8Weight.cat_rows(parts)  # type: ignore[arg-type]
     dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]

@@ -1,4 +1,5 @@
-"""Weights kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and the linear layer on them.
+"""Weights kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) and the linear
+layer on them.
 
 ``formats``: each block's bytes (the contract every kernel reads); ``QuantizedWeight``: a linear
 weight's rows of blocks; ``quant_linear``: x @ w.T on the host's kernel (C++ on CPU, Triton on CUDA);

@@ -18,6 +18,18 @@ Q4_1 (32 values, 20 bytes), nibbles as Q4_0::
 
     struct block_q4_1 { half d; half m; uint8_t qs[16]; };  // x = d * q + m
 
+Q5_0 (32 values, 22 bytes): Q4_0's nibbles plus a fifth bit per value, bit i of ``qh`` read as one
+little-endian 32-bit word (byte i / 8, bit i % 8) for value i::
+
+    struct block_q5_0 { half d; uint8_t qh[4]; uint8_t qs[16]; };          // x = d * (q - 16)
+
+Q5_1 (32 values, 24 bytes), bits as Q5_0::
+
+    struct block_q5_1 { half d; half m; uint8_t qh[4]; uint8_t qs[16]; };  // x = d * q + m
+
+  So value 21 of either is ``qs[5] >> 4`` with ``(qh[2] >> 5) & 1`` as its bit 4. The fp16 fields come
+  first: the blocks are 2-byte aligned in a row, never 4 (22 bytes), so ``qh`` is read byte by byte.
+
 Q4_K (256 values, 144 bytes): eight sub-blocks of 32, each with a 6-bit scale and a 6-bit min::
 
     struct block_q4_K { half d; half dmin; uint8_t scales[12]; uint8_t qs[128]; };
@@ -79,6 +91,8 @@ FORMATS: dict[str, Format] = {
         Format("Q8_0", 8, 32, 34),
         Format("Q4_0", 2, 32, 18),
         Format("Q4_1", 3, 32, 20),
+        Format("Q5_0", 6, 32, 22),
+        Format("Q5_1", 7, 32, 24),
         Format("Q4_K", 12, QK_K, 144),
         Format("Q5_K", 13, QK_K, 176),
         Format("Q6_K", 14, QK_K, 210),
@@ -116,6 +130,22 @@ def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     q = _nibbles(blocks[:, None, 4:20]).flatten(1)
+    return _half(blocks, 0) * q.float() + _half(blocks, 2)
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """[n, 4] qh bytes -> [n, 32] uint8: value i's bit 4 (0 or 16), bit i of qh as a little-endian word."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
+    return (((qh[:, :, None] >> shifts) & 1) << 4).flatten(1)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, None, 6:22]).flatten(1) | _fifth_bits(blocks[:, 2:6])
+    return _half(blocks, 0) * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    q = _nibbles(blocks[:, None, 8:24]).flatten(1) | _fifth_bits(blocks[:, 4:8])
     return _half(blocks, 0) * q.float() + _half(blocks, 2)
 
 
@@ -165,6 +195,8 @@ _DEQUANTIZERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,

@@ -6,8 +6,8 @@ blocks hold exactly that row's values, the same permutation applied to rows of b
 order without touching a byte inside a row.
 
 What comes back, per tensor:
-  * a linear weight (``*_proj.weight``, ``lm_head.weight``) in Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K:
-    a :class:`QuantizedWeight` of the file's bytes, rows in HF order;
+  * a linear weight (``*_proj.weight``, ``lm_head.weight``) in Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K,
+    Q5_K or Q6_K: a :class:`QuantizedWeight` of the file's bytes, rows in HF order;
   * the token embedding: a ``QuantizedWeight`` too where its format is one of those (a lookup
     dequantizes the rows it reads: :func:`embedding_rows`), unless ``dequantize_embeddings``;
   * everything else (norms, biases, float or other-format tensors): a float32 tensor.

@@ -31,7 +31,18 @@ CPU_ISAS = ("portable", "avx2", "avx512", "avx512_vnni")
 
 # Per format, the most rows the integer path multiplies: past it the float32 kernels were as fast or
 # faster (bench/quant_gemm_bench.py, SmolLM2-135M's layer shapes, a 2-core AMD EPYC with AVX-512 VNNI).
-INT8_ACTIVATION_MAX_ROWS = {"Q8_0": 16, "Q4_0": 16, "Q4_1": 16, "Q4_K": 4, "Q5_K": 4, "Q6_K": 2}
+# Q5_0 and Q5_1 were not measured: they take Q4_0's and Q4_1's bound, being those formats' integer path
+# with one more byte shuffle per block for the fifth bit.
+INT8_ACTIVATION_MAX_ROWS = {
+    "Q8_0": 16,
+    "Q4_0": 16,
+    "Q4_1": 16,
+    "Q5_0": 16,
+    "Q5_1": 16,
+    "Q4_K": 4,
+    "Q5_K": 4,
+    "Q6_K": 2,
+}
 
 
 def cpu_kernels_loaded() -> bool:

@@ -91,10 +91,14 @@ def random_quantized(
         values = torch.empty(num_blocks, 1).uniform_(low, high, generator=generator).half()
         blocks[:, offset : offset + 2] = values.view(torch.uint8)
 
-    if fmt.name in ("Q8_0", "Q4_0", "Q4_1"):
+    if fmt.name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         halves(0, -scale, scale)
+        # A min near minus half the quants' span (q up to 15 or 31) centres the values on zero, as a
+        # quantizer's min of a zero-mean row would.
         if fmt.name == "Q4_1":
             halves(2, -8 * scale, 0.0)
+        elif fmt.name == "Q5_1":
+            halves(2, -16 * scale, 0.0)
     elif fmt.name in ("Q4_K", "Q5_K"):
         # A sub-block's scale is d * sc with sc up to 63: d near scale / 32 keeps values near scale * q.
         halves(0, 0.0, scale / 32)

@@ -7,6 +7,7 @@ BPE vocabulary of one token per id (no merges). HF transformers reads these file
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +39,16 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(checkpoint: Path, out: Path, arch: str, quantize: str | None = None) -> Path:
-    """``quantize``: a GGUF type name (Q8_0, Q4_0, ...) the 2-D projection weights are stored in."""
+def write_gguf(
+    checkpoint: Path,
+    out: Path,
+    arch: str,
+    quantize: str | None = None,
+    quantize_kinds: Mapping[str, str] | None = None,
+) -> Path:
+    """``quantize``: a GGUF type name (Q8_0, Q4_0, ...) the 2-D projection weights are stored in.
+    ``quantize_kinds``: a type per llama.cpp tensor kind (``attn_v``, ``ffn_down``, ...) in place of
+    ``quantize`` for those projections, a mix as llama.cpp's Q4_K_M makes."""
     import gguf
 
     cfg = json.loads((checkpoint / "config.json").read_text())
@@ -90,8 +99,9 @@ def write_gguf(checkpoint: Path, out: Path, arch: str, quantize: str | None = No
                 array = _permute(array, kv_heads)
         if arch.startswith("gemma") and name.endswith("norm.weight"):
             array = array + 1.0
-        if quantize is not None and "_proj" in name:
-            kind = gguf.GGMLQuantizationType[quantize]
+        qtype = (quantize_kinds or {}).get(gguf_name.split(".")[-2], quantize)
+        if qtype is not None and "_proj" in name:
+            kind = gguf.GGMLQuantizationType[qtype]
             blocks = gguf.quants.quantize(np.ascontiguousarray(array), kind)
             writer.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=kind)
             continue

@@ -36,7 +36,7 @@ def test_dequantize_equals_gguf_bit_for_bit(name: str) -> None:
     assert w.nbytes == 5 * 3 * fmt.block_bytes
 
 
-@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_gguf_quantized_floats_round_trip(name: str) -> None:
     """Blocks made by gguf's own quantizer from float weights (it has no K-quant quantizer)."""
     gen = torch.Generator().manual_seed(12)
@@ -45,8 +45,24 @@ def test_gguf_quantized_floats_round_trip(name: str) -> None:
     blocks = torch.from_numpy(gguf.quants.quantize(weight.numpy(), kind))
     w = QuantizedWeight(name, 6, 64, blocks)
     assert torch.equal(w.dequantize(), _gguf_dequantize(w))
-    step = weight.abs().amax(dim=1, keepdim=True) / (127 if name == "Q8_0" else 7)
+    # A step is at most amax / 127, 2 amax / 15 (Q4_1: (max - min) / 15) or 2 amax / 31 (Q5_1).
+    step = weight.abs().amax(dim=1, keepdim=True) / {"Q8_0": 127, "Q5_0": 15, "Q5_1": 15}.get(name, 7)
     assert ((w.dequantize() - weight).abs() <= step).all()  # half a step, and then some: the scale is fp16
+
+
+@pytest.mark.parametrize("name", ["Q5_0", "Q5_1"])
+def test_the_fifth_bit_of_value_21(name: str) -> None:
+    """formats.py's worked example: value 21 is qs[5]'s high nibble with bit 5 of qh[2] as its bit 4."""
+    qh = 2 if name == "Q5_0" else 4  # offset of qh in the block; qs follows its 4 bytes
+    block = torch.zeros(1, get_format(name).block_bytes, dtype=torch.uint8)
+    block[0, 0:2] = torch.tensor([0.5], dtype=torch.float16).view(torch.uint8)  # d
+    block[0, qh + 2] = 1 << 5
+    block[0, qh + 4 + 5] = 0xF0
+    w = QuantizedWeight(name, 1, 32, block)
+    q = torch.zeros(32)
+    q[21] = 31  # 0b1111 | 1 << 4
+    assert torch.equal(w.dequantize()[0], 0.5 * (q - (16 if name == "Q5_0" else 0)))
+    assert torch.equal(w.dequantize(), _gguf_dequantize(w))
 
 
 def test_rows_shard_fuse_and_refuse() -> None:
@@ -80,7 +96,8 @@ def test_the_reference_linear_is_the_dequantized_matmul(monkeypatch: pytest.Monk
     assert (quant_linear(x, w, bias) - expected).norm() < 0.02 * expected.norm()
 
 
-# A two-layer-free Llama: one block, hidden 256 (K-quants need whole 256s), 2 heads of 128, 1 kv head.
+# A two-layer-free Llama: one block, hidden 256 (K-quants need whole 256s), 2 heads of 128, 1 kv head;
+# every format once.
 _HIDDEN, _INTER, _VOCAB = 256, 512, 40
 _TENSORS = {  # gguf name: (format, rows, in features)
     "token_embd.weight": ("Q8_0", _VOCAB, _HIDDEN),
@@ -89,8 +106,8 @@ _TENSORS = {  # gguf name: (format, rows, in features)
     "blk.0.attn_v.weight": ("Q5_K", 128, _HIDDEN),
     "blk.0.attn_output.weight": ("Q4_0", _HIDDEN, _HIDDEN),
     "blk.0.ffn_gate.weight": ("Q4_1", _INTER, _HIDDEN),
-    "blk.0.ffn_up.weight": ("Q8_0", _INTER, _HIDDEN),
-    "blk.0.ffn_down.weight": ("Q4_K", _HIDDEN, _INTER),
+    "blk.0.ffn_up.weight": ("Q5_1", _INTER, _HIDDEN),
+    "blk.0.ffn_down.weight": ("Q5_0", _HIDDEN, _INTER),
 }
 
 
@@ -116,6 +133,7 @@ def _write_tiny_gguf(path: Path) -> None:
 
 
 def test_a_gguf_reads_quantized_in_the_float_conversions_order(tmp_path: Path) -> None:
+    assert {kind for kind, _, _ in _TENSORS.values()} == set(FORMATS)
     path = tmp_path / "tiny.Q4_K.gguf"
     _write_tiny_gguf(path)
     weights = read_gguf_weights(path)

@@ -10,30 +10,64 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.models.decoder import DenseMLP
 from engine.quant.weight import QuantizedWeight
 from tests.engine.gguf_files import write_gguf
 from tests.engine.hf_checkpoints import write_hf_checkpoint
 
+Formats = dict[str, str | None]  # linear -> its weight's block format, None: dense
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0"])
+
+def _greedy_runs(path: Path) -> tuple[dict[str, list[list[int]]], dict[str, Formats]]:
+    """Greedy tokens of the file served in its blocks (``auto``) and as its float copy (``none``), and
+    the formats layer 0's linears held in each."""
+    rng = random.Random(3)
+    # Short prompts (rows multiplied as stored) and a long one (a prefill past the kernel's row bound).
+    batch = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 9, 70)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs, served = {}, {}
+    for quantization in ("auto", "none"):
+        llm = LLM(str(path), dtype="float32", quantization=quantization, max_num_seqs=4)
+        runs[quantization] = [list(o.outputs[0].token_ids) for o in llm.generate(batch, greedy)]
+        layer = llm.engine.runner.model.layers[0]
+        assert isinstance(layer.mlp, DenseMLP)
+        served[quantization] = {
+            name: weight.format if isinstance(weight, QuantizedWeight) else None
+            for name, weight in (
+                ("qkv", layer.qkv_proj.weight),
+                ("o", layer.o_proj.weight),
+                ("gate_up", layer.mlp.gate_up_proj.weight),
+                ("down", layer.mlp.down_proj.weight),
+            )
+        }
+    return runs, served
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_0", "Q5_1"])
 def test_block_formats_decode_as_their_float_copy(
     kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("INFLIGHT_HOME", str(tmp_path / "home"))
     checkpoint = write_hf_checkpoint(tmp_path / "hf", "llama3", seed=4)
     path = write_gguf(checkpoint, tmp_path / "tiny.gguf", "llama", quantize=kind)
-    rng = random.Random(3)
-    # Short prompts (rows multiplied as stored) and a long one (a prefill past the kernel's row bound).
-    batch = [[rng.randrange(3, 500) for _ in range(n)] for n in (3, 9, 70)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    runs = {}
-    for quantization in ("auto", "none"):
-        llm = LLM(str(path), dtype="float32", quantization=quantization, max_num_seqs=4)
-        runs[quantization] = [o.outputs[0].token_ids for o in llm.generate(batch, greedy)]
-        layer = llm.engine.runner.model.layers[0]
-        assert isinstance(layer.qkv_proj.weight, QuantizedWeight) == (quantization == "auto")
-        if quantization == "auto":
-            assert layer.qkv_proj.weight.format == kind
+    runs, served = _greedy_runs(path)
+    assert set(served["auto"].values()) == {kind}
+    assert set(served["none"].values()) == {None}
+    assert runs["auto"] == runs["none"]
+
+
+def test_a_mix_of_formats_in_one_fused_weight_serves_dequantized(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp's Q4_K_M of a model whose hidden size is not whole 256s (SmolLM2-135M: 576) keeps
+    q and k in Q5_0 and v in Q8_0 in some layers: the fused qkv cannot be one format's rows, so it is
+    served dequantized while the other linears keep their blocks."""
+    monkeypatch.setenv("INFLIGHT_HOME", str(tmp_path / "home"))
+    checkpoint = write_hf_checkpoint(tmp_path / "hf", "llama3", seed=5)
+    kinds = {"attn_v": "Q8_0", "ffn_down": "Q5_1"}
+    path = write_gguf(checkpoint, tmp_path / "tiny.gguf", "llama", quantize="Q5_0", quantize_kinds=kinds)
+    runs, served = _greedy_runs(path)
+    assert served["auto"] == {"qkv": None, "o": "Q5_0", "gate_up": "Q5_0", "down": "Q5_1"}
     assert runs["auto"] == runs["none"]
 
 

@@ -132,7 +132,7 @@ def test_strided_empty_and_refused_inputs() -> None:
     with pytest.raises(RuntimeError, match="bytes a row"):
         torch.ops.inflight_cpu.quant_linear(torch.randn(2, 32), w.blocks, w.fmt.ggml_type, 32, None)
     with pytest.raises(RuntimeError, match="unsupported block format"):
-        torch.ops.inflight_cpu.quant_linear(torch.randn(2, 64), w.blocks, 6, 64, None)
+        torch.ops.inflight_cpu.quant_linear(torch.randn(2, 64), w.blocks, 10, 64, None)  # Q2_K: not served
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.inflight_cpu.quant_linear(torch.randn(2, 64), w.blocks, w.fmt.ggml_type, 64, torch.zeros(5))
 

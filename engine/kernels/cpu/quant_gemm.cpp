@@ -1,5 +1,5 @@
-// Linear layers on weights kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K): out = x @ w.T
-// (+ bias), w read as stored, one row of blocks per output feature (engine/quant/formats.py documents
+// Linear layers on weights kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
+// out = x @ w.T (+ bias), w read as stored, one row of blocks per output feature (engine/quant/formats.py documents
 // each block's struct; the format is the contract). And on per-channel int8 weights (w8_linear:
 // engine/quant/int8.py), through the same tiles.
 //
@@ -56,7 +56,17 @@ namespace {
 // kW8: per-channel int8 rows (compressed-tensors W8A16), no ggml type: k bytes a row, one float32 scale a
 // row in Job::scales; the multiply is the blocks' (a tile dequantized, then a float GEMM), and one or two
 // rows of x (decode) convert the int8 weights in registers instead (multiply_w8_direct).
-enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kW8 = 1000 };
+enum Format : int64_t {
+  kQ4_0 = 2,
+  kQ4_1 = 3,
+  kQ5_0 = 6,
+  kQ5_1 = 7,
+  kQ8_0 = 8,
+  kQ4_K = 12,
+  kQ5_K = 13,
+  kQ6_K = 14,
+  kW8 = 1000
+};
 // kAvx512Vnni: the float kernels of kAvx512, and vpdpbusd for the integer path (quant_linear_int8), which
 // runs the AVX2 code (vpmaddubsw) on kAvx2 and kAvx512.
 enum Isa : int64_t { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
@@ -68,12 +78,15 @@ typedef float vf16 __attribute__((vector_size(64)));
 typedef uint8_t vu8 __attribute__((vector_size(16)));
 typedef int8_t vi8 __attribute__((vector_size(16)));
 
-int64_t block_size(int64_t fmt) { return fmt >= kQ4_K ? 256 : 32; }
-int64_t block_bytes(int64_t fmt) {
+// constexpr: the per-format templates of quant_gemm_isa.h take their block strides from here.
+constexpr int64_t block_size(int64_t fmt) { return fmt >= kQ4_K ? 256 : 32; }
+constexpr int64_t block_bytes(int64_t fmt) {
   switch (fmt) {
     case kQ8_0: return 34;
     case kQ4_0: return 18;
     case kQ4_1: return 20;
+    case kQ5_0: return 22;
+    case kQ5_1: return 24;
     case kQ4_K: return 144;
     case kQ5_K: return 176;
     case kQ6_K: return 210;
@@ -85,6 +98,21 @@ INLINE vu8 bytes16(const uint8_t* p) {
   vu8 v;
   std::memcpy(&v, p, 16);
   return v;
+}
+
+// Q5_0 / Q5_1's fifth bits, for both the float (quant_gemm_isa.h) and the integer (quant_gemm_int8.h)
+// paths: bit i of the 4 qh bytes read as a little-endian word (byte i / 8, bit i % 8) is bit 4 of value
+// i. lo gets values 0..15, hi 16..31, each lane 16 where the bit is set and 0 where not. Each qh byte is
+// spread over 8 lanes and tested against that lane's own bit (a byte shuffle, an and, a compare): x86
+// has no per-lane byte shift, which `(byte >> lane) & 1` would need.
+INLINE void fifth_bits(const uint8_t* qh, vu8& lo, vu8& hi) {
+  vu8 bytes{};
+  std::memcpy(&bytes, qh, 4);
+  const vu8 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+  const vu8 first = __builtin_shufflevector(bytes, bytes, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const vu8 second = __builtin_shufflevector(bytes, bytes, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  lo = (vu8)((first & bit) != 0) & 16;
+  hi = (vu8)((second & bit) != 0) & 16;
 }
 
 // What one thread's share of a multiply needs.

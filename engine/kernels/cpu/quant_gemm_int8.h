@@ -8,15 +8,15 @@
 // q_x with one float32 scale d_x each (symmetric, round to nearest even, d_x = amax / 127) and the
 // block's sum times its scale, s_x = d_x * sum(q_x). Every weight format is read as 32-value sub-blocks:
 // 32 small integers q_w, a scale vector (one float for all but Q6_K, whose two 16-value halves have a
-// scale each) and, for the formats with a min (Q4_1, Q4_K, Q5_K), a float m with
+// scale each) and, for the formats with a min (Q4_1, Q5_1, Q4_K, Q5_K), a float m with
 //   sub-block . x_block = d_x * sum_lanes(scale * dot(q_w, q_x)) + m * s_x.
 // dot gives 8 int32 lanes, lane l the sum over bytes 4l .. 4l + 3 (vpdpbusd's shape): exact integers,
 // converted to float once per sub-block and multiplied by the scales in float32.
 //
-// Signed weights (Q8_0, Q4_0 as q - 8, Q6_K as q - 32): vpdpbusd / vpmaddubsw multiply unsigned by
+// Signed weights (Q8_0, Q4_0 as q - 8, Q5_0 as q - 16, Q6_K as q - 32): vpdpbusd / vpmaddubsw multiply unsigned by
 // signed bytes, so |q_w| goes as the unsigned operand and q_x with q_w's sign as the signed one
 // (vpsignb); |q_w| <= 128 and |q_x| <= 127 keep vpmaddubsw's 16-bit pair sums (<= 32512) from
-// saturating. Unsigned ones (nibbles 0..15, Q5_K's 0..31) go as they are.
+// saturating. Unsigned ones (nibbles 0..15, Q5_1's and Q5_K's 0..31) go as they are.
 
 typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef int8_t s8x32 __attribute__((vector_size(32)));
@@ -94,9 +94,9 @@ INLINE void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
 }
 
 template <int64_t FMT>
-constexpr bool kSigned = FMT == kQ8_0 || FMT == kQ4_0 || FMT == kQ6_K;
+constexpr bool kSigned = FMT == kQ8_0 || FMT == kQ4_0 || FMT == kQ5_0 || FMT == kQ6_K;
 template <int64_t FMT>
-constexpr bool kHasMin = FMT == kQ4_1 || FMT == kQ4_K || FMT == kQ5_K;
+constexpr bool kHasMin = FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == kQ5_K;
 
 // Sub-block j (values 32j .. 32j + 32) of a weight row: its integers q (signed formats: int8 bits), its
 // scale(s) and its min (see the top).
@@ -113,6 +113,16 @@ INLINE void sub_block(const uint8_t* row, int64_t j, u8x32& q, f32x8& scale, flo
     if constexpr (FMT == kQ4_0) q -= 8;
     scale = f32x8{} + i8_half(b);
     if constexpr (FMT == kQ4_1) min = i8_half(b + 2);
+  } else if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {
+    const uint8_t* b = row + block_bytes(FMT) * j;
+    const uint8_t* qh = b + (FMT == kQ5_0 ? 2 : 4);
+    const vu8 v = bytes16(qh + 4);
+    vu8 lo, hi;
+    fifth_bits(qh, lo, hi);  // quant_gemm.cpp
+    q = join16((v & 15) | lo, (v >> 4) | hi);
+    if constexpr (FMT == kQ5_0) q -= 16;
+    scale = f32x8{} + i8_half(b);
+    if constexpr (FMT == kQ5_1) min = i8_half(b + 2);
   } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {
     const uint8_t* b = row + (FMT == kQ4_K ? 144 : 176) * (j >> 3);
     const int s = static_cast<int>(j & 7);
@@ -238,6 +248,8 @@ inline void int_tiles(const IntJob& job, int64_t t0, int64_t t1) {
     case kQ8_0: int_tiles_as<kQ8_0>(job, t0, t1); break;
     case kQ4_0: int_tiles_as<kQ4_0>(job, t0, t1); break;
     case kQ4_1: int_tiles_as<kQ4_1>(job, t0, t1); break;
+    case kQ5_0: int_tiles_as<kQ5_0>(job, t0, t1); break;
+    case kQ5_1: int_tiles_as<kQ5_1>(job, t0, t1); break;
     case kQ4_K: int_tiles_as<kQ4_K>(job, t0, t1); break;
     case kQ5_K: int_tiles_as<kQ5_K>(job, t0, t1); break;
     default: int_tiles_as<kQ6_K>(job, t0, t1); break;

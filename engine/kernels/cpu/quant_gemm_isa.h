@@ -101,6 +101,26 @@ INLINE void dq_q4_1(const uint8_t* b, float* out) {
   emit(out + 16, (vu8)(q >> 4), d, m);
 }
 
+// Q5_0 (MIN false: d * (q - 16)) and Q5_1 (true: d * q + m): Q4_0/Q4_1's nibbles, each with its fifth
+// bit from qh (fifth_bits in quant_gemm.cpp). qh follows the fp16 field(s), qs the 4 qh bytes.
+template <bool MIN>
+INLINE void dq_q5(const uint8_t* b, float* out) {
+  const float d = half_at(b);
+  const uint8_t* qh = b + (MIN ? 4 : 2);
+  const vu8 q = bytes16(qh + 4);
+  vu8 lo, hi;
+  fifth_bits(qh, lo, hi);
+  if constexpr (MIN) {
+    const float m = half_at(b + 2);
+    emit(out, (vu8)((q & 15) | lo), d, m);
+    emit(out + 16, (vu8)((q >> 4) | hi), d, m);
+  } else {
+    // d * (q - 16): exact in float32, as Q4_0's.
+    emit(out, (vi8)((q & 15) | lo) - 16, d, 0.f);
+    emit(out + 16, (vi8)((q >> 4) | hi) - 16, d, 0.f);
+  }
+}
+
 // Sub-block s's 6-bit scale and min from a Q4_K/Q5_K block's 12 scale bytes (get_scale_min_k4).
 INLINE void scale_min(const uint8_t* s, int j, int& sc, int& m) {
   if (j < 4) {
@@ -166,15 +186,16 @@ INLINE void dq_w8(const uint8_t* row, int64_t k, float scale, float* out) {
 
 template <int64_t FMT>
 INLINE void dq_row_as(const uint8_t* row, int64_t num_blocks, float* out) {
-  constexpr int64_t bytes = FMT == kQ8_0 ? 34 : FMT == kQ4_0 ? 18 : FMT == kQ4_1 ? 20 : FMT == kQ4_K ? 144
-                                                                     : FMT == kQ5_K ? 176 : 210;
-  constexpr int64_t values = FMT >= kQ4_K ? 256 : 32;
+  constexpr int64_t bytes = block_bytes(FMT);
+  constexpr int64_t values = block_size(FMT);
   for (int64_t i = 0; i < num_blocks; ++i) {
     const uint8_t* b = row + i * bytes;
     float* o = out + i * values;
     if constexpr (FMT == kQ8_0) dq_q8_0(b, o);
     if constexpr (FMT == kQ4_0) dq_q4_0(b, o);
     if constexpr (FMT == kQ4_1) dq_q4_1(b, o);
+    if constexpr (FMT == kQ5_0) dq_q5<false>(b, o);
+    if constexpr (FMT == kQ5_1) dq_q5<true>(b, o);
     if constexpr (FMT == kQ4_K) dq_k_quant<false>(b, o);
     if constexpr (FMT == kQ5_K) dq_k_quant<true>(b, o);
     if constexpr (FMT == kQ6_K) dq_q6_k(b, o);
@@ -187,6 +208,8 @@ INLINE void dq_row(int64_t fmt, const uint8_t* row, int64_t k, float* out) {
     case kQ8_0: dq_row_as<kQ8_0>(row, n, out); break;
     case kQ4_0: dq_row_as<kQ4_0>(row, n, out); break;
     case kQ4_1: dq_row_as<kQ4_1>(row, n, out); break;
+    case kQ5_0: dq_row_as<kQ5_0>(row, n, out); break;
+    case kQ5_1: dq_row_as<kQ5_1>(row, n, out); break;
     case kQ4_K: dq_row_as<kQ4_K>(row, n, out); break;
     case kQ5_K: dq_row_as<kQ5_K>(row, n, out); break;
     default: dq_row_as<kQ6_K>(row, n, out); break;
