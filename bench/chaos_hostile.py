@@ -50,6 +50,7 @@ class HostileSummary:
     series_after: int = 0
     keys_without_ttl: list[str] = field(default_factory=list)
     subscriptions_left: int = -1
+    subscribers_left: list[str] = field(default_factory=list)  # who holds them: Redis client, channel count
     rss_mib: dict[str, float | None] = field(default_factory=dict)  # the crowd's gateway: before, after
     problems: list[str] = field(default_factory=list)
 
@@ -141,6 +142,13 @@ def leaks(stack: Stack, gateway: ServiceProcess, summary: HostileSummary, timeou
         if summary.subscriptions_left == 0 or time.monotonic() > deadline:
             break
         time.sleep(0.5)
+    if summary.subscriptions_left:
+        # Which connections hold them (a gateway's hub, by its address and age), for the report.
+        summary.subscribers_left = [
+            f"{c.get('addr')} name={c.get('name') or '-'} age={c.get('age')}s sub={c.get('sub')}"
+            for c in redis.client_list(_type="pubsub")
+            if int(c.get("sub", 0)) > 0
+        ]
     summary.keys_without_ttl = _keys_without_ttl(stack)[:20]
     summary.series_after = num_series(gateway.url)
     summary.rss_mib["after"] = rss_mib(gateway.proc.pid)
@@ -229,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             "new_metric_series": summary.series_after - summary.series_before,
             "keys_without_ttl": summary.keys_without_ttl,
             "subscriptions_left": summary.subscriptions_left,
+            "subscribers_left": summary.subscribers_left,
             "gateway_rss_mib": summary.rss_mib,
             "redis_used_mib": {"before": redis_before, "after": _redis_used_mib(stack)},
             "problems": summary.problems[:20],

@@ -216,6 +216,7 @@ def _crowd_rows(crowd: HostileSummary | None) -> list[tuple[str, object]]:
         ("  new metric series", crowd.series_after - crowd.series_before),
         ("  Redis keys without a TTL", len(crowd.keys_without_ttl)),
         ("  event subscriptions left", crowd.subscriptions_left),
+        *(("    held by", who) for who in crowd.subscribers_left),
         (
             "  its gateway's RSS MiB before/after",
             f"{crowd.rss_mib.get('before')}/{crowd.rss_mib.get('after')}",

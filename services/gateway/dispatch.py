@@ -181,8 +181,10 @@ class Dispatcher:
         except APIError:
             raise
         except BaseException as exc:
-            if pending_sub is not None and not pending_sub.done():
-                pending_sub.cancel()
+            if sub is None and pending_sub is not None:
+                # The admission failed (or this route was cancelled) while the subscription ran beside
+                # it: a subscription that completed is released here, or nobody ever would.
+                sub = await _settled(pending_sub)
             await self._abandon(msg.id, sub)
             if isinstance(exc, MESSAGE_TOO_LARGE):
                 # The broker (or its topic) takes smaller messages than this gateway's body limit.
@@ -349,3 +351,15 @@ class Dispatcher:
         await ensure_topic(self.settings)  # a restarted broker may have forgotten the topic too
         queued.partition, queued.offset = await self._produce(queued.value, queued.key, queued.headers)
         queued.attempts += 1
+
+
+async def _settled(pending: asyncio.Future[Subscription]) -> Subscription | None:
+    """The subscription a side task made, or None: one still running is cancelled and waited for (its
+    own clean-up unsubscribes it), one that failed made nothing."""
+    if not pending.done():
+        pending.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait([pending])
+    if pending.cancelled() or pending.exception() is not None:
+        return None
+    return pending.result()
