@@ -217,7 +217,11 @@ class FaultRunner:
                 break
             raw = redis.lrange(keys.log(job_id), -1, -1)
             last = decode_event(raw[0]) if raw else None
-            if isinstance(last, DeltaEvent) and last.worker not in killed:
+            # Only the engine of the worker that holds the job now: the last token may be from a claim
+            # already handed back, and killing that worker's engine would count against its neighbours
+            # and not against the job.
+            owner = redis.get(keys.owner(job_id))
+            if isinstance(last, DeltaEvent) and last.worker == owner and last.worker not in killed:
                 self._kill_engine_of(last.worker)
                 killed.append(last.worker)
             time.sleep(0.05)
