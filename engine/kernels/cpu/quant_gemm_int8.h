@@ -23,17 +23,12 @@ typedef int8_t s8x32 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x8 __attribute__((vector_size(32)));
 
-#if QUANT_ISA >= 1
-INLINE float i8_half(const uint8_t* p) {
+#if QUANT_ISA == 3
+// The one instruction set whose namespace does not include quant_gemm_isa.h, where half_at lives.
+INLINE float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return _cvtsh_ss(bits);
-}
-#else
-INLINE float i8_half(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 #endif
 
@@ -105,14 +100,14 @@ INLINE void sub_block(const uint8_t* row, int64_t j, u8x32& q, f32x8& scale, flo
   if constexpr (FMT == kQ8_0) {
     const uint8_t* b = row + 34 * j;
     q = ld32(b + 2);
-    scale = f32x8{} + i8_half(b);
+    scale = f32x8{} + half_at(b);
   } else if constexpr (FMT == kQ4_0 || FMT == kQ4_1) {
     const uint8_t* b = row + (FMT == kQ4_0 ? 18 : 20) * j;
     const vu8 v = bytes16(b + (FMT == kQ4_0 ? 2 : 4));
     q = join16(v & 15, v >> 4);
     if constexpr (FMT == kQ4_0) q -= 8;
-    scale = f32x8{} + i8_half(b);
-    if constexpr (FMT == kQ4_1) min = i8_half(b + 2);
+    scale = f32x8{} + half_at(b);
+    if constexpr (FMT == kQ4_1) min = half_at(b + 2);
   } else if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {
     const uint8_t* b = row + block_bytes(FMT) * j;
     const uint8_t* qh = b + (FMT == kQ5_0 ? 2 : 4);
@@ -121,8 +116,8 @@ INLINE void sub_block(const uint8_t* row, int64_t j, u8x32& q, f32x8& scale, flo
     fifth_bits(qh, lo, hi);  // quant_gemm.cpp
     q = join16((v & 15) | lo, (v >> 4) | hi);
     if constexpr (FMT == kQ5_0) q -= 16;
-    scale = f32x8{} + i8_half(b);
-    if constexpr (FMT == kQ5_1) min = i8_half(b + 2);
+    scale = f32x8{} + half_at(b);
+    if constexpr (FMT == kQ5_1) min = half_at(b + 2);
   } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {
     const uint8_t* b = row + (FMT == kQ4_K ? 144 : 176) * (j >> 3);
     const int s = static_cast<int>(j & 7);
@@ -131,8 +126,8 @@ INLINE void sub_block(const uint8_t* row, int64_t j, u8x32& q, f32x8& scale, flo
     const u8x32 packed = ld32(b + (FMT == kQ4_K ? 16 : 48) + 32 * (s >> 1));
     q = (s & 1) ? (packed >> 4) : (packed & 15);
     if constexpr (FMT == kQ5_K) q |= ((ld32(b + 16) >> s) & 1) << 4;
-    scale = f32x8{} + i8_half(b) * static_cast<float>(sc);
-    min = -i8_half(b + 2) * static_cast<float>(m);
+    scale = f32x8{} + half_at(b) * static_cast<float>(sc);
+    min = -half_at(b + 2) * static_cast<float>(m);
   } else {  // Q6_K: values 128h + 32p + l (dq_q6_k in quant_gemm_isa.h)
     const uint8_t* b = row + 210 * (j >> 3);
     const int h = static_cast<int>((j >> 2) & 1), p = static_cast<int>(j & 3);
@@ -140,7 +135,7 @@ INLINE void sub_block(const uint8_t* row, int64_t j, u8x32& q, f32x8& scale, flo
     const u8x32 low = (p >> 1) ? (ql >> 4) : (ql & 15);
     const u8x32 high = (ld32(b + 128 + 32 * h) >> (2 * p)) & 3;
     q = (low | (high << 4)) - 32;
-    const float d = i8_half(b + 208);
+    const float d = half_at(b + 208);
     const auto* scales = reinterpret_cast<const int8_t*>(b + 192 + 8 * h + 2 * p);
     const float s0 = d * static_cast<float>(scales[0]), s1 = d * static_cast<float>(scales[1]);
     scale = f32x8{s0, s0, s0, s0, s1, s1, s1, s1};
