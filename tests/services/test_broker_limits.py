@@ -12,45 +12,26 @@ import time
 import uuid
 
 import pytest
-import redis.asyncio as aioredis
 from aiokafka import AIOKafkaProducer
 
 from harness.servers import ServerProcess
 from services.common import keys
-from services.common.kafka import client_kwargs, ensure_topic
-from services.common.settings import Settings
-from services.common.store import Store
+from services.common.kafka import client_kwargs
 from services.common.wire import RequestMessage
 from services.common.wire_sampling import WireSampling
-from services.gateway.dispatch import Dispatcher
 from services.gateway.errors import APIError
-from services.gateway.token_streams import Hub
-from tests.services.stack import REDIS_PASSWORD
+from tests.services.dispatch_parts import dispatcher_parts
 
 pytestmark = pytest.mark.timeout(60)
 
 
 async def test_a_message_the_broker_refuses_is_413(kafka: ServerProcess, redis_server: ServerProcess) -> None:
-    settings = Settings(
-        kafka_bootstrap=kafka.address,
-        kafka_topic=f"inflight.limits.{uuid.uuid4().hex[:8]}",
-        kafka_idempotence=False,
-        kafka_partitions=1,
-        redis_url=redis_server.url,
-        redis_password=REDIS_PASSWORD,
-        kafka_produce_timeout_s=20.0,
-    )
-    client = aioredis.Redis.from_url(redis_server.url, password=REDIS_PASSWORD, decode_responses=True)
-    store = Store(client)
-    hub = Hub(client, store, "broker-limits", 30.0)
-    dispatcher = Dispatcher(settings, store, hub)
-    await ensure_topic(settings)
-    await hub.start()
-    await dispatcher.start()
-    await dispatcher.producer.stop()
-    dispatcher.producer = AIOKafkaProducer(**client_kwargs(settings), max_request_size=1024 * 1024)
-    await dispatcher.producer.start()
-    try:
+    async with dispatcher_parts(kafka, redis_server, "limits", kafka_produce_timeout_s=20.0) as parts:
+        client, hub, dispatcher = parts
+        settings = dispatcher.settings
+        await dispatcher.producer.stop()
+        dispatcher.producer = AIOKafkaProducer(**client_kwargs(settings), max_request_size=1024 * 1024)
+        await dispatcher.producer.start()
         msg = RequestMessage(
             id=f"cmpl-{uuid.uuid4().hex}",
             kind="completion",
@@ -70,7 +51,3 @@ async def test_a_message_the_broker_refuses_is_413(kafka: ServerProcess, redis_s
         assert await client.zscore(keys.PENDING, msg.id) is None
         assert hub.num_streams == 0
         assert await client.hget(keys.record(msg.id), "status") == "failed"
-    finally:
-        await dispatcher.stop()
-        await hub.stop()
-        await client.aclose()

@@ -20,14 +20,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from harness.servers import ServerProcess
 from services.common import keys
-from services.common.kafka import ensure_topic
-from services.common.settings import Settings
-from services.common.store import Store
 from services.common.wire import RequestMessage
 from services.common.wire_sampling import WireSampling
 from services.gateway.dispatch import Dispatcher
 from services.gateway.token_streams import Hub
-from tests.services.stack import REDIS_PASSWORD
+from tests.services.dispatch_parts import dispatcher_parts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,27 +50,8 @@ class Parts:
 
 @pytest.fixture
 async def parts(kafka: ServerProcess, redis_server: ServerProcess) -> AsyncIterator[Parts]:
-    settings = Settings(
-        kafka_bootstrap=kafka.address,
-        kafka_topic=f"inflight.abandon.{uuid.uuid4().hex[:8]}",
-        kafka_idempotence=False,
-        kafka_partitions=1,
-        redis_url=redis_server.url,
-        redis_password=REDIS_PASSWORD,
-    )
-    client = aioredis.Redis.from_url(redis_server.url, password=REDIS_PASSWORD, decode_responses=True)
-    store = Store(client)
-    hub = Hub(client, store, f"abandon-{uuid.uuid4().hex[:6]}", 30.0)
-    dispatcher = Dispatcher(settings, store, hub)
-    await ensure_topic(settings)
-    await hub.start()
-    await dispatcher.start()
-    try:
+    async with dispatcher_parts(kafka, redis_server, "abandon") as (client, hub, dispatcher):
         yield Parts(client, hub, dispatcher)
-    finally:
-        await dispatcher.stop()
-        await hub.stop()
-        await client.aclose()
 
 
 def _message() -> RequestMessage:

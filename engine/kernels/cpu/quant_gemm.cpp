@@ -1,7 +1,7 @@
 // Linear layers on weights kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
-// out = x @ w.T (+ bias), w read as stored, one row of blocks per output feature (engine/quant/formats.py documents
-// each block's struct; the format is the contract). And on per-channel int8 weights (w8_linear:
-// engine/quant/int8.py), through the same tiles.
+// out = x @ w.T (+ bias), w read as stored, one row of blocks per output feature
+// (engine/quant/formats.py documents each block's struct; the format is the contract). And on
+// per-channel int8 weights (w8_linear: engine/quant/int8.py), through the same tiles.
 //
 // Why dequantize into float32 rather than quantize x to int8 (llama.cpp's way, maddubs / VNNI dot
 // products). A decode step multiplies 1 to 64 rows by every weight: its time is the weights' stream

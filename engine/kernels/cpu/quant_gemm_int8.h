@@ -13,10 +13,10 @@
 // dot gives 8 int32 lanes, lane l the sum over bytes 4l .. 4l + 3 (vpdpbusd's shape): exact integers,
 // converted to float once per sub-block and multiplied by the scales in float32.
 //
-// Signed weights (Q8_0, Q4_0 as q - 8, Q5_0 as q - 16, Q6_K as q - 32): vpdpbusd / vpmaddubsw multiply unsigned by
-// signed bytes, so |q_w| goes as the unsigned operand and q_x with q_w's sign as the signed one
-// (vpsignb); |q_w| <= 128 and |q_x| <= 127 keep vpmaddubsw's 16-bit pair sums (<= 32512) from
-// saturating. Unsigned ones (nibbles 0..15, Q5_1's and Q5_K's 0..31) go as they are.
+// Signed weights (Q8_0, Q4_0 as q - 8, Q5_0 as q - 16, Q6_K as q - 32): vpdpbusd / vpmaddubsw
+// multiply unsigned by signed bytes, so |q_w| goes as the unsigned operand and q_x with q_w's sign as
+// the signed one (vpsignb); |q_w| <= 128 and |q_x| <= 127 keep vpmaddubsw's 16-bit pair sums
+// (<= 32512) from saturating. Unsigned ones (nibbles 0..15, Q5_1's and Q5_K's 0..31) go as they are.
 
 typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef int8_t s8x32 __attribute__((vector_size(32)));
@@ -98,11 +98,11 @@ constexpr bool kHasMin = FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == 
 template <int64_t FMT>
 INLINE void sub_block(const uint8_t* row, int64_t j, u8x32& q, f32x8& scale, float& min) {
   if constexpr (FMT == kQ8_0) {
-    const uint8_t* b = row + 34 * j;
+    const uint8_t* b = row + block_bytes(FMT) * j;
     q = ld32(b + 2);
     scale = f32x8{} + half_at(b);
   } else if constexpr (FMT == kQ4_0 || FMT == kQ4_1) {
-    const uint8_t* b = row + (FMT == kQ4_0 ? 18 : 20) * j;
+    const uint8_t* b = row + block_bytes(FMT) * j;
     const vu8 v = bytes16(b + (FMT == kQ4_0 ? 2 : 4));
     q = join16(v & 15, v >> 4);
     if constexpr (FMT == kQ4_0) q -= 8;
@@ -119,7 +119,7 @@ INLINE void sub_block(const uint8_t* row, int64_t j, u8x32& q, f32x8& scale, flo
     scale = f32x8{} + half_at(b);
     if constexpr (FMT == kQ5_1) min = half_at(b + 2);
   } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {
-    const uint8_t* b = row + (FMT == kQ4_K ? 144 : 176) * (j >> 3);
+    const uint8_t* b = row + block_bytes(FMT) * (j >> 3);
     const int s = static_cast<int>(j & 7);
     int sc, m;
     k_scale_min(b + 4, s, sc, m);
@@ -129,7 +129,7 @@ INLINE void sub_block(const uint8_t* row, int64_t j, u8x32& q, f32x8& scale, flo
     scale = f32x8{} + half_at(b) * static_cast<float>(sc);
     min = -half_at(b + 2) * static_cast<float>(m);
   } else {  // Q6_K: values 128h + 32p + l (dq_q6_k in quant_gemm_isa.h)
-    const uint8_t* b = row + 210 * (j >> 3);
+    const uint8_t* b = row + block_bytes(FMT) * (j >> 3);
     const int h = static_cast<int>((j >> 2) & 1), p = static_cast<int>(j & 3);
     const u8x32 ql = ld32(b + 64 * h + 32 * (p & 1));
     const u8x32 low = (p >> 1) ? (ql >> 4) : (ql & 15);
