@@ -12,6 +12,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
+    KafkaError,
     MessageSizeTooLargeError,
     OffsetOutOfRangeError,
     RecordListTooLargeError,
@@ -180,16 +181,15 @@ def make_admin(settings: Settings) -> AIOKafkaAdminClient:
 
 
 async def ensure_topic(settings: Settings) -> None:
-    """Create the request topic if it is missing; an existing topic is left as it is."""
+    """Create the request topic if it is missing; an existing topic is left as it is.
+
+    Create first, and learn from the answer whether it existed: a metadata request (describing the topic)
+    would auto-create a missing topic on a broker with ``auto.create.topics.enable`` (tansu's default),
+    with the broker's partition count instead of ``kafka_partitions``. A create that finds the topic
+    (one auto-created by a client's metadata request included) keeps it and its messages."""
     admin = make_admin(settings)
     await admin.start()
     try:
-        # Describe, not list: tansu leaves topics that a client's metadata request auto-created out of
-        # its listing, and creating such a topic again hides the messages already in it.
-        (described,) = await admin.describe_topics([settings.kafka_topic])
-        if described.get("error_code") == 0 and described.get("partitions"):
-            await _check_message_limit(admin, settings)
-            return
         topic = NewTopic(
             settings.kafka_topic,
             settings.kafka_partitions,
@@ -202,10 +202,17 @@ async def ensure_topic(settings: Settings) -> None:
             },
         )
         try:
-            await admin.create_topics([topic])
+            response = await admin.create_topics([topic])
+            entry = response.topic_errors[0]  # (topic, error code[, message]) by protocol version
+            code, message = entry[1], entry[2] if len(entry) > 2 else None
+        except TopicAlreadyExistsError:  # a client that raises instead of answering the code
+            code, message = TopicAlreadyExistsError.errno, None
+        if code == 0:
             log.info("created topic %s with %d partitions", settings.kafka_topic, settings.kafka_partitions)
-        except TopicAlreadyExistsError:
-            pass  # another replica created it first
+        elif code == TopicAlreadyExistsError.errno:  # another replica's, an operator's, or auto-created
+            await _check_message_limit(admin, settings)
+        else:
+            raise KafkaError(f"creating topic {settings.kafka_topic} failed: error {code} ({message})")
     finally:
         await admin.close()
 

@@ -219,8 +219,9 @@ class Settings:
     # Engines a request may see die or stall while they run it: each such claim counts, and the claim
     # that reaches this many fails the request for good (code engine_failed, a dead-letter record in
     # Redis) instead of handing it to the next engine. A request that kills every engine it lands on
-    # (an OOM, a crashing kernel) then costs 3 engine restarts, not the fleet; requests that merely
-    # shared a batch with it count too, so 1 would fail innocent neighbours of one crash.
+    # (an OOM, a crashing kernel) then costs 3 engine restarts, not the fleet. Requests that merely
+    # shared a batch with it count the first death too; from then on each runs alone on its engine, so
+    # later deaths count against the culprit only (1 would fail the innocent neighbours of one crash).
     max_engine_failures: int = 3
     # The bytes of token events one request may log in Redis (its record's log, kept as long as the
     # record: a day for a job): past it the request fails with code output_too_large. 64 MiB is tens of

@@ -27,8 +27,13 @@ class Probes:
 def create_app(worker: Worker, probes: Probes | None = None) -> Starlette:
     async def healthz(_: Request) -> Response:
         dead = getattr(worker.engine, "dead_error", None)
-        if dead is not None:
+        if dead is not None and worker.handed_over.is_set():
             return JSONResponse({"status": "engine loop died", "error": str(dead)}, status_code=500)
+        if dead is not None:
+            # Still handing back: counting the death against its requests (poison.py), committing and
+            # leaving the group (bounded, worker.py). A restart now would lose the count, and the request
+            # that killed the engine would resume elsewhere as if nothing had happened.
+            return JSONResponse({"status": "engine loop died, handing back", "error": str(dead)})
         return JSONResponse({"status": "ok"})
 
     async def readyz(_: Request) -> Response:

@@ -36,6 +36,7 @@ from services.worker.control import Spawn
 from services.worker.fetch_wait import FetchWait
 from services.worker.kafka_compat import set_fetch_wait
 from services.worker.offsets import OffsetTracker
+from services.worker.quarantine import Quarantine
 from services.worker.run_state import Outcome, Run
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class Intake:
         runs: dict[str, Run],
         start_run: Callable[[Run], None],
         spawn: Spawn,
+        quarantine: Quarantine,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -61,6 +63,7 @@ class Intake:
         self.runs = runs
         self._start_run = start_run
         self._spawn = spawn
+        self.quarantine = quarantine
         self.stopped = False  # drain: fetch nothing more
         self.fetch_wait = FetchWait(settings.kafka_fetch_max_wait_ms, settings.kafka_idle_fetch_wait_ms)
         self.fetch_wait_ms = settings.kafka_fetch_max_wait_ms  # what the fetches wait now (/stats)
@@ -70,6 +73,8 @@ class Intake:
         # its core has not acknowledged (its load shows them only from then on): the bound holds at all
         # times. The engine client updates its load before the count drops, so no request is ever missed
         # (for an instant one may count twice: the fetch then waits a poll longer).
+        if self.quarantine.active:
+            return 0  # a suspect waits for the engine or holds it alone: new work would queue behind it
         intake = sum(1 for r in self.runs.values() if not r.engine_ids)
         waiting = self.engine.load.num_waiting + self.engine.num_unacknowledged
         return self.settings.fetch_max_waiting - waiting - intake

@@ -12,8 +12,9 @@ the request id, and a dead-letter record in Redis:
     ZRANGE inflight:dead 0 -1 WITHSCORES      ids, by when they failed
     HGETALL inflight:dead:{<id>}              what it was, how often engines died, its Kafka message
 
-Every request on a dying engine counts, the culprit and its batch neighbours alike: the bound is what
-keeps a neighbour that was merely unlucky from being failed by one crash.
+Every request on a dying engine counts, the culprit and its batch neighbours alike; from then on each
+runs alone on its engine (quarantine.py), so further deaths count against the culprit only, and a
+neighbour that was merely unlucky completes.
 """
 
 from __future__ import annotations
@@ -63,13 +64,17 @@ def engine_failures() -> Counter:
 
 async def failed_before(store: Store, settings: Settings, run: Run) -> bool:
     """At a claim: True when earlier claims already reached the bound (the worker that counted the last
-    one died before it could fail the request): the run is to be failed without an engine. Only a
-    request claimed before (epoch > 1) can have engine failures, so a first claim costs no round trip."""
+    one died before it could fail the request): the run is to be failed without an engine. Below the
+    bound, a run with any engine failure is a suspect, to run alone (quarantine.py). Only a request
+    claimed before (epoch > 1) can have engine failures, so a first claim costs no round trip."""
     if run.epoch <= 1:
         return False
     raw = await store.client.hget(keys.record(run.id), "engine_failures")
     failures = int(raw or 0)
     if failures < settings.max_engine_failures:
+        run.suspect = failures > 0
+        if run.suspect:
+            log.info("request %s: %d engine failures on record, it runs alone", run.id, failures)
         return False
     await _fail(store, settings, run, failures)
     return True

@@ -2,7 +2,8 @@
 
     take (no longer pending) -> start (lease, seed, the log so far) -> generate each completion index
     -> finish (last event + record, lease dropped), or hand back / stop when fenced. A run whose
-    engine died under it once too often (poison.py) is failed instead of handed back.
+    engine died under it once too often (poison.py) is failed instead of handed back; one an engine died
+    under before runs alone on its engine (quarantine.py).
 
 A request with n completions is one engine request: the engine fans it out (seeds seed + i); after a
 crash each index resumes from its own tokens in the log, and indexes already finished are not run.
@@ -41,6 +42,7 @@ from services.common.wire import (
 from services.worker.lifecycle import RunEvent, RunStatus
 from services.worker.poison import fail_if_poison, failed_before
 from services.worker.publisher import Publisher
+from services.worker.quarantine import Quarantine
 from services.worker.run_state import Final, Outcome, PendingDelta, Run, record
 from services.worker.worker_telemetry import count_cancelled, engine_attributes
 
@@ -55,8 +57,11 @@ class Runner:
         publisher: Publisher,
         settings: Settings,
         spans: EngineSpanExporter | None = None,
+        quarantine: Quarantine | None = None,
     ) -> None:
         self.engine = engine
+        # Who may be in the engine beside whom: a run an engine died under goes alone (quarantine.py).
+        self.quarantine = quarantine or Quarantine()
         self.store = store
         self.publisher = publisher
         self.settings = settings
@@ -192,6 +197,12 @@ class Runner:
             todo.append(index)
         if not todo or run.stopping:
             return
+        async with self.quarantine.enter(run.suspect):
+            if run.stopping:  # cancelled, drained or its engine died while it waited for its turn
+                return
+            await self._run_engine(run, params, seed, todo)
+
+    async def _run_engine(self, run: Run, params: SamplingParams, seed: int, todo: list[int]) -> None:
         resumed = {i: list(run.output.choice(i).token_ids) for i in todo}
         engine_id = run.id
         run.engine_ids.add(engine_id)

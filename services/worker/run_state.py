@@ -124,6 +124,9 @@ class Run:
     holds_lease: bool = False
     epoch: int = 0  # the claim's fencing token (Store.start): every write to Redis carries it
     engine_ids: set[str] = field(default_factory=set)  # ids live in the engine now
+    # An engine died under an earlier claim of it (its record counts engine failures): it runs alone on
+    # its engine (quarantine.py), so if it kills this one too, no neighbour is blamed with it.
+    suspect: bool = False
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (usage)

@@ -46,6 +46,7 @@ from services.worker.lifecycle import RunEvent
 from services.worker.load import LoadReporter
 from services.worker.offsets import OffsetTracker
 from services.worker.publisher import Publisher
+from services.worker.quarantine import Quarantine
 from services.worker.request_runner import Runner
 from services.worker.run_state import Outcome, Run
 from services.worker.supervise import Supervisor, TaskFactory
@@ -66,11 +67,19 @@ class Worker:
         self.runs: dict[str, Run] = {}
         self.control = Control(settings, self.store, engine, self.runs, self._spawn)
         self.publisher = Publisher(self.store, settings, on_fenced=self.control.fence)
-        self.runner = Runner(engine, self.store, self.publisher, settings, spans)
+        self.quarantine = Quarantine()
+        self.runner = Runner(engine, self.store, self.publisher, settings, spans, self.quarantine)
         self.tracker = OffsetTracker()
         self.committer = Committer(self.tracker, lambda: make_probe(settings))
         self.intake = Intake(
-            settings, self.store, engine, self.tracker, self.runs, self._start_run, self._spawn
+            settings,
+            self.store,
+            engine,
+            self.tracker,
+            self.runs,
+            self._start_run,
+            self._spawn,
+            self.quarantine,
         )
         self.load = LoadReporter(self._spawn)
         poison.engine_failures()  # its series scrape from the start, at 0
@@ -341,6 +350,7 @@ class Worker:
             "worker": self.settings.worker_id,
             "draining": self.draining,
             "requests": sorted(self.runs),
+            "suspects": sorted(r.id for r in self.runs.values() if r.suspect),  # each runs alone
             "num_waiting": self.engine.load.num_waiting,
             "num_running": self.engine.load.num_running,
             "kv": self.engine.load.kv_stats(),

@@ -134,6 +134,7 @@ def test_a_worker_whose_engine_died_leaves_the_group(servers: Any, model_path: P
         else:
             # The doomed worker is not ready, and holds no partition.
             assert ready.status_code == 503 and ready.json()["partitions"] == []
-            assert httpx.get(f"{doomed.url}/healthz", timeout=10).status_code == 500
+            healthz = f"{doomed.url}/healthz"
+            wait_for(lambda: httpx.get(healthz, timeout=10).status_code == 500, 60, 0.2, "healthz 500")
     finally:
         stack.close()

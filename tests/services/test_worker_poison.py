@@ -10,10 +10,7 @@ would resume the request if the bound did not end it, and must never claim it.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,15 +22,15 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from harness.servers import ServerProcess
-from harness.stack import ServiceProcess
 from services.common import keys
 from services.common.settings import Settings
 from services.common.store import Store, connect_redis
-from services.common.wire import DeltaEvent, DoneEvent, RequestMessage, decode_event
+from services.common.wire import DoneEvent, RequestMessage, decode_event
 from services.common.wire_sampling import WireSampling
 from services.worker.publisher import Publisher
 from services.worker.request_runner import Runner
 from services.worker.run_state import Outcome, Run
+from tests.services.engine_killer import EngineKiller
 from tests.services.sse import events
 from tests.services.stack import MODEL_NAME, REDIS_PASSWORD, Stack, new_stack, wait_for, worker_stats
 
@@ -65,39 +62,6 @@ def stack(
     )
     yield s
     s.close()
-
-
-class EngineKiller:
-    """Kills the engine core of each worker that publishes a token of the request, once per worker."""
-
-    def __init__(self, stack: Stack) -> None:
-        self.stack = stack
-        self.request_id: str | None = None
-        self.killed: list[tuple[ServiceProcess, str]] = []  # (worker process, its worker id)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        redis = self.stack.redis_client()
-        while not self._stop.is_set():
-            self._stop.wait(0.05)
-            if self.request_id is None:
-                continue
-            raw = redis.lrange(keys.log(self.request_id), -1, -1)
-            last = decode_event(raw[0]) if raw else None
-            if not isinstance(last, DeltaEvent) or last.worker in {w for _, w in self.killed}:
-                continue
-            try:
-                (worker,) = [w for w in self.stack.workers if worker_stats(w)["worker"] == last.worker]
-                os.kill(worker_stats(worker)["engine_pid"], signal.SIGKILL)
-            except OSError:  # /stats slow to answer on a loaded host: try again, not end the watcher
-                continue
-            self.killed.append((worker, last.worker))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 def test_a_stream_that_kills_every_engine_ends_with_engine_failed(stack: Stack) -> None:

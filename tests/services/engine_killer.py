@@ -1,0 +1,45 @@
+"""A watcher that SIGKILLs the engine core of each worker that publishes a token of one request."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+from harness.stack import ServiceProcess
+from services.common import keys
+from services.common.wire import DeltaEvent, decode_event
+from tests.services.stack import Stack, worker_stats
+
+
+class EngineKiller:
+    """Kills the engine core of each worker that publishes a token of the request, once per worker."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.request_id: str | None = None
+        self.killed: list[tuple[ServiceProcess, str]] = []  # (worker process, its worker id)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        redis = self.stack.redis_client()
+        while not self._stop.is_set():
+            self._stop.wait(0.05)
+            if self.request_id is None:
+                continue
+            raw = redis.lrange(keys.log(self.request_id), -1, -1)
+            last = decode_event(raw[0]) if raw else None
+            if not isinstance(last, DeltaEvent) or last.worker in {w for _, w in self.killed}:
+                continue
+            try:
+                (worker,) = [w for w in self.stack.workers if worker_stats(w)["worker"] == last.worker]
+                os.kill(worker_stats(worker)["engine_pid"], signal.SIGKILL)
+            except OSError:  # /stats slow to answer on a loaded host: try again, not end the watcher
+                continue
+            self.killed.append((worker, last.worker))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
