@@ -7,6 +7,8 @@ taken at the client (request sent to first text chunk). Reported, as JSON under 
 
     interactive TTFT p50 / p99 without and with the batch, and their ratio (target: p99 within 1.2x)
     the batch's completion time (create to "completed") and its request_counts
+    the cores each process group kept busy in each phase (gateway, worker, engine core, broker, Redis,
+    this client, the rest of the host): where the interactive request's way in competes with the batch
     whether the batch was still running when the last interactive request finished (else the "with"
     figures cover only part of the window and say less)
 
@@ -26,6 +28,7 @@ from typing import Any
 
 import openai
 
+from bench.process_cpu import CpuMeter, stack_processes
 from bench.results import write_json
 from bench.service_load_args import resolve_model
 from harness.stack import build_stack
@@ -118,8 +121,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             base_url=f"{stack.gateways[0].url}/v1", api_key="bench", max_retries=0, timeout=120
         )
         _ttfts(client, 3, args.max_tokens, 0.0)  # warm-up: first requests compile and fill caches
+        groups = stack_processes(stack)
         print(f"interactive alone: {args.interactive} requests ...", flush=True)
+        meter = CpuMeter(groups)
         alone = _ttfts(client, args.interactive, args.max_tokens, args.interval_s)
+        cores_alone = meter.cores()
         upload = client.files.create(
             file=("batch.jsonl", io.BytesIO(_batch_file(args.lines, args.batch_max_tokens))), purpose="batch"
         )
@@ -129,7 +135,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         time.sleep(2.0)  # the batch's first rounds: its lines are queued and running
         print(f"interactive with a {args.lines}-line batch running ...", flush=True)
+        meter = CpuMeter(groups)
         beside = _ttfts(client, args.interactive, args.max_tokens, args.interval_s)
+        cores_beside = meter.cores()
         running_throughout = client.batches.retrieve(batch.id).status == "in_progress"
         print("waiting for the batch to complete ...", flush=True)
         while True:
@@ -151,6 +159,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "interactive_without_batch": without,
         "interactive_with_batch": with_batch,
         "p99_ratio": round(with_batch["p99_ms"] / without["p99_ms"], 3) if without["p99_ms"] else None,
+        "cpu_cores": {
+            "without_batch": {k: round(v, 3) for k, v in cores_alone.items()},
+            "with_batch": {k: round(v, 3) for k, v in cores_beside.items()},
+        },
         "batch": {
             "status": state.status,
             "completion_s": round(completion_s, 2),

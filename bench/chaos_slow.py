@@ -100,7 +100,13 @@ def read_slowly(spec: SlowSpec, url: str, deadline_s: float) -> SlowResult:
                 result.outcome, result.detail = "failed", f"{resp.status_code} {resp.text[:200]}"
                 return result
             num_events = 0
+            # The read timeout alone never fires on a stream kept alive by comments: bound the whole.
+            give_up = time.monotonic() + deadline_s
             for line in resp.iter_lines():
+                if time.monotonic() > give_up:
+                    result.outcome = "lost"
+                    result.detail = f"the stream was still open after {deadline_s:.0f}s"
+                    return result
                 if line == "data: [DONE]":
                     result.outcome, result.text = "completed", "".join(parts)
                     return result

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.kernels import Kernels
-from engine.layers.linear import Weight, matmul
+from engine.layers.linear import SingleWeight, matmul
 from engine.quant.gguf_weights import embedding_rows
 from engine.quant.int8 import Int8Weight
 from engine.quant.weight import QuantizedWeight
@@ -21,7 +21,7 @@ from engine.quant.weight import QuantizedWeight
 class VocabEmbedding:
     def __init__(
         self,
-        table: Weight,  # [vocab_shard, hidden]: float, or a GGUF block format (rows dequantised as read)
+        table: SingleWeight,  # [vocab_shard, hidden]: float, or a block format (rows dequantised as read)
         tp: TensorParallel,
         vocab_shard: int,
         dtype: torch.dtype,
@@ -59,7 +59,7 @@ class LMHead:
 
     def __init__(
         self,
-        weight: Weight,  # [vocab_shard, hidden]; the embedding's table when tied
+        weight: SingleWeight,  # [vocab_shard, hidden]; the embedding's table when tied
         kernels: Kernels,
         tp: TensorParallel,
         vocab_size: int,

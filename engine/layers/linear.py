@@ -22,9 +22,12 @@ from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
 from engine.quant.int8 import Int8Weight, int8_linear
 from engine.quant.linear import dequantize_for_step, quant_linear
+from engine.quant.stacked import StackedWeight
 from engine.quant.weight import QuantizedWeight
 
-Weight = torch.Tensor | QuantizedWeight | Int8Weight
+# One stored layout (an embedding table or LM head is one of these); a fused linear may also be a stack.
+SingleWeight = torch.Tensor | QuantizedWeight | Int8Weight
+Weight = SingleWeight | StackedWeight
 # Up to this many rows a block-format or int8 weight is multiplied as stored (engine/quant: a decode step
 # reads each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step.
 # 64 covers a full decode batch at the default max_num_seqs: on SmolLM2-135M's layer shapes, one thread,
@@ -43,9 +46,14 @@ class Linear:
         reduce: bool = False,  # row-parallel: all-reduce the partial products over ``tp``
         tp: TensorParallel = SINGLE,
     ) -> None:
-        if isinstance(weight, QuantizedWeight | Int8Weight):
+        if isinstance(weight, StackedWeight):
             self.out_features, self.in_features = weight.out_features, weight.in_features
-            self.weight: Weight = weight
+            self.weight: Weight = weight.map(
+                lambda part: kernels.pack(part) if isinstance(part, torch.Tensor) else part
+            )
+        elif isinstance(weight, QuantizedWeight | Int8Weight):
+            self.out_features, self.in_features = weight.out_features, weight.in_features
+            self.weight = weight
         else:
             self.out_features, self.in_features = weight.shape
             self.weight = kernels.pack(weight)
@@ -63,6 +71,10 @@ class Linear:
 
 def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: Kernels) -> torch.Tensor:
     """One linear product on any weight layout ``Kernels.pack`` returns, or a GGUF block format."""
+    if isinstance(weight, StackedWeight):  # parts in different formats: each on its own kernel
+        biases = [None] * len(weight.parts) if bias is None else bias.split(list(weight.splits))
+        outs = [matmul(x, part, b, kernels) for part, b in zip(weight.parts, biases, strict=True)]
+        return torch.cat(outs, dim=1)
     if isinstance(weight, QuantizedWeight | Int8Weight):
         if x.shape[0] <= QUANT_KERNEL_MAX_ROWS:
             if isinstance(weight, Int8Weight):

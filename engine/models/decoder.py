@@ -34,6 +34,7 @@ from engine.layers.linear import Linear, Weight
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.quant.int8 import Int8Weight
+from engine.quant.stacked import StackedWeight
 from engine.quant.weight import QuantizedWeight
 
 # What fills the rows a step is padded with (Kernels.row_padding): any valid id and position; no
@@ -339,4 +340,6 @@ class DecoderModel:
 
 
 def _nbytes(t: Weight) -> int:
-    return t.nbytes if isinstance(t, QuantizedWeight | Int8Weight) else t.numel() * t.element_size()
+    if isinstance(t, QuantizedWeight | Int8Weight | StackedWeight):
+        return t.nbytes
+    return t.numel() * t.element_size()

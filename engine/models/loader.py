@@ -11,6 +11,7 @@ import torch
 from engine.config import ModelConfig
 from engine.models.gguf import local_checkpoint
 from engine.quant.int8 import Int8Weight
+from engine.quant.stacked import StackedWeight
 from engine.quant.weight import QuantizedWeight
 
 if TYPE_CHECKING:
@@ -186,25 +187,28 @@ def dummy_weights(
     return w
 
 
-Weight = torch.Tensor | QuantizedWeight | Int8Weight
+Weight = torch.Tensor | QuantizedWeight | Int8Weight | StackedWeight
 
 
 def _cat(parts: list[Weight]) -> Weight:
     """Rows one after another: q/k/v into qkv, gate/up into gate_up (block and int8 rows as stored).
 
-    Block rows of different formats are dequantized, as a mix of block and float rows is: llama.cpp's
-    mixes put them in one fused weight (Q4_K_M keeps v in Q6_K, or Q8_0 where rows are not whole 256s,
-    beside Q4_K or Q5_0 q and k), and a fused weight is one format's rows."""
+    Parts in different formats (llama.cpp's mixes: Q4_K_M keeps v in Q6_K, or Q8_0 where rows are not
+    whole 256s, beside Q4_K or Q5_0 q and k) stay as they are, side by side (engine/quant/stacked.py):
+    each is multiplied on its own kernel."""
     blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(blocks) == len(parts) and len({(p.format, p.in_features) for p in blocks}) == 1:
         return QuantizedWeight.cat_rows(blocks)
     if all(isinstance(p, Int8Weight) for p in parts):
         return Int8Weight.cat_rows(parts)  # type: ignore[arg-type]
-    dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
-    return torch.cat(dense)
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(parts)  # type: ignore[arg-type]
+    return StackedWeight.of(parts)  # type: ignore[arg-type]
 
 
 def _place(weight: Weight, dtype: torch.dtype, device: torch.device) -> Weight:
+    if isinstance(weight, StackedWeight):
+        return weight.map(lambda part: _place(part, dtype, device))  # type: ignore[arg-type,return-value]
     if isinstance(weight, QuantizedWeight | Int8Weight):
         return weight.to(device)
     return weight.to(device=device, dtype=dtype).contiguous()

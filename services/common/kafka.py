@@ -3,6 +3,7 @@ services.common.tracing)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import Sequence
@@ -154,6 +155,25 @@ def make_probe(settings: Settings) -> AIOKafkaConsumer:
         fetch_max_wait_ms=settings.kafka_fetch_max_wait_ms,
         max_partition_fetch_bytes=max_message_bytes(settings),
     )
+
+
+async def topic_partitions(probe: AIOKafkaConsumer, topic: str, timeout_s: float = 5.0) -> set[int]:
+    """The partitions ``topic`` has now, from fresh metadata (empty when the broker does not know it).
+
+    A broker that lost its topics (tansu's memory storage, a topic deleted by an operator) may have it
+    back with another partition count (auto-created with the broker's default): a message on a partition
+    that no longer exists is lost, and asking for that partition's end offset only times out."""
+    client = probe._client  # aiokafka has no public call for one topic's fresh metadata
+    client.add_topic(topic)
+    await asyncio.wait_for(client.force_metadata_update(), timeout_s)
+    return set(client.cluster.partitions_for_topic(topic) or ())
+
+
+async def refresh_producer_metadata(producer: AIOKafkaProducer, timeout_s: float = 5.0) -> None:
+    """Fresh metadata before producing a message again: a producer keeps the partition count it last saw
+    (for minutes), and a topic back from a broker that lost it may have fewer partitions; a keyed message
+    sent to one that no longer exists is accepted by some brokers (tansu) and read by no consumer."""
+    await asyncio.wait_for(producer.client.force_metadata_update(), timeout_s)
 
 
 async def log_holds(

@@ -31,6 +31,8 @@ from services.common.kafka import (
     make_probe,
     make_producer,
     max_message_bytes,
+    refresh_producer_metadata,
+    topic_partitions,
 )
 from services.common.settings import Settings
 from services.common.store import REDIS_ERRORS, Store
@@ -304,15 +306,22 @@ class Dispatcher:
         if not alive:
             return
         topic = self.settings.kafka_topic
-        partitions = list({TopicPartition(topic, q.partition) for q in self._queued.values()})
-        ends = await asyncio.wait_for(self._probe.end_offsets(partitions), 5.0)
+        # A partition the topic no longer has (it came back from a broker that lost it, with the broker's
+        # default count) lost its messages; its end offset would only time out, for every request.
+        existing = await topic_partitions(self._probe, topic)
+        partitions = list(
+            {TopicPartition(topic, q.partition) for q in self._queued.values() if q.partition in existing}
+        )
+        ends = await asyncio.wait_for(self._probe.end_offsets(partitions), 5.0) if partitions else {}
         for request_id in alive:
             queued = self._queued.get(request_id)
             if queued is None:
                 continue
             tp = TopicPartition(topic, queued.partition)
             end = ends.get(tp)
-            if (
+            # An empty partition holds nothing for sure; otherwise read the message (end offsets lag).
+            gone = queued.partition not in existing or end == 0
+            if gone or (
                 end is not None
                 and end <= queued.offset
                 and not await log_holds(self._probe, tp, queued.offset, queued.key)
@@ -349,6 +358,7 @@ class Dispatcher:
             return
         log.warning("request %s was lost by the broker; producing it again", request_id)
         await ensure_topic(self.settings)  # a restarted broker may have forgotten the topic too
+        await refresh_producer_metadata(self.producer)
         queued.partition, queued.offset = await self._produce(queued.value, queued.key, queued.headers)
         queued.attempts += 1
 

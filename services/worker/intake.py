@@ -54,7 +54,7 @@ class Intake:
         runs: dict[str, Run],
         start_run: Callable[[Run], None],
         spawn: Spawn,
-        quarantine: Quarantine,
+        quarantine: Quarantine | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -63,7 +63,7 @@ class Intake:
         self.runs = runs
         self._start_run = start_run
         self._spawn = spawn
-        self.quarantine = quarantine
+        self.quarantine = quarantine or Quarantine()  # the runner's: a suspect in it stops the fetch
         self.stopped = False  # drain: fetch nothing more
         self.fetch_wait = FetchWait(settings.kafka_fetch_max_wait_ms, settings.kafka_idle_fetch_wait_ms)
         self.fetch_wait_ms = settings.kafka_fetch_max_wait_ms  # what the fetches wait now (/stats)
@@ -124,7 +124,10 @@ class Intake:
             run.span.add_event("redelivered", {"partition": tp.partition, "offset": record.offset})
             return
         run = Run(
-            msg, deliveries=[(tp, record.offset, generation)], prompt_token_ids=list(msg.prompt_token_ids)
+            msg,
+            deliveries=[(tp, record.offset, generation)],
+            prompt_token_ids=list(msg.prompt_token_ids),
+            key=record.key,
         )
         run.tracing.span = worker_telemetry.consume_span(record, msg.id)
         self._start_run(run)

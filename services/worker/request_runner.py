@@ -43,6 +43,7 @@ from services.worker.lifecycle import RunEvent, RunStatus
 from services.worker.poison import fail_if_poison, failed_before
 from services.worker.publisher import Publisher
 from services.worker.quarantine import Quarantine
+from services.worker.requeue import Requeue
 from services.worker.run_state import Final, Outcome, PendingDelta, Run, record
 from services.worker.worker_telemetry import count_cancelled, engine_attributes
 
@@ -58,10 +59,12 @@ class Runner:
         settings: Settings,
         spans: EngineSpanExporter | None = None,
         quarantine: Quarantine | None = None,
+        requeue: Requeue | None = None,
     ) -> None:
         self.engine = engine
         # Who may be in the engine beside whom: a run an engine died under goes alone (quarantine.py).
         self.quarantine = quarantine or Quarantine()
+        self.requeue = requeue or Requeue(settings)
         self.store = store
         self.publisher = publisher
         self.settings = settings
@@ -141,6 +144,8 @@ class Runner:
         if run.handed_back and run.state.engine_died_under and await fail_if_poison(self.store, s, run):
             return await self._finish(run)  # its engines keep dying under it: failed, not passed on
         if run.handed_back or run.fenced:
+            if run.handed_back:
+                await self.requeue.ensure_held(run)  # a broker that lost its log would strand it
             if run.handed_back and run.holds_lease:
                 await self.store.release(run.id, s.worker_id, run.epoch)
             return Outcome.HANDED_BACK if run.handed_back else Outcome.FENCED

@@ -113,6 +113,7 @@ class Run:
     # tracker generation). All are marked done when the request is terminal.
     deliveries: list[tuple[TopicPartition, int, int]] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)  # the message's, or tokenized here
+    key: bytes | None = None  # its Kafka message's key (to find the message again, or produce it again)
     output: Output = field(default_factory=Output)
     outbox: Outbox = field(default_factory=Outbox)
     tracing: RunTrace = field(default_factory=RunTrace)

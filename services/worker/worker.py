@@ -181,6 +181,7 @@ class Worker:
             *self._tasks, *(r.task for r in self.runs.values() if r.task), return_exceptions=True
         )
         await self.committer.close()
+        await self.runner.requeue.close()
         with contextlib.suppress(Exception):
             await self.engine.shutdown()
         with contextlib.suppress(Exception):
@@ -269,6 +270,7 @@ class Worker:
             old.msg,
             deliveries=old.deliveries,
             prompt_token_ids=list(old.msg.prompt_token_ids),
+            key=old.key,
             retry_of=old.state,
         )
         run.tracing.span = old.tracing.span

@@ -11,11 +11,18 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.models.decoder import DenseMLP
+from engine.quant.stacked import StackedWeight
 from engine.quant.weight import QuantizedWeight
 from tests.engine.gguf_files import write_gguf
 from tests.engine.hf_checkpoints import write_hf_checkpoint
 
-Formats = dict[str, str | None]  # linear -> its weight's block format, None: dense
+Formats = dict[str, str | None]  # linear -> its weight's block format ("Q5_0+Q5_0+Q8_0": parts), None: dense
+
+
+def _format(weight: object) -> str | None:
+    if isinstance(weight, StackedWeight):
+        return "+".join(str(_format(part)) for part in weight.parts)
+    return weight.format if isinstance(weight, QuantizedWeight) else None
 
 
 def _greedy_runs(path: Path) -> tuple[dict[str, list[list[int]]], dict[str, Formats]]:
@@ -32,7 +39,7 @@ def _greedy_runs(path: Path) -> tuple[dict[str, list[list[int]]], dict[str, Form
         layer = llm.engine.runner.model.layers[0]
         assert isinstance(layer.mlp, DenseMLP)
         served[quantization] = {
-            name: weight.format if isinstance(weight, QuantizedWeight) else None
+            name: _format(weight)
             for name, weight in (
                 ("qkv", layer.qkv_proj.weight),
                 ("o", layer.o_proj.weight),
@@ -56,18 +63,18 @@ def test_block_formats_decode_as_their_float_copy(
     assert runs["auto"] == runs["none"]
 
 
-def test_a_mix_of_formats_in_one_fused_weight_serves_dequantized(
+def test_a_mix_of_formats_in_one_fused_weight_serves_each_part_as_stored(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """llama.cpp's Q4_K_M of a model whose hidden size is not whole 256s (SmolLM2-135M: 576) keeps
     q and k in Q5_0 and v in Q8_0 in some layers: the fused qkv cannot be one format's rows, so it is
-    served dequantized while the other linears keep their blocks."""
+    held as its parts, each multiplied in its own format (engine/quant/stacked.py)."""
     monkeypatch.setenv("INFLIGHT_HOME", str(tmp_path / "home"))
     checkpoint = write_hf_checkpoint(tmp_path / "hf", "llama3", seed=5)
     kinds = {"attn_v": "Q8_0", "ffn_down": "Q5_1"}
     path = write_gguf(checkpoint, tmp_path / "tiny.gguf", "llama", quantize="Q5_0", quantize_kinds=kinds)
     runs, served = _greedy_runs(path)
-    assert served["auto"] == {"qkv": None, "o": "Q5_0", "gate_up": "Q5_0", "down": "Q5_1"}
+    assert served["auto"] == {"qkv": "Q5_0+Q5_0+Q8_0", "o": "Q5_0", "gate_up": "Q5_0", "down": "Q5_1"}
     assert runs["auto"] == runs["none"]
 
 

@@ -1,5 +1,6 @@
 """Intake's room: a request counts against the worker's fetch bound from its fetch until it leaves the
-engine's waiting queue, including while the engine core has not acknowledged it yet."""
+engine's waiting queue, including while the engine core has not acknowledged it yet; and none is fetched
+while a quarantined request waits for the engine or holds it."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from services.common.settings import Settings
 from services.common.store import Store, connect_redis
 from services.worker.intake import Intake
 from services.worker.offsets import OffsetTracker
+from services.worker.quarantine import Quarantine
 from services.worker.run_state import Run
 
 
@@ -33,7 +35,8 @@ async def test_room_counts_a_request_the_core_has_not_acknowledged(model_path: P
     client = EngineCoreClient(str(model_path), {"block_size": 8, "max_model_len": 256}, torch_threads=1)
     await client.start()
     store = Store(connect_redis(settings))  # never reached: room() reads the engine and the runs
-    intake = Intake(settings, store, client, OffsetTracker(), {}, _no_run, _no_spawn)
+    quarantine = Quarantine()
+    intake = Intake(settings, store, client, OffsetTracker(), {}, _no_run, _no_spawn, quarantine)
     assert client.pid is not None
     try:
         assert intake.room() == 4
@@ -52,6 +55,10 @@ async def test_room_counts_a_request_the_core_has_not_acknowledged(model_path: P
         async for _ in stream:
             pass
         assert intake.room() == 4  # finished: it counts no more
+        # A request an engine died under runs alone (quarantine.py): nothing is fetched meanwhile.
+        async with quarantine.enter(True):
+            assert intake.room() == 0
+        assert intake.room() == 4
     finally:
         await client.shutdown()
         await store.client.aclose()
