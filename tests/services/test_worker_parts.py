@@ -394,3 +394,46 @@ async def test_a_run_that_raises_keeps_its_offset_until_its_record_is_terminal(
         await asyncio.gather(publishing, return_exceptions=True)
         await worker.store.client.aclose()
         sync_redis.close()
+
+
+async def test_a_failed_run_waits_out_a_stale_claim_of_a_message_it_holds(
+    parts: Parts, engine: InprocClient
+) -> None:
+    """The run's attempt fails while another worker claims the request from a delivery that a rebalance
+    has since made stale (here: its lease appears in Redis and is never renewed). The message is this
+    worker's now (its delivery is of the current assignment), so nobody else would read it again: the
+    worker must not let it go as "another worker's", but wait the other lease out and finish it."""
+    worker = Worker(parts.settings, engine)
+    publishing = asyncio.create_task(worker.publisher.run_forever())
+    sync_redis = redis_lib.Redis.from_url(
+        parts.settings.redis_url, password=REDIS_PASSWORD, decode_responses=True
+    )
+    msg = _message(SamplingParams(max_tokens=4, ignore_eos=True))
+    resume = worker.runner._resume
+    failed = False
+
+    def claimed_elsewhere_then_fail(run: Run, events: list[Any]) -> None:
+        nonlocal failed
+        if not failed:
+            failed = True
+            sync_redis.set(keys.owner(msg.id), "stale-worker", px=1500)  # a claim nobody renews
+            raise KeyError("a bug in the worker")
+        resume(run, events)
+
+    worker.runner._resume = claimed_elsewhere_then_fail  # type: ignore[method-assign]
+    try:
+        tp = TopicPartition("requests", 0)
+        worker.tracker.reset([tp])
+        run = await _admitted(parts, msg)
+        run.deliveries.append((tp, 3, worker.tracker.add(tp, 3)))
+        worker._start_run(run)
+        assert run.task is not None
+        assert await asyncio.wait_for(run.task, 60) is Outcome.DONE
+        record = await parts.store.get_record(msg.id)
+        assert record is not None and record["status"] == COMPLETED
+        assert worker.tracker.committable() == {tp: 4}
+    finally:
+        publishing.cancel()
+        await asyncio.gather(publishing, return_exceptions=True)
+        await worker.store.client.aclose()
+        sync_redis.close()
