@@ -108,3 +108,31 @@ async def test_a_suspect_cancelled_while_waiting_lets_the_others_in() -> None:
     release.set()
     await holder
     assert gate.num_shared == 0
+
+
+async def test_past_its_bound_a_suspect_runs_beside_a_long_run_and_the_worker_fetches_again() -> None:
+    gate = Quarantine(max_wait_s=0.2)
+    release = asyncio.Event()
+
+    async def long_run() -> None:
+        async with gate.enter(False):
+            await release.wait()
+
+    holder = asyncio.create_task(long_run())
+    await _settle()
+    entered = asyncio.Event()
+
+    async def suspect() -> None:
+        async with gate.enter(True):
+            entered.set()
+            assert gate.num_shared == 2  # beside the long run, counted as shared
+            await release.wait()
+
+    waiting = asyncio.create_task(suspect())
+    await _settle()
+    assert gate.active and not entered.is_set()  # within the bound: held back, nothing fetched
+    await asyncio.wait_for(entered.wait(), 5)
+    assert not gate.active  # past it: the worker takes work again
+    release.set()
+    await asyncio.gather(holder, waiting)
+    assert gate.num_shared == 0 and not gate.active
