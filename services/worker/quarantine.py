@@ -13,7 +13,8 @@ culprit is there to count it, and an innocent suspect simply completes.
 While a suspect waits or runs the worker fetches nothing more (intake.py), so new requests go to the
 other workers instead of queueing behind it. The wait for the engine to empty is bounded
 (``MAX_WAIT_S``): a long request already running must not stall the worker's partitions for its whole
-length, so past the bound the suspect goes in beside what is there (logged), and the worker fetches again.
+length, so past the bound the suspect goes in beside the shared runs there (logged), and the worker
+fetches again. Another suspect running alone is waited for whole.
 
 State changes are plain assignments on the event loop, never behind an await, so a run cancelled at
 any point cannot leave a count behind.
@@ -87,6 +88,11 @@ class Quarantine:
         finally:
             self._holding -= 1
             self._notify()  # a suspect that gave up (cancelled, past its bound) may hold others back
+        if not alone:
+            # The bound is on waiting for shared runs; another suspect alone is waited for whole (it
+            # runs alone, so putting this one beside it would blame both for one death).
+            await self._until(lambda: not self._alone)
+            alone = self._shared == 0
         if not alone:
             log.warning(
                 "a suspect request waited %.0fs for its engine to empty: it runs beside %d others",

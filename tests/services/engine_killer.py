@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from typing import Any
 
 from harness.stack import ServiceProcess
 from services.common import keys
@@ -33,12 +34,27 @@ class EngineKiller:
             last = decode_event(raw[0]) if raw else None
             if not isinstance(last, DeltaEvent) or last.worker in {w for _, w in self.killed}:
                 continue
+            found = self._worker(last.worker)
+            if found is None:
+                continue  # /stats slow to answer on a loaded host: try again, not end the watcher
+            worker, stats = found
             try:
-                (worker,) = [w for w in self.stack.workers if worker_stats(w)["worker"] == last.worker]
-                os.kill(worker_stats(worker)["engine_pid"], signal.SIGKILL)
-            except OSError:  # /stats slow to answer on a loaded host: try again, not end the watcher
+                os.kill(stats["engine_pid"], signal.SIGKILL)
+            except OSError:
                 continue
             self.killed.append((worker, last.worker))
+
+    def _worker(self, worker_id: str) -> tuple[ServiceProcess, dict[str, Any]] | None:
+        """The worker process named ``worker_id`` and its /stats; one that does not answer (a process
+        that exited, one slow on a loaded host) is passed over, not a reason to stop looking."""
+        for worker in self.stack.workers:
+            try:
+                stats = worker_stats(worker)
+            except OSError:
+                continue
+            if stats.get("worker") == worker_id:
+                return worker, stats
+        return None
 
     def stop(self) -> None:
         self._stop.set()

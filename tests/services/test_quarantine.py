@@ -136,3 +136,25 @@ async def test_past_its_bound_a_suspect_runs_beside_a_long_run_and_the_worker_fe
     release.set()
     await asyncio.gather(holder, waiting)
     assert gate.num_shared == 0 and not gate.active
+
+
+async def test_past_its_bound_a_suspect_still_waits_for_another_suspect_alone() -> None:
+    gate = Quarantine(max_wait_s=0.1)
+    release = asyncio.Event()
+    together: list[int] = []
+
+    async def suspect(hold: bool) -> None:
+        async with gate.enter(True):
+            together.append(1)
+            assert len(together) == 1  # never two suspects in the engine at once
+            if hold:
+                await release.wait()
+            together.pop()
+
+    first = asyncio.create_task(suspect(True))
+    await _settle()
+    second = asyncio.create_task(suspect(False))
+    await asyncio.sleep(0.3)  # past the second's bound: it still waits
+    assert not second.done()
+    release.set()
+    await asyncio.gather(first, second)
