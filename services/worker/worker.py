@@ -252,12 +252,6 @@ class Worker:
             if outcome not in (Outcome.ERROR, Outcome.FENCED):
                 return outcome
             settled = await self._settled(run.id)
-            if settled is Outcome.FENCED and self._delivered_now(run):
-                # Another worker's claim, but the message is this worker's now (a rebalance moved the
-                # partition here and it was delivered again): that worker's delivery is stale, and if its
-                # claim ends unfinished (fenced, its lease lapsed) nobody else would ever read the
-                # message. Claim it again: the claim waits while the other lease lives, then resumes.
-                settled = None
             if settled is not None:
                 return settled  # terminal in Redis, or another worker's: the offset may move on
             if self.draining or self.engine.dead_error is not None:
@@ -269,10 +263,6 @@ class Worker:
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, 2.0)
             run = self._retry(run)
-
-    def _delivered_now(self, run: Run) -> bool:
-        """A delivery of ``run`` belongs to the current assignment (the partition is still this worker's)."""
-        return any(generation == self.tracker.generation for _, _, generation in run.deliveries)
 
     def _retry(self, old: Run) -> Run:
         """A fresh run of the same delivery: it claims the request again and resumes from the log."""
