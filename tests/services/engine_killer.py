@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Any
 
+from harness.servers import ServerProcess
 from harness.stack import ServiceProcess
 from services.common import keys
 from services.common.wire import DeltaEvent, decode_event
-from tests.services.stack import Stack, worker_stats
+from tests.services.stack import Stack, new_stack, worker_stats
 
 
 class EngineKiller:
@@ -59,3 +61,20 @@ class EngineKiller:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+
+def poison_stack(
+    kafka: ServerProcess, redis_server: ServerProcess, model: Path, log_dir: Path, bound: int, **env: str
+) -> Stack:
+    """One worker more than ``bound`` engine failures (a survivor), each engine paced at 50 ms a step so
+    that every kill finds the request running, whatever the host's speed."""
+    return new_stack(
+        kafka,
+        redis_server,
+        model,
+        log_dir,
+        workers=bound + 1,
+        INFLIGHT_FAULT_STEP_DELAY_S="0.05",
+        INFLIGHT_MAX_ENGINE_FAILURES=str(bound),
+        **env,
+    )

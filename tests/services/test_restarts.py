@@ -4,8 +4,6 @@ serves again without anyone restarting the gateway or the workers."""
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +12,8 @@ import openai
 import pytest
 
 from harness.servers import ServerProcess
-from harness.stack import ServiceProcess
 from tests.services.sse import events, text_of
-from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for, worker_stats
+from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -112,7 +109,7 @@ def test_requests_lost_by_the_broker_are_produced_again(
     stack = new_stack(kafka, redis_server, model_path, tmp_path, workers=0, INFLIGHT_KAFKA_PARTITIONS="6")
     try:
         ids = []
-        for i in range(12):  # different prompts, different keys: spread over the partitions
+        for i in range(8):  # different prompts, different keys: spread over the partitions
             body = {"model": MODEL_NAME, "prompt": f"queued when the broker died {i}", "max_tokens": 4}
             job = httpx.post(
                 f"{stack.url}/v1/jobs", json={"endpoint": "/v1/completions", "body": body}, timeout=30
@@ -127,35 +124,6 @@ def test_requests_lost_by_the_broker_are_produced_again(
             return all(v["status"] == "completed" for v in views)
 
         wait_for(all_completed, 90, interval_s=0.5, message="every queued job to complete")
-    finally:
-        stack.close()
-
-
-def test_a_request_handed_back_after_the_broker_lost_its_log_resumes(
-    own_servers: tuple[ServerProcess, ServerProcess], model_path: Path, tmp_path: Path
-) -> None:
-    """A stream is running when the broker restarts empty, then its engine dies: handing it back, the
-    worker finds its message gone and produces it again, and the other worker resumes it from its log
-    (services/worker/requeue.py). Without that no worker would ever see it again."""
-    kafka, redis_server = own_servers
-    stack = new_stack(
-        kafka, redis_server, model_path, tmp_path, workers=2, INFLIGHT_FAULT_STEP_DELAY_S=STEP_DELAY_S
-    )
-    try:
-        expected = _reference(stack)
-        doomed: list[ServiceProcess] = []
-
-        def lose_the_log_then_the_engine() -> None:
-            kafka.restart()
-            request_ids = [w for w in stack.workers if worker_stats(w)["requests"]]
-            (owner,) = request_ids
-            os.kill(worker_stats(owner)["engine_pid"], signal.SIGKILL)
-            doomed.append(owner)
-
-        chunks = _stream(stack, lose_the_log_then_the_engine)
-        assert chunks[-1] == "[DONE]"
-        assert text_of(chunks) == expected
-        assert "produced it again" in doomed[0].tail_log(50_000)
     finally:
         stack.close()
 

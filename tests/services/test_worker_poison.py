@@ -30,9 +30,9 @@ from services.common.wire_sampling import WireSampling
 from services.worker.publisher import Publisher
 from services.worker.request_runner import Runner
 from services.worker.run_state import Outcome, Run
-from tests.services.engine_killer import EngineKiller
+from tests.services.engine_killer import EngineKiller, poison_stack
 from tests.services.sse import events
-from tests.services.stack import MODEL_NAME, REDIS_PASSWORD, Stack, new_stack, wait_for, worker_stats
+from tests.services.stack import MODEL_NAME, REDIS_PASSWORD, Stack, wait_for, worker_stats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,15 +51,7 @@ BODY: dict[str, Any] = {
 def stack(
     kafka: ServerProcess, redis_server: ServerProcess, model_path: Path, tmp_path: Path
 ) -> Iterator[Stack]:
-    s = new_stack(
-        kafka,
-        redis_server,
-        model_path,
-        tmp_path,
-        workers=BOUND + 1,
-        INFLIGHT_FAULT_STEP_DELAY_S="0.05",
-        INFLIGHT_MAX_ENGINE_FAILURES=str(BOUND),
-    )
+    s = poison_stack(kafka, redis_server, model_path, tmp_path, BOUND)
     yield s
     s.close()
 

@@ -22,8 +22,8 @@ import pytest
 
 from harness.servers import ServerProcess
 from services.common import keys
-from tests.services.engine_killer import EngineKiller
-from tests.services.stack import MODEL_NAME, Stack, new_stack, wait_for
+from tests.services.engine_killer import EngineKiller, poison_stack
+from tests.services.stack import MODEL_NAME, Stack, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -36,24 +36,15 @@ CULPRIT: dict[str, Any] = {
     "seed": 99,
     "ignore_eos": True,
 }
-# At least 15 s of steps: still running when the culprit, sent after its first token, starts.
-NEIGHBOUR = {**CULPRIT, "prompt": "The weather report for tomorrow says", "max_tokens": 300, "seed": 7}
+# At least 12 s of steps: still running when the culprit, sent after its first token, starts.
+NEIGHBOUR = {**CULPRIT, "prompt": "The weather report for tomorrow says", "max_tokens": 240, "seed": 7}
 
 
 @pytest.fixture
 def stack(
     kafka: ServerProcess, redis_server: ServerProcess, model_path: Path, tmp_path: Path
 ) -> Iterator[Stack]:
-    s = new_stack(
-        kafka,
-        redis_server,
-        model_path,
-        tmp_path,
-        workers=BOUND + 1,
-        INFLIGHT_KAFKA_PARTITIONS="1",
-        INFLIGHT_FAULT_STEP_DELAY_S="0.05",
-        INFLIGHT_MAX_ENGINE_FAILURES=str(BOUND),
-    )
+    s = poison_stack(kafka, redis_server, model_path, tmp_path, BOUND, INFLIGHT_KAFKA_PARTITIONS="1")
     yield s
     s.close()
 
