@@ -38,7 +38,6 @@ class Requeue:
         self._probe: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
         self._lock = asyncio.Lock()  # one probe: its seeks and reads must not interleave
-        self.num_requeued = 0
 
     async def ensure_held(self, run: Run) -> bool:
         """Make sure some worker will get ``run`` again; True when its message had to be produced again.
@@ -67,7 +66,6 @@ class Requeue:
         except (KafkaError, OSError, TimeoutError) as exc:
             log.warning("request %s: could not check or restore its message in Kafka: %r", run.id, exc)
             return False
-        self.num_requeued += 1
         log.warning(
             "request %s: the broker no longer holds its message (%s:%d offset %d); produced it again "
             "(partition %d offset %d) for another worker to resume",
