@@ -7,6 +7,8 @@ taken at the client (request sent to first text chunk). Reported, as JSON under 
 
     interactive TTFT p50 / p99 without and with the batch, and their ratio (target: p99 within 1.2x)
     the batch's completion time (create to "completed") and its request_counts
+    where each interactive request's time to its first token went in each phase (the stages of
+    ``python -m bench service``: gateway, queue and claim, worker to first token, delivery)
     the cores each process group kept busy in each phase (gateway, worker, engine core, broker, Redis,
     this client, the rest of the host): where the interactive request's way in competes with the batch
     whether the batch was still running when the last interactive request finished (else the "with"
@@ -30,8 +32,11 @@ import openai
 
 from bench.process_cpu import CpuMeter, stack_processes
 from bench.results import write_json
+from bench.service_load import records, stages
 from bench.service_load_args import resolve_model
+from bench.service_replay import Streamed
 from harness.stack import build_stack
+from services.common import keys
 
 PROMPT = "The quick brown fox jumps over the lazy dog. A continuous batching server"
 MODEL = "bench"
@@ -63,24 +68,29 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _ttfts(client: openai.OpenAI, num: int, max_tokens: int, interval_s: float) -> list[float]:
-    """Client-side time to first text of ``num`` streamed completions, sent one after another."""
+def _ttfts(client: openai.OpenAI, num: int, max_tokens: int, interval_s: float) -> list[Streamed]:
+    """``num`` streamed completions sent one after another, as their client saw them (TTFT:
+    ``first``, seconds from the send to the first text)."""
     out = []
     for i in range(num):
         sent = time.perf_counter()
-        first = None
+        seen = Streamed(sent_wall=time.time())
         stream = client.completions.create(
             model=MODEL, prompt=f"{PROMPT} {i}", max_tokens=max_tokens, temperature=0, stream=True
         )
         for chunk in stream:
-            if first is None and chunk.choices and chunk.choices[0].text:
-                first = time.perf_counter() - sent
-        out.append(first if first is not None else time.perf_counter() - sent)
+            seen.request_id = seen.request_id or chunk.id
+            if seen.first is None and chunk.choices and chunk.choices[0].text:
+                seen.first, seen.first_wall = time.perf_counter() - sent, time.time()
+        if seen.first is None:
+            seen.first = time.perf_counter() - sent
+        out.append(seen)
         time.sleep(interval_s)
     return out
 
 
-def _summary(ttfts: list[float]) -> dict[str, float]:
+def _summary(streamed: list[Streamed]) -> dict[str, float]:
+    ttfts = [s.first for s in streamed if s.first is not None]
     return {
         "n": len(ttfts),
         "p50_ms": round(1e3 * statistics.median(ttfts), 2),
@@ -139,6 +149,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         beside = _ttfts(client, args.interactive, args.max_tokens, args.interval_s)
         cores_beside = meter.cores()
         running_throughout = client.batches.retrieve(batch.id).status == "in_progress"
+        redis = stack.redis_client()
+        stage_ms = {
+            "without_batch": stages(alone, records(redis, keys, alone)),
+            "with_batch": stages(beside, records(redis, keys, beside)),
+        }
         print("waiting for the batch to complete ...", flush=True)
         while True:
             state = client.batches.retrieve(batch.id)
@@ -159,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "interactive_without_batch": without,
         "interactive_with_batch": with_batch,
         "p99_ratio": round(with_batch["p99_ms"] / without["p99_ms"], 3) if without["p99_ms"] else None,
+        "stages": stage_ms,
         "cpu_cores": {
             "without_batch": {k: round(v, 3) for k, v in cores_alone.items()},
             "with_batch": {k: round(v, 3) for k, v in cores_beside.items()},

@@ -323,14 +323,14 @@ def _stack_runs(
                 streamed = await replay(client, specs, SERVED_NAME)
                 out["burst"] = saturation_figures(specs, streamed, cfg.max_num_seqs)
                 out["burst"]["cpu_cores"] = meter.cores()
-                out["burst"]["stages"] = stages(streamed, _records(redis, keys, streamed))
+                out["burst"]["stages"] = stages(streamed, records(redis, keys, streamed))
                 for name, trace in workloads(cfg, vocab_size, rate).items():
                     say(f"  stack: {name}, {len(trace)} requests at {rate:.2f}/s ...")
                     meter = CpuMeter(groups)
                     streamed = await replay(client, trace, SERVED_NAME)
                     out[name] = trace_figures(trace, streamed)
                     out[name]["cpu_cores"] = meter.cores()
-                    out[name]["stages"] = stages(streamed, _records(redis, keys, streamed))
+                    out[name]["stages"] = stages(streamed, records(redis, keys, streamed))
                 return out
             finally:
                 await client.close()
@@ -343,7 +343,7 @@ def _stack_runs(
         stack.close()
 
 
-def _records(redis: Any, keys: Any, streamed: Sequence[Streamed]) -> dict[str, dict[str, str]]:
+def records(redis: Any, keys: Any, streamed: Sequence[Streamed]) -> dict[str, dict[str, str]]:
     pipe = redis.pipeline(transaction=False)
     ids = [s.request_id for s in streamed if s.request_id]
     for request_id in ids:

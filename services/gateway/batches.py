@@ -25,10 +25,13 @@ import logging
 import time
 from typing import Any, cast
 
+from redis.asyncio import Redis
+
 from services.common import keys
 from services.common.wire import COMPLETED, QUEUED, TERMINAL
+from services.gateway.batch_lines import index_key, read_lines
 from services.gateway.errors import APIError
-from services.gateway.files_routes import content_key, store_file
+from services.gateway.files_routes import store_file
 from services.gateway.jobs_routes import prepare_job, tool_reading
 from services.gateway.responses import response_from_record
 from services.gateway.state import Gateway
@@ -203,11 +206,10 @@ async def _submit(gw: Gateway, record: dict[str, str]) -> None:
     room = gw.settings.batch_max_queued - await _num_queued(gw, record)
     if room <= 0:
         return
-    content = await client.get(content_key(record["input_file_id"]))
-    lines = [] if content is None else [ln for ln in str(content).splitlines() if ln.strip()]
     stop = min(total, cursor + min(room, _SUBMIT_PER_ROUND))
-    for index in range(cursor, stop):
-        entry = await _submit_line(gw, record, index, lines[index] if index < len(lines) else "", endpoint)
+    lines = await read_lines(client, batch_id, record["input_file_id"], cursor, stop)
+    for index, raw in zip(range(cursor, stop), lines, strict=True):
+        entry = await _submit_line(gw, record, index, raw, endpoint)
         if entry is None:
             break  # at capacity (or the broker is down): the next round goes on from here
         pipe = client.pipeline(transaction=True)
@@ -253,33 +255,76 @@ async def _submit_line(
     return {"custom_id": custom_id, "job": job_id}
 
 
-async def counts_of(gw: Gateway, batch_id: str) -> tuple[dict[str, int], list[dict[str, Any]], list[str]]:
-    """request_counts, the line entries, and each entry's job status ("" for a refused line)."""
-    client = gw.store.client
-    entries = [json.loads(e) for e in await client.lrange(lines_key(batch_id), 0, -1)]
+async def _entries(client: Redis, batch_id: str, start: int) -> tuple[list[dict[str, Any]], list[str]]:
+    """The line entries from line ``start`` on, and each one's job status ("" for a refused line)."""
+    entries = [json.loads(e) for e in await client.lrange(lines_key(batch_id), start, -1)]
     pipe = client.pipeline(transaction=False)
     for e in entries:
         pipe.hget(keys.record(e.get("job") or "-"), "status")
-    statuses = [str(s or "") for s in await pipe.execute()]
-    total = int(await client.hget(batch_key(batch_id), "total") or 0)
-    completed = sum(1 for e, s in zip(entries, statuses, strict=True) if e.get("job") and s == COMPLETED)
-    failed = sum(
-        1 for e, s in zip(entries, statuses, strict=True) if not e.get("job") or s in TERMINAL - {COMPLETED}
+    return entries, [str(s or "") for s in await pipe.execute()]
+
+
+@dataclasses.dataclass
+class Tally:
+    """request_counts, and how far the lines that have all ended reach (``ended_below``) with their counts.
+
+    Lines end about in the order they were taken, and an ended line's status never changes, so the record
+    keeps the counts of the lines below ``ended_below`` and a round reads the statuses of the lines from
+    there on only: about the lines in flight, not the whole batch. Worked example: lines 0-9 taken, 0-5
+    and 7 ended: the round reads 0-9 once, and the record then counts 0-5 and reads from 6 on."""
+
+    counts: dict[str, int]
+    ended_below: int
+    ended_completed: int
+    ended_failed: int
+    all_ended: bool  # every line taken so far has ended
+
+
+async def tally(client: Redis, record: dict[str, str]) -> Tally:
+    low = int(record.get("ended_below") or 0)
+    completed, failed = int(record.get("ended_completed") or 0), int(record.get("ended_failed") or 0)
+    entries, statuses = await _entries(client, record["id"], low)
+    done = [not e.get("job") or s in TERMINAL for e, s in zip(entries, statuses, strict=True)]
+    good = [bool(e.get("job")) and s == COMPLETED for e, s in zip(entries, statuses, strict=True)]
+    prefix = next((i for i, d in enumerate(done) if not d), len(done))
+    counts = {
+        "total": int(record["total"]),
+        "completed": completed + sum(good),
+        "failed": failed + sum(d and not g for d, g in zip(done, good, strict=True)),
+    }
+    return Tally(
+        counts,
+        low + prefix,
+        completed + sum(good[:prefix]),
+        failed + prefix - sum(good[:prefix]),
+        prefix == len(done),
     )
-    return {"total": total, "completed": completed, "failed": failed}, entries, statuses
+
+
+async def counts_of(gw: Gateway, batch_id: str) -> dict[str, int]:
+    """The batch's request_counts now."""
+    record = {str(k): str(v) for k, v in (await gw.store.client.hgetall(batch_key(batch_id))).items()}
+    return (await tally(gw.store.client, record)).counts
 
 
 async def _count_and_finish(gw: Gateway, record: dict[str, str]) -> None:
     client = gw.store.client
     batch_id = record["id"]
-    counts, entries, statuses = await counts_of(gw, batch_id)
-    await gw.store.update_existing(batch_key(batch_id), {"request_counts": json.dumps(counts)})
+    now = await tally(client, record)
+    await gw.store.update_existing(
+        batch_key(batch_id),
+        {
+            "request_counts": json.dumps(now.counts),
+            "ended_below": now.ended_below,
+            "ended_completed": now.ended_completed,
+            "ended_failed": now.ended_failed,
+        },
+    )
     cancelling = record["status"] == "cancelling"
     submitted_all = int(record["cursor"]) >= int(record["total"])
-    if not (submitted_all or cancelling) or any(
-        e.get("job") and s not in TERMINAL for e, s in zip(entries, statuses, strict=True)
-    ):
+    if not (submitted_all or cancelling) or not now.all_ended:
         return
+    entries, statuses = await _entries(client, batch_id, 0)  # once, for the output files
     await gw.store.update_existing(batch_key(batch_id), {"finalizing_at": int(time.time())})
     output, errors = [], []
     for index, (entry, status) in enumerate(zip(entries, statuses, strict=True)):
@@ -327,5 +372,6 @@ async def _count_and_finish(gw: Gateway, record: dict[str, str]) -> None:
     pipe.hset(batch_key(batch_id), mapping=cast(Any, fields))
     pipe.expire(batch_key(batch_id), ttl_s)
     pipe.expire(lines_key(batch_id), ttl_s)
+    pipe.delete(index_key(batch_id))  # no line is read again
     pipe.srem(active_key(gw), batch_id)
     await pipe.execute()

@@ -24,6 +24,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.common.store import REDIS_ERRORS
+from services.gateway.batch_lines import encode_index, index_key, line_starts
 from services.gateway.batches import (
     ENDPOINTS,
     FINISHED,
@@ -91,7 +92,8 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, Any]:
         raise APIError(
             400, "the input file's purpose must be 'batch'", code="invalid_value", param="input_file_id"
         )
-    total = sum(1 for line in (file["content"] or "").splitlines() if line.strip())
+    starts = line_starts((file["content"] or "").encode())
+    total = len(starts)
     if total == 0:
         raise APIError(400, "the input file has no requests", code="invalid_value", param="input_file_id")
     batch_id = f"batch_{uuid.uuid4().hex}"
@@ -123,6 +125,7 @@ async def create_batch(body: BatchRequest, request: Request) -> dict[str, Any]:
     # died, or the key has no batch for two days) expires instead of staying in Redis for good.
     kept_s = 2 * gw.settings.job_ttl_s
     pipe.expire(batch_key(batch_id), kept_s)
+    pipe.set(index_key(batch_id), encode_index(starts), ex=kept_s)
     pipe.zremrangebyscore(owner_index(owner), "-inf", now - kept_s)  # records gone by now
     pipe.zadd(owner_index(owner), {batch_id: now})
     pipe.expire(owner_index(owner), kept_s)
@@ -141,7 +144,7 @@ async def _view(gw: Gateway, batch_id: str, owner: str) -> dict[str, Any]:
         )
     counts = None
     if record["status"] not in FINISHED:
-        counts, _, _ = await counts_of(gw, batch_id)
+        counts = await counts_of(gw, batch_id)
     return batch_object(record, counts)
 
 
