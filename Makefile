@@ -166,6 +166,17 @@ $(LLAMACPP)/.installed:
 		CMAKE_ARGS="-DGGML_NATIVE=ON" $(LLAMACPP)/bin/python -m pip install -q --no-cache-dir --force-reinstall \
 			--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)" numpy; \
 	fi
+	# A CPU may list AMX while its virtual machine traps the tile instructions (SIGILL on the first
+	# multiply): one short evaluation of the default model, and where it dies, a build without AMX.
+	$(MAKE) --no-print-directory setup
+	if ! echo '{"op": "speed", "model": "'"$$($(BIN)/python -c 'from engine.models.gguf import default_gguf_path as p; print(p())')"'", "threads": 1, "prompt": [100, 200, 300], "new_tokens": 2, "repeats": 1}' \
+			| $(LLAMACPP)/bin/python bench/llamacpp_driver.py >/dev/null 2>&1; then \
+		echo "llama.cpp's build fails on this CPU (AMX trapped?): building it again without AMX"; \
+		NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"; \
+		CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$$NO_AMX' -DCMAKE_CXX_FLAGS='$$NO_AMX'" \
+			$(LLAMACPP)/bin/python -m pip install -q --no-cache-dir --force-reinstall --no-deps \
+			--no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION)"; \
+	fi
 	$(LLAMACPP)/bin/python -c "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
 	touch $@
 

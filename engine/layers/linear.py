@@ -14,12 +14,15 @@ needs no communication; a row-parallel one (o, down: input features split) retur
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
+from engine.platform.cpu import cpu_flags
 from engine.quant.int8 import Int8Weight, int8_linear
 from engine.quant.linear import dequantize_for_step, quant_linear
 from engine.quant.stacked import StackedWeight
@@ -29,11 +32,23 @@ from engine.quant.weight import QuantizedWeight
 SingleWeight = torch.Tensor | QuantizedWeight | Int8Weight
 Weight = SingleWeight | StackedWeight
 # Up to this many rows a block-format or int8 weight is multiplied as stored (engine/quant: a decode step
-# reads each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step.
-# 64 covers a full decode batch at the default max_num_seqs: on SmolLM2-135M's layer shapes, one thread,
-# 64 rows, the kernels took 0.4-0.5x the time of the torch dequantisation plus a float linear (Q4_1,
-# Q8_0, int8) and were even with the C++ dequantisation plus a float linear; at 128 rows all were even.
+# reads each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step and
+# multiplied in float, where the float GEMM's register blocking beats re-expanding blocks per row tile.
+# Where that happens depends on the float GEMM's width, so on the host: on SmolLM2-135M's layer shapes, one
+# thread, an AVX2 CPU's block kernels were even with the C++ dequantisation plus a float linear at 64 rows
+# (64 covers a full decode batch at the default max_num_seqs); on an AVX-512 one (oneDNN's float kernels
+# twice as wide) even at 16 rows and 1.7-2.4x slower at 64 (docs/benchmarks.md, "Block kernels or the
+# dequantised weight"). A GPU's Triton kernels keep 64.
 QUANT_KERNEL_MAX_ROWS = 64
+QUANT_KERNEL_MAX_ROWS_WIDE_CPU = 16
+
+
+@functools.cache
+def quant_kernel_max_rows(device_type: str) -> int:
+    """The row bound above for a weight on ``device_type`` ("cpu", "cuda"), on this host."""
+    if device_type == "cpu" and "avx512f" in cpu_flags():
+        return QUANT_KERNEL_MAX_ROWS_WIDE_CPU
+    return QUANT_KERNEL_MAX_ROWS
 
 
 class Linear:
@@ -76,7 +91,7 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
         outs = [matmul(x, part, b, kernels) for part, b in zip(weight.parts, biases, strict=True)]
         return torch.cat(outs, dim=1)
     if isinstance(weight, QuantizedWeight | Int8Weight):
-        if x.shape[0] <= QUANT_KERNEL_MAX_ROWS:
+        if x.shape[0] <= quant_kernel_max_rows(x.device.type):
             if isinstance(weight, Int8Weight):
                 return int8_linear(x, weight, bias)
             return quant_linear(x, weight, bias)

@@ -150,3 +150,32 @@ def test_lm_head_scales_then_soft_caps() -> None:
     head = LMHead(weight, Kernels(), SINGLE, 96, soft_cap=5.0, scaling=2.0)
     torch.testing.assert_close(head(hidden), 5.0 * torch.tanh(plain / 2.0 / 5.0))
     assert head(hidden).abs().max() < 5.0
+
+
+def test_block_weights_are_dequantised_past_a_row_bound_the_host_decides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from engine.layers import linear
+    from engine.quant import random_quantized
+
+    bound = linear.quant_kernel_max_rows.__wrapped__
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    assert (
+        bound("cpu") == linear.QUANT_KERNEL_MAX_ROWS_WIDE_CPU
+        and bound("cuda") == linear.QUANT_KERNEL_MAX_ROWS
+    )
+    monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert bound("cpu") == linear.QUANT_KERNEL_MAX_ROWS
+    # Up to the bound the blocks are multiplied as stored; past it, the dequantised weight in float.
+    rows = linear.quant_kernel_max_rows("cpu")
+    w = random_quantized("Q8_0", 8, 64, torch.Generator().manual_seed(3))
+    calls: list[str] = []
+    monkeypatch.setattr(
+        linear, "quant_linear", lambda x, w, b: calls.append("blocks") or x.new_zeros(len(x), 8)
+    )
+    monkeypatch.setattr(
+        linear, "dequantize_for_step", lambda w: calls.append("dequantised") or w.dequantize()
+    )
+    for n in (1, rows, rows + 1):
+        linear.matmul(torch.randn(n, 64), w, None, Kernels())
+    assert calls == ["blocks", "blocks", "dequantised"]

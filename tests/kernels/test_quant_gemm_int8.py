@@ -23,7 +23,7 @@ from engine.quant import FORMATS, QuantizedWeight, random_quantized
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels cannot be built here")
 
-_ROWS = [1, 2, 3, 5, 8]
+_ROWS = [1, 2, 3, 4, 5, 8, 11, 64]  # row pairs and an odd row past them, up to a burst step
 
 
 def _isas() -> list[int]:
