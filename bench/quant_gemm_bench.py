@@ -10,7 +10,9 @@ the pass's time: what bounds a decode step), and the float path's time over the 
 quantized path is shown twice: the float32 kernels (``quant``: the dequantized weight times the rows as
 they are) and the integer path (``int8``: the rows quantized to int8 blocks of 32, integer dot
 products; ``quant_linear`` takes it up to ``INT8_ACTIVATION_MAX_ROWS`` rows), ``int8/quant`` their
-ratio of speeds.
+ratio of speeds. ``deq+float``: what a linear layer runs past its row bound (engine/layers/linear.py),
+the weight dequantized for the step and then the float linear; ``deq+float/quant`` above 1 means the
+block kernels are the faster path at that row count.
 K-quants need in features in whole blocks of 256: SmolLM2's 576 is rounded up to 768 for them (llama.cpp
 stores those tensors in another format); the byte counts are of the weights actually multiplied.
 """
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 
 from bench.run_support import add_layer_shape, cpu_kernel_parser, run_cpu_kernel_bench
 from engine.quant import FORMATS, QuantizedWeight, random_quantized
-from engine.quant.linear import cpu_isa
+from engine.quant.linear import cpu_isa, dequantize_for_step
 
 
 def float_kernels(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -40,6 +42,12 @@ def int8_kernels(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
         x, w.blocks, w.fmt.ggml_type, w.in_features, None
     )
     return out
+
+
+def dequantized_step(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """What a linear layer runs past its row bound (engine/layers/linear.py): the weight dequantized for
+    the step, then the float linear."""
+    return F.linear(x, dequantize_for_step(w).to(x.dtype))
 
 
 def shapes(args: argparse.Namespace, block: int) -> list[tuple[int, int]]:
@@ -87,7 +95,8 @@ def report(args: argparse.Namespace) -> None:
     )
     print(
         f"{'format':<6} {'dtype':<9} {'rows':>5} {'quant ms':>9} {'GB/s':>6} {'int8 ms':>8} {'GB/s':>6} "
-        f"{'float ms':>9} {'GB/s':>6} {'float/quant':>11} {'int8/quant':>10}"
+        f"{'float ms':>9} {'GB/s':>6} {'deq+float ms':>12} {'float/quant':>11} {'int8/quant':>10} "
+        f"{'deq+float/quant':>15}"
     )
     for name in args.formats:
         gen = torch.Generator().manual_seed(0)
@@ -107,11 +116,15 @@ def report(args: argparse.Namespace) -> None:
                     args.repeats, [(int8_kernels, inputs[w.in_features][:rows], w) for w in weights]
                 )
                 dense = best_of(args.repeats, [(F.linear, inputs[f.shape[1]][:rows], f) for f in floats])
+                step = best_of(
+                    args.repeats, [(dequantized_step, inputs[w.in_features][:rows], w) for w in weights]
+                )
                 quant_rate, dense_rate = quant_bytes / quant / 1e9, float_bytes / dense / 1e9
                 print(
                     f"{name:<6} {dtype_name:<9} {rows:>5} {quant * 1e3:>9.2f} {quant_rate:>6.1f} "
                     f"{int8 * 1e3:>8.2f} {quant_bytes / int8 / 1e9:>6.1f} "
-                    f"{dense * 1e3:>9.2f} {dense_rate:>6.1f} {dense / quant:>11.2f} {quant / int8:>10.2f}",
+                    f"{dense * 1e3:>9.2f} {dense_rate:>6.1f} {step * 1e3:>12.2f} {dense / quant:>11.2f} "
+                    f"{quant / int8:>10.2f} {step / quant:>15.2f}",
                     flush=True,
                 )
 
