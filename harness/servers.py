@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,8 +25,33 @@ from pathlib import Path
 _LIVE: set[ServerProcess] = set()
 
 
+# Ports are picked below the kernel's ephemeral range: the kernel hands ports from that range to every
+# outgoing connection (a client's source port) and to every bind of port 0, so a port found free there
+# can be taken by any of the host's connections before the server it was picked for binds it (seen: a
+# worker's probe port "already in use" while a suite ran). Below the range only another pick can take it.
+_PORTS_BELOW_EPHEMERAL = 12_000
+_RANDOM = random.SystemRandom()  # not the random module's state, which a test may seed
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port nothing is bound to, for a server about to start."""
+    low = _ephemeral_low()
+    candidates = range(max(1024, low - _PORTS_BELOW_EPHEMERAL), low)
+    for port in _RANDOM.sample(candidates, min(50, len(candidates))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no range below: the kernel's pick
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Iterator
 
 import uvicorn
@@ -67,6 +68,13 @@ class _Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """The worker's HTTP socket, bound before anything else starts: a port in use stops the worker at once
+    with uvicorn's error, before a model loads and an engine core starts that a failed start would have
+    to stop."""
+    return uvicorn.Config("services.worker.http:create_app", host=host, port=port).bind_socket()
 
 
 def make_server(worker: Worker, host: str, port: int, probes: Probes | None = None) -> uvicorn.Server:

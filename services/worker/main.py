@@ -63,13 +63,14 @@ def resolve_model(settings: Settings) -> str:
 async def serve(settings: Settings) -> int:
     """Serve until stopped; the process's exit code (0, or ``EXIT_ENGINE_STALLED``)."""
     from services.common.store import connect_redis
-    from services.worker.http import Probes, make_server
+    from services.worker.http import Probes, bind_port, make_server
     from services.worker.live_publisher import LivePublisher
     from services.worker.live_publisher import stop as stop_live
     from services.worker.worker import Worker
     from services.worker.worker_telemetry import instrument_engine
 
     model = resolve_model(settings)
+    sockets = [bind_port(settings.bind_host, settings.worker_port)]
     began = time.monotonic()
     engine = await start_engine(model, settings)
     if settings.chat_template and engine.tokenizer is not None:  # the operator's, over the checkpoint's
@@ -82,7 +83,7 @@ async def serve(settings: Settings) -> int:
     worker = Worker(settings, engine, spans)
     probes = Probes()
     server = make_server(worker, settings.bind_host, settings.worker_port, probes)
-    http = asyncio.create_task(server.serve())
+    http = asyncio.create_task(server.serve(sockets=sockets))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: asyncio.ensure_future(worker.drain()))
@@ -94,9 +95,9 @@ async def serve(settings: Settings) -> int:
         # process for good, up but serving nothing: stop everything, then fail for a restart.
         log.exception("the worker could not start")
         server.should_exit = True
-        await http
+        await engine.shutdown()  # first: whatever the steps below raise, the core must not outlive this
         await stop_live(live_task)
-        await engine.shutdown()
+        await http
         raise
     from engine.platform.memory import freeze_heap  # torch-free
 
