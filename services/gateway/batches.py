@@ -54,6 +54,7 @@ def active_key(gw: Gateway) -> str:
 
 _LOCK_MS = 30_000
 _SUBMIT_PER_ROUND = 256  # lines one advance submits at most: a round stays short
+_READ_CHUNK = 500  # job records a pipelined read asks for at once when the output files are written
 
 
 def _eval_args(call: tuple[str, list[str], list[str]]) -> tuple[Any, ...]:
@@ -301,6 +302,18 @@ async def tally(client: Redis, record: dict[str, str]) -> Tally:
     )
 
 
+async def _job_records(client: Redis, entries: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Each entry's job record ({} for a refused line or a record gone), read in pipelined chunks: one
+    round trip per _READ_CHUNK lines rather than one per line."""
+    out: list[dict[str, str]] = []
+    for start in range(0, len(entries), _READ_CHUNK):
+        pipe = client.pipeline(transaction=False)
+        for e in entries[start : start + _READ_CHUNK]:
+            pipe.hgetall(keys.record(e.get("job") or "-"))
+        out += [{str(k): str(v) for k, v in rec.items()} for rec in await pipe.execute()]
+    return out
+
+
 async def counts_of(gw: Gateway, batch_id: str) -> dict[str, int]:
     """The batch's request_counts now."""
     record = {str(k): str(v) for k, v in (await gw.store.client.hgetall(batch_key(batch_id))).items()}
@@ -327,11 +340,11 @@ async def _count_and_finish(gw: Gateway, record: dict[str, str]) -> None:
     entries, statuses = await _entries(client, batch_id, 0)  # once, for the output files
     await gw.store.update_existing(batch_key(batch_id), {"finalizing_at": int(time.time())})
     output, errors = [], []
-    for index, (entry, status) in enumerate(zip(entries, statuses, strict=True)):
+    jobs = await _job_records(client, entries)
+    for index, (entry, status, job) in enumerate(zip(entries, statuses, jobs, strict=True)):
         if "error" in entry:
             errors.append(entry["error"])
             continue
-        job = await gw.store.get_record(entry["job"]) or {}
         body = response_from_record(job, entry["job"]) if status == COMPLETED else None
         if body is not None:
             response = {"status_code": 200, "request_id": entry["job"], "body": body}
