@@ -28,9 +28,11 @@ _LIVE: set[ServerProcess] = set()
 # Ports are picked below the kernel's ephemeral range: the kernel hands ports from that range to every
 # outgoing connection (a client's source port) and to every bind of port 0, so a port found free there
 # can be taken by any of the host's connections before the server it was picked for binds it (seen: a
-# worker's probe port "already in use" while a suite ran). Below the range only another pick can take it.
+# worker's probe port "already in use" while a suite ran). Below the range only another pick can take it:
+# each process walks the range from a random start, as the kernel does, so it never hands out one port
+# twice (a gateway's API and metrics ports) and processes side by side start far apart.
 _PORTS_BELOW_EPHEMERAL = 12_000
-_RANDOM = random.SystemRandom()  # not the random module's state, which a test may seed
+_next_port: list[int] = []  # this process's walk: the offset of its next candidate
 
 
 def _ephemeral_low() -> int:
@@ -43,8 +45,13 @@ def _ephemeral_low() -> int:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing is bound to, for a server about to start."""
     low = _ephemeral_low()
-    candidates = range(max(1024, low - _PORTS_BELOW_EPHEMERAL), low)
-    for port in _RANDOM.sample(candidates, min(50, len(candidates))):
+    first = max(1024, low - _PORTS_BELOW_EPHEMERAL)
+    size = low - first
+    if not _next_port:
+        _next_port.append(random.SystemRandom().randrange(max(1, size)))
+    for _ in range(size):
+        port = first + _next_port[0] % size
+        _next_port[0] += 1
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
