@@ -364,3 +364,8 @@ class Hub:
                         s.resync()  # whatever was published meanwhile is in the logs, after s's position
                 if sub is not None and not sub.confirmed.done():
                     sub.confirmed.set_result(None)
+                elif sub is None and channel != self._home:
+                    # A stream released while the connection was down: its UNSUBSCRIBE never reached
+                    # Redis, and the client, reconnecting, subscribed every channel it still had again.
+                    with contextlib.suppress(*REDIS_ERRORS):
+                        await self._pubsub.unsubscribe(channel)

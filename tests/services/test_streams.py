@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
-from harness.servers import ServerProcess
+from harness.servers import ServerProcess, start_redis
 from services.common import keys
 from services.common.store import Store
 from services.common.wire import COMPLETED, DeltaEvent, DoneEvent, Event, encode_event
@@ -172,3 +173,32 @@ async def test_a_client_that_stops_reading_is_cut_off(redis_server: ServerProces
     finally:
         with contextlib.suppress(Exception):
             await bench.close()
+
+
+async def test_a_stream_released_while_redis_is_down_is_not_subscribed_again(tmp_path: Path) -> None:
+    """Its UNSUBSCRIBE fails against the stopped server; the client's reconnect subscribes every channel
+    it still has again, and the hub must drop this one, or the subscription stays for good."""
+    with start_redis(workdir=tmp_path / "redis") as server:
+        client = aioredis.Redis.from_url(server.url, decode_responses=True)
+        admin = aioredis.Redis.from_url(server.url, decode_responses=True)
+        hub = Hub(client, Store(client), "streams-outage", 30.0)
+        await hub.start()
+        try:
+            kept = await hub.subscribe("cmpl-kept")
+            released = await hub.subscribe("cmpl-released")
+            server.stop()
+            await hub.unsubscribe(released)
+            server.start()
+            wanted = {f"{keys.PREFIX}:gateway:streams-outage", keys.events("cmpl-kept")}
+            channels: set[str] = set()
+            for _ in range(100):  # the reconnect, then the hub's answer to the resubscription
+                channels = set(await admin.pubsub_channels())
+                if channels == wanted:
+                    break
+                await asyncio.sleep(0.1)
+            assert channels == wanted
+            await hub.unsubscribe(kept)
+        finally:
+            await hub.stop()
+            await client.aclose()
+            await admin.aclose()
