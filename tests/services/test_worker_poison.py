@@ -104,12 +104,25 @@ def test_a_stream_that_kills_every_engine_ends_with_engine_failed(stack: Stack) 
     assert 0 < redis.ttl(keys.dead_letter(request_id)) <= 86_400
     assert {"topic", "partition", "offset"} <= set(dead)
     # The metric and the log line, on the worker that failed it.
-    metrics = httpx.get(f"{last_worker.url}/metrics", timeout=10).text
-    assert re.search(r'^inflight:request_engine_failures_total\{outcome="failed"\} 1\.0$', metrics, re.M)
     assert f"request {request_id} failed for good" in last_worker.tail_log(50_000)
+    if last_worker.proc.poll() is None:
+        metrics = httpx.get(f"{last_worker.url}/metrics", timeout=10).text
+        assert re.search(r'^inflight:request_engine_failures_total\{outcome="failed"\} 1\.0$', metrics, re.M)
+    else:  # it left the group too slowly and exited, as the first one below may
+        assert last_worker.proc.returncode == 4, last_worker.tail_log()
     first_worker = killer.killed[0][0]
-    metrics = httpx.get(f"{first_worker.url}/metrics", timeout=10).text
-    assert re.search(r'^inflight:request_engine_failures_total\{outcome="handed_back"\} 1\.0$', metrics, re.M)
+    if first_worker.proc.poll() is None:
+        metrics = httpx.get(f"{first_worker.url}/metrics", timeout=10).text
+        assert re.search(
+            r'^inflight:request_engine_failures_total\{outcome="handed_back"\} 1\.0$', metrics, re.M
+        )
+    else:
+        # A worker whose engine died exits when leaving the consumer group hangs past its bound (code 4,
+        # services/worker/main.py): on a loaded host that can happen before this line; its log counted it.
+        assert first_worker.proc.returncode == 4, first_worker.tail_log()
+        assert f"request {request_id}: its engine died under it (1 of {BOUND})" in first_worker.tail_log(
+            50_000
+        )
 
     # The survivor serves on and never claims the failed request.
     (survivor,) = [w for w in stack.workers if w not in {k for k, _ in killer.killed}]
