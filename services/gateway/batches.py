@@ -314,9 +314,8 @@ async def _job_records(client: Redis, entries: list[dict[str, Any]]) -> list[dic
     return out
 
 
-async def counts_of(gw: Gateway, batch_id: str) -> dict[str, int]:
-    """The batch's request_counts now."""
-    record = {str(k): str(v) for k, v in (await gw.store.client.hgetall(batch_key(batch_id))).items()}
+async def counts_of(gw: Gateway, record: dict[str, str]) -> dict[str, int]:
+    """The batch's request_counts now, from its record as just read."""
     return (await tally(gw.store.client, record)).counts
 
 
@@ -337,14 +336,16 @@ async def _count_and_finish(gw: Gateway, record: dict[str, str]) -> None:
     submitted_all = int(record["cursor"]) >= int(record["total"])
     if not (submitted_all or cancelling) or not now.all_ended:
         return
-    entries, statuses = await _entries(client, batch_id, 0)  # once, for the output files
+    # Once, for the output files: each line's job record holds its status too.
+    entries = [json.loads(e) for e in await client.lrange(lines_key(batch_id), 0, -1)]
+    jobs = await _job_records(client, entries)
     await gw.store.update_existing(batch_key(batch_id), {"finalizing_at": int(time.time())})
     output, errors = [], []
-    jobs = await _job_records(client, entries)
-    for index, (entry, status, job) in enumerate(zip(entries, statuses, jobs, strict=True)):
+    for index, (entry, job) in enumerate(zip(entries, jobs, strict=True)):
         if "error" in entry:
             errors.append(entry["error"])
             continue
+        status = job.get("status", "")
         body = response_from_record(job, entry["job"]) if status == COMPLETED else None
         if body is not None:
             response = {"status_code": 200, "request_id": entry["job"], "body": body}

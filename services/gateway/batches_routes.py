@@ -144,7 +144,7 @@ async def _view(gw: Gateway, batch_id: str, owner: str) -> dict[str, Any]:
         )
     counts = None
     if record["status"] not in FINISHED:
-        counts = await counts_of(gw, batch_id)
+        counts = await counts_of(gw, record)
     return batch_object(record, counts)
 
 
