@@ -130,7 +130,8 @@ class OutputProcessor:
                 finish, stop_reason = "stop", seq.stop
         else:
             tokens, logprobs = out.token_ids, out.logprobs
-            delta = seq.detok.update(tokens)
+            # A "stop" from the core is its stop token (stop strings end in the detokenizer, above).
+            delta = seq.detok.update(tokens, stop_terminated=finish == "stop")
             text = delta.text
             if delta.stop_str is not None and finish is None:
                 seq.stop = delta.stop_str

@@ -76,8 +76,13 @@ class IncrementalDetokenizer:
         """The stop string that ended the output, or None."""
         return self._stop_str
 
-    def update(self, new_token_ids: list[int]) -> DetokenizerDelta:
-        """Take the tokens sampled this step; return the text they release."""
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> DetokenizerDelta:
+        """Take the tokens sampled this step; return the text they release. ``stop_terminated``: the last
+        of them is the stop token (eos or one of ``stop_token_ids``) that ended the output, whose text is
+        not part of it unless the request asked for stop strings in its output (as vLLM and OpenAI do:
+        with ``skip_special_tokens`` off, an ``<|im_end|>`` would otherwise end every answer)."""
+        if stop_terminated and not self._include_stop:
+            new_token_ids = new_token_ids[:-1]
         if self._tokenizer is None or self._done or not new_token_ids:
             return DetokenizerDelta("")
         self._ids.extend(new_token_ids)

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, overload
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common import keys
@@ -41,6 +42,12 @@ _RESYNC = object()  # buffer marker: re-read the log (the connection dropped, ev
 _OVERFLOW = object()  # buffer marker: the client fell too far behind; the stream ends
 _POLL_S = 5.0  # with no event for this long, look at the log anyway (a safety net, rarely used)
 _HEALTH_POLL_S = 1.0  # how often the hub asks whether its connection's health check is due
+# What the pub/sub connection's calls raise when Redis goes away. redis-py's pub/sub connection is read by
+# the hub's reader and, while it reconnects, by any SUBSCRIBE that reconnects it at the same time: the
+# second reader of the handshake gets asyncio's RuntimeError ("read() called while another coroutine is
+# already waiting"), the connection is dropped and both reconnect. A moment of the outage, not a bug.
+_PUBSUB_ERRORS = (*REDIS_ERRORS, RuntimeError)
+_SUBSCRIBE_RETRY_S = 0.05
 LOG_PAGE = 256  # log entries per read: a page of token events is tens of kilobytes
 _CONCURRENT_LOG_READS = 8  # per gateway: after a reconnect every stream queues for one of these
 DEFAULT_BUFFER_BYTES = 1024 * 1024
@@ -301,9 +308,18 @@ class Hub:
         """Subscribe and wait for Redis to confirm: only then can no published event be missed."""
         sub = Subscription(self, request_id)
         self._subs[sub.channel] = sub
+        deadline = time.monotonic() + timeout_s
         try:
-            await self._pubsub.subscribe(sub.channel)
-            await asyncio.wait_for(asyncio.shield(sub.confirmed), timeout_s)
+            while True:
+                try:
+                    await self._pubsub.subscribe(sub.channel)
+                    break
+                except RuntimeError as exc:  # reconnecting beside the reader (_PUBSUB_ERRORS): again
+                    if time.monotonic() >= deadline:
+                        raise RedisConnectionError(f"the subscription failed: {exc}") from None
+                    await asyncio.sleep(_SUBSCRIBE_RETRY_S)
+            remaining = max(0.0, deadline - time.monotonic())
+            await asyncio.wait_for(asyncio.shield(sub.confirmed), remaining)
         except BaseException as exc:
             await self.unsubscribe(sub)
             if isinstance(exc, TimeoutError):
@@ -315,7 +331,7 @@ class Hub:
         sub.release()
         if self._subs.get(sub.channel) is sub:
             del self._subs[sub.channel]
-            with contextlib.suppress(*REDIS_ERRORS):
+            with contextlib.suppress(*_PUBSUB_ERRORS):
                 await self._pubsub.unsubscribe(sub.channel)
 
     async def _check_health(self) -> None:
@@ -328,7 +344,7 @@ class Hub:
             if conn is None or not conn.is_connected or self._reconnecting:
                 continue  # the read reconnects
             # Sends only when due; the reply is read (and dropped) by _read.
-            with contextlib.suppress(*REDIS_ERRORS):
+            with contextlib.suppress(*_PUBSUB_ERRORS):
                 await self._pubsub.check_health()
 
     async def _read(self) -> None:
@@ -340,7 +356,7 @@ class Hub:
         while True:
             try:
                 message = await self._pubsub.get_message(timeout=None)
-            except REDIS_ERRORS as exc:
+            except _PUBSUB_ERRORS as exc:
                 if not self._reconnecting:
                     log.warning("token stream connection lost (%s); reconnecting", exc)
                     self._down_since = time.monotonic()
@@ -367,5 +383,5 @@ class Hub:
                 elif sub is None and channel != self._home:
                     # A stream released while the connection was down: its UNSUBSCRIBE never reached
                     # Redis, and the client, reconnecting, subscribed every channel it still had again.
-                    with contextlib.suppress(*REDIS_ERRORS):
+                    with contextlib.suppress(*_PUBSUB_ERRORS):
                         await self._pubsub.unsubscribe(channel)

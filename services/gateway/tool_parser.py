@@ -7,7 +7,8 @@ templates, chosen from the template (``family_of``):
       <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>
 
   SmolLM2's larger models put a JSON list of such objects in one block; both are read.
-- ``mistral``: ``[TOOL_CALLS]`` and then a JSON list of calls to the end of the output.
+- ``mistral``: ``[TOOL_CALLS]`` and then a JSON list of calls; text the model writes after the list stays
+  content.
 - ``llama3_json``: Llama 3.x writes a call as the whole answer, a JSON object with ``name`` and
   ``parameters``, optionally after ``<|python_tag|>``.
 
@@ -153,7 +154,14 @@ class ToolCallStream:
                 end = -1 if closer is None else self._buffer.find(closer)
                 if end < 0:
                     if final:  # unclosed at the end: a call if its JSON is whole, else text
-                        out.extend(self._block_ends(self._buffer[start:], self._buffer))
+                        body, tail = self._buffer[start:], ""
+                        if closer is None:  # the calls' JSON, then whatever the model wrote after it
+                            body, tail = _split_after_value(body)
+                        streamed = bool(self._sent)
+                        pieces = self._block_ends(body, self._buffer)
+                        out.extend(pieces)
+                        if tail and (streamed or any(isinstance(p, CallDelta) for p in pieces)):
+                            out.append(tail)
                         self._buffer, self._in_block = "", False
                     else:
                         out.extend(self._stream(self._buffer[start:]))
@@ -266,6 +274,16 @@ def _scan(body: str) -> list[_Scanned]:
         if not body.startswith(",", i):
             return out
         i = _skip_ws(body, i + 1)
+
+
+def _split_after_value(body: str) -> tuple[str, str]:
+    """``body`` cut after its leading JSON value: (the value, the text after it). No whole value: (body,
+    "")."""
+    i = _skip_ws(body, 0)
+    end = _value_end(body, i) if body.startswith(("[", "{"), i) else None
+    if end is None or not body[end:].strip():
+        return body, ""
+    return body[:end], body[end:]
 
 
 def _skip_ws(text: str, i: int) -> int:

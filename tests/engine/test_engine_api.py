@@ -115,6 +115,13 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     out = llm.generate([[9, 8, 7]], SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]))
     c = out[0].outputs[0]
     assert c.token_ids == toks[: first + 1] and c.finish_reason == "stop" and c.stop_reason == stop_at
+    # The stop token's text is not part of the answer unless asked for, as with a stop string.
+    asked = SamplingParams(
+        temperature=0, max_tokens=10, stop_token_ids=[stop_at], include_stop_str_in_output=True
+    )
+    kept = llm.generate([[9, 8, 7]], asked)[0].outputs[0]
+    assert kept.token_ids == c.token_ids
+    assert kept.text.startswith(c.text) and len(kept.text) > len(c.text)
 
 
 def test_seeded_sampling_is_reproducible_whatever_shares_the_batch(llm: LLM) -> None:

@@ -73,3 +73,18 @@ def test_parallel_tool_calls_false_answers_the_first_call_only() -> None:
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["add"]
     message, _ = chat_message(OUTPUTS["mistral"], "stop", "auto", "mistral")
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["add", "mul"]
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_text_after_a_mistral_list_stays_content_and_the_calls_count(size: int) -> None:
+    text = OUTPUTS["mistral"] + " Done."
+    assert parse_tool_calls(text, "mistral") == ("Sure.  Done.", [ADD, MUL])
+    stream = ToolCallStream("mistral")
+    pieces: list[str | CallDelta] = []
+    for i in range(0, len(text), size):
+        pieces += stream.feed(text[i : i + size], final=i + size >= len(text))
+    assert assemble(pieces) == [ADD, MUL]
+    assert "".join(p for p in pieces if isinstance(p, str)) == "Sure.  Done."
+    # A list that is not calls stays text, all of it.
+    odd = "[TOOL_CALLS][1, 2] and more"
+    assert parse_tool_calls(odd, "mistral") == (odd, [])

@@ -12,6 +12,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -202,3 +203,39 @@ async def test_a_stream_released_while_redis_is_down_is_not_subscribed_again(tmp
             await hub.stop()
             await client.aclose()
             await admin.aclose()
+
+
+async def test_a_subscribe_that_races_the_readers_reconnect_is_tried_again(
+    bench: Bench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SUBSCRIBE that reconnects the pub/sub connection while the hub's reader reconnects it too reads
+    the handshake beside it, and asyncio raises RuntimeError. The race cannot be set up on demand, so the
+    connection's subscribe is made to raise that error (the real one, seen in a Redis restart) once: the
+    subscription still completes and delivers; raised for good, it is a Redis error (503 at the edge)."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    real = bench.hub._pubsub.subscribe
+    raised: list[str] = []
+
+    async def racing(*channels: str) -> Any:
+        if not raised:
+            raised.append(channels[0])
+            raise RuntimeError("read() called while another coroutine is already waiting for incoming data")
+        return await real(*channels)
+
+    monkeypatch.setattr(bench.hub._pubsub, "subscribe", racing)
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    sub = await bench.hub.subscribe(request_id)
+    assert raised == [keys.events(request_id)]
+    await bench.publish(request_id, _deltas(request_id, 1, 3))
+    assert [e.seq for e in await _take(sub.events(30), 3)] == [1, 2, 3]
+    await bench.hub.unsubscribe(sub)
+
+    async def always(*channels: str) -> Any:
+        raise RuntimeError("read() called while another coroutine is already waiting for incoming data")
+
+    monkeypatch.setattr(bench.hub._pubsub, "subscribe", always)
+    failed = f"cmpl-{uuid.uuid4().hex}"
+    with pytest.raises(RedisConnectionError):
+        await bench.hub.subscribe(failed, timeout_s=0.3)
+    assert keys.events(failed) not in bench.hub._subs  # nothing held for it
