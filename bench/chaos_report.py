@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -153,6 +154,19 @@ def _workers_down(stack: Stack, problems: list[str], timeout_s: float = 180.0) -
     return down
 
 
+def _unhandled_errors(stack: Stack, lines: int = 30) -> list[str]:
+    """The tracebacks the gateways logged for the errors they answered 500 (errors.py logs each as
+    "unhandled error"): what a 500 in the report was, without the logs at hand (a CI run's)."""
+    out = []
+    for gateway in stack.gateways:
+        with contextlib.suppress(OSError):
+            text = gateway.log_path.read_text(errors="replace").splitlines()
+            for i, line in enumerate(text):
+                if "unhandled error" in line:
+                    out.append("\n".join(text[i : i + lines]))
+    return out
+
+
 def check(
     stack: Stack, results: list[Result], expected: dict[int, str], faults: list[Fault], slow: SlowSummary
 ) -> Report:
@@ -199,6 +213,8 @@ def check(
         if dup:
             report.duplicated += 1
             report.problems.append(dup)
+    if report.server_errors:
+        report.problems.extend(_unhandled_errors(stack))
     return report
 
 
