@@ -24,7 +24,7 @@ from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
 from engine.platform.cpu import cpu_flags
 from engine.quant.int8 import Int8Weight, int8_linear
-from engine.quant.linear import dequantize_for_step, quant_linear
+from engine.quant.linear import dequantize_for_step, quant_linear, round_activations, rounds_activations
 from engine.quant.stacked import StackedWeight
 from engine.quant.weight import QuantizedWeight
 
@@ -97,6 +97,11 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
             return quant_linear(x, weight, bias)
         # A prefill's many rows are bound by the multiplies, not by reading the weight: dequantising it
         # once for the whole chunk and multiplying in float beats re-expanding blocks per row tile.
+        if isinstance(weight, QuantizedWeight) and rounds_activations(weight, x.device):
+            # The rows as the integer path rounds them (engine/quant/linear.py), in float32.
+            out = F.linear(round_activations(x), dequantize_for_step(weight))
+            out = out.to(x.dtype)
+            return out if bias is None else out + bias
         return F.linear(x, dequantize_for_step(weight).to(x.dtype), bias)
     if weight.dim() == 3:  # column panels (cpu_gemm.pack)
         return cpu_gemm.linear(x, weight, bias)

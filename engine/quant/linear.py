@@ -1,10 +1,12 @@
 """x @ w.T (+ bias) on a weight kept in a GGUF block format, on the kernel the device has.
 
 CPU: the C++ kernels (engine/kernels/cpu/quant_gemm.cpp: AVX-512, AVX2 or portable code, chosen from
-the host) once ``torch.ops.inflight_cpu`` is loaded. Up to ``INT8_ACTIVATION_MAX_ROWS`` rows (a decode
-step) on a CPU with AVX2 or AVX-512 VNNI, the integer path (``quant_linear_int8``: x's rows quantized to
-int8 blocks of 32, integer dot products, llama.cpp's way; ``INFLIGHT_QUANT_INT8_ACTIVATIONS=0`` turns it
-off); more rows, the float32 kernels (the dequantized weight times the unrounded rows). CUDA: the
+the host) once ``torch.ops.inflight_cpu`` is loaded. On a CPU with AVX2 or AVX-512 VNNI x's rows are
+rounded to int8 blocks of 32 (llama.cpp's way; ``INFLIGHT_QUANT_INT8_ACTIVATIONS=0`` keeps them as they
+are) at every row count: up to ``INT8_ACTIVATION_MAX_ROWS`` rows (a decode step) multiplied on the integer
+path (``quant_linear_int8``: integer dot products), more rows by the float32 kernels (the dequantized
+weight times the rounded rows), so the path a step's size picks does not change a row's result beyond
+float32 rounding. CUDA: the
 Triton kernel (engine/kernels/quant_matmul.py). Anywhere else, or where those cannot run: the
 reference, the float32 matmul of the dequantized weight (every row of x at once, so a long prompt pays
 the dequantization once).
@@ -65,11 +67,31 @@ def cpu_int8_dot() -> bool:
     return cpu_kernels_loaded() and int(torch.ops.inflight_cpu.quant_linear_isa()) >= 1
 
 
+def rounds_activations(w: QuantizedWeight, device: torch.device) -> bool:
+    """Whether every product of ``w`` with rows on ``device`` takes the rows rounded to int8 blocks of 32
+    (the integer path's rounding), whatever their number: a CPU with the integer path, a format it serves,
+    ``INFLIGHT_QUANT_INT8_ACTIVATIONS`` on. Past the integer path's row bound the float kernels (or the
+    dequantised weight) multiply the rounded rows (``round_activations``), so that a row's result does not
+    depend on how many rows share its step: a request's greedy tokens stay those of its batch of one, up to
+    float32 rounding as on the float path."""
+    return (
+        device.type == "cpu"
+        and w.format in INT8_ACTIVATION_MAX_ROWS
+        and envs.quant_int8_activations()
+        and cpu_int8_dot()
+    )
+
+
 def int8_activations(rows: int, w: QuantizedWeight) -> bool:
     """Whether ``quant_linear`` multiplies ``rows`` rows of a CPU x by ``w`` on the integer path."""
-    return (
-        rows <= INT8_ACTIVATION_MAX_ROWS.get(w.format, 0) and envs.quant_int8_activations() and cpu_int8_dot()
-    )
+    return rounds_activations(w, torch.device("cpu")) and rows <= INT8_ACTIVATION_MAX_ROWS[w.format]
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x's rows (float32 or bf16, CPU) as the integer path rounds them, in float32: each block of 32
+    values q * d, d = amax / 127 (the C++ kernels' own rounding: the same integers)."""
+    out: torch.Tensor = torch.ops.inflight_cpu.round_rows_int8(x)
+    return out
 
 
 def path_for(device: torch.device) -> Path:
@@ -108,13 +130,16 @@ def quant_linear(
         raise ValueError(f"x is on {x.device}, the weight on {w.device}")
     path = path_for(x.device)
     if path == "cpu":
-        op = (
-            torch.ops.inflight_cpu.quant_linear_int8
-            if int8_activations(x.shape[0], w)
-            else torch.ops.inflight_cpu.quant_linear
-        )
-        out: torch.Tensor = op(x, w.blocks, w.fmt.ggml_type, w.in_features, bias)
-        return out
+        ops = torch.ops.inflight_cpu
+        if not rounds_activations(w, x.device):
+            out: torch.Tensor = ops.quant_linear(x, w.blocks, w.fmt.ggml_type, w.in_features, bias)
+            return out
+        if int8_activations(x.shape[0], w):
+            out = ops.quant_linear_int8(x, w.blocks, w.fmt.ggml_type, w.in_features, bias)
+            return out
+        # More rows than the integer path is fast for: the float kernels, on the rows it would have rounded.
+        out = ops.quant_linear(round_activations(x), w.blocks, w.fmt.ggml_type, w.in_features, bias)
+        return out.to(x.dtype)
     if path == "triton":
         from engine.kernels.quant_matmul import quant_matmul
 

@@ -109,7 +109,7 @@ def test_int8_path_bf16_strided_empty_and_refused() -> None:
 
 
 def test_int8_activations_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off unless asked: the step's row count picks the path, so the default keeps one path per step size."""
+    """Off unless asked: rounding the rows costs accuracy against the float reference."""
     from engine import envs
 
     monkeypatch.delenv("INFLIGHT_QUANT_INT8_ACTIVATIONS", raising=False)
@@ -119,3 +119,44 @@ def test_int8_activations_are_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("INFLIGHT_QUANT_INT8_ACTIVATIONS", "maybe")
     with pytest.raises(ValueError, match="true or false"):
         envs.quant_int8_activations()
+
+
+def test_round_rows_is_the_integer_paths_rounding() -> None:
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(37, 96, generator=gen) * 3
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, zeros back
+    q, d = quantize_rows(x)
+    want = (q.reshape(37, 3, 32) * d[..., None]).reshape(37, 96)
+    from engine.quant.linear import round_activations
+
+    assert torch.equal(round_activations(x), want)
+    assert torch.equal(round_activations(x.bfloat16()), round_activations(x.bfloat16().float()))
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q4_K", "Q6_K"])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With int8 activations on, one row multiplied alone (the integer path) and among 64 (past every
+    row bound: the dequantised weight times the rounded rows) agree to float32 rounding; with them off the
+    64-row product of unrounded rows differs from the integer path by the activation rounding, 100x more."""
+    from engine.layers.kernels import Kernels
+    from engine.layers.linear import Linear
+    from engine.quant.linear import cpu_int8_dot
+
+    if not cpu_int8_dot():
+        pytest.skip("no integer path on this host")
+    gen = torch.Generator().manual_seed(sum(map(ord, name)) + 31)
+    w = random_quantized(name, 48, 2 * FORMATS[name].block_size, gen)
+    layer = Linear(w, Kernels(cpu=True))
+    x = torch.randn(64, w.in_features, generator=gen)
+    monkeypatch.setenv("INFLIGHT_QUANT_INT8_ACTIVATIONS", "1")
+    alone = layer(x[:1])
+    mid = layer(x[:6])[:1]  # between the integer path's bound and the block kernels'
+    among = layer(x)[:1]
+    scale = alone.abs().max()
+    assert float((among - alone).abs().max() / scale) < 1e-5
+    assert float((mid - alone).abs().max() / scale) < 1e-5
+    monkeypatch.setenv("INFLIGHT_QUANT_INT8_ACTIVATIONS", "0")
+    unrounded = layer(x)[:1]
+    assert float((unrounded - alone).abs().max() / scale) > 1e-3

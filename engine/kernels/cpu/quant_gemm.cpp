@@ -386,6 +386,32 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int6
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
+// x's rows as the integer path rounds them (quantize_rows: the same operations, so the same integers),
+// back in float32: q * d per block of 32. A product past the integer path's row bound multiplies these
+// rows, so that what a row's result holds does not depend on how many rows share its step.
+at::Tensor round_rows_int8(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % 32 == 0,
+              "x must be a 2-D CPU tensor with whole blocks of 32 columns");
+  at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t m = xf.size(0), k = xf.size(1), nb = k / 32;
+  at::Tensor out = at::empty({m, k}, xf.options());
+  const float* src = xf.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, m * nb, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* v = src + 32 * b;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float scale = amax / 127.f;
+      const float inv = scale != 0.f ? 1.f / scale : 0.f;
+      for (int i = 0; i < 32; ++i) {
+        dst[32 * b + i] = static_cast<float>(static_cast<int8_t>(std::nearbyint(v[i] * inv))) * scale;
+      }
+    }
+  });
+  return out;
+}
+
 int64_t quant_linear_isa() { return best_isa(); }
 
 }  // namespace
@@ -397,6 +423,7 @@ TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
   // The same product with x's rows quantized to int8 blocks of 32 and integer dot products (3: VNNI).
   m.def("quant_linear_int8(Tensor x, Tensor blocks, int fmt, int in_features, Tensor? bias, int isa=-1) -> Tensor");
   m.def("quant_dequantize(Tensor blocks, int fmt, int in_features, int isa=-1) -> Tensor");
+  m.def("round_rows_int8(Tensor x) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int isa=-1) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("quant_linear_isa() -> int", &quant_linear_isa);
@@ -406,5 +433,6 @@ TORCH_LIBRARY_IMPL(inflight_cpu, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_int8", &quant_linear_int8);
   m.impl("quant_dequantize", &quant_dequantize);
+  m.impl("round_rows_int8", &round_rows_int8);
   m.impl("w8_linear", &w8_linear);
 }
