@@ -270,6 +270,8 @@ def _idle(args: argparse.Namespace) -> dict[str, Any]:
     env = {
         "INFLIGHT_SERVED_MODEL_NAME": "bench",
         "INFLIGHT_MAX_PENDING": str(args.max_pending),
+        # The overload's clients share one key: the admission bound, not the key's, is what is measured.
+        "INFLIGHT_MAX_CONCURRENT_PER_KEY": "100000",
         "INFLIGHT_LOG_LEVEL": "WARNING",
     }
     if args.torch_threads:

@@ -300,6 +300,8 @@ def _stack_runs(
         "INFLIGHT_MAX_PENDING": str(
             10 * max(cfg.num_requests, cfg.num_burst) + 100
         ),  # no 429: the load is the trace
+        # Every client of the trace is one key: its in-flight bound must not refuse the burst either.
+        "INFLIGHT_MAX_CONCURRENT_PER_KEY": str(10 * max(cfg.num_requests, cfg.num_burst) + 100),
         "INFLIGHT_ENGINE_ARGS": json.dumps(cfg.engine_args),
         "INFLIGHT_LOG_LEVEL": "WARNING",
     }

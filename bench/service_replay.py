@@ -182,6 +182,7 @@ def measure_service(
         "INFLIGHT_KAFKA_PARTITIONS": str(partitions),
         "INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS": str(fetch_max_wait_ms),
         "INFLIGHT_MAX_PENDING": str(10 * len(specs) + 100),  # no 429: the trace is the load
+        "INFLIGHT_MAX_CONCURRENT_PER_KEY": str(10 * len(specs) + 100),  # the trace's clients share one key
         "INFLIGHT_FETCH_MAX_WAITING": str(max_waiting),
         "INFLIGHT_ENGINE_ARGS": json.dumps(engine_args),
         "INFLIGHT_TORCH_THREADS": str(threads),
