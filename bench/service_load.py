@@ -87,6 +87,7 @@ class LoadConfig:
     rate: float = 0.0  # requests/s; when set, instead of load x capacity
     gamma_shape: float = 0.25
     seed: int = 0
+    fetch_wait_ms: int = 0  # the stack's fetch wait; 0: the loopback broker's (harness.stack)
 
     @property
     def max_num_seqs(self) -> int:
@@ -307,6 +308,8 @@ def _stack_runs(
     }
     if cfg.threads:
         env["INFLIGHT_TORCH_THREADS"] = str(cfg.threads)
+    if cfg.fetch_wait_ms:
+        env["INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS"] = str(cfg.fetch_wait_ms)
     log_dir = log_dir or Path(tempfile.mkdtemp(prefix="inflight-bench-load-"))
     say("  stack: starting (broker, Redis, one worker, the gateway) ...")
     stack = build_stack(cfg.model, log_dir, tag="bench-load", env=env)

@@ -71,6 +71,13 @@ def add_arguments(p: Any) -> None:
     )
     g.add_argument("--load-output-len", default="8,64", help="output lengths, log-uniform (default 8,64)")
     g.add_argument("--load-seed", type=int, default=0)
+    g.add_argument(
+        "--load-fetch-wait-ms",
+        type=int,
+        default=0,
+        help="the worker's INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS on the stack (default 0: the loopback broker's "
+        "5 ms); what a longer long poll saves in CPU (tansu answers late in the wait, so not its latency)",
+    )
 
 
 def config_from_args(args: Any) -> LoadConfig:
@@ -91,4 +98,5 @@ def config_from_args(args: Any) -> LoadConfig:
         rate=args.load_rate,
         gamma_shape=args.load_gamma_shape,
         seed=args.load_seed,
+        fetch_wait_ms=args.load_fetch_wait_ms,
     )

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # harness/ and engine/ from the checkout
 
 from harness.servers import ServerProcess, free_port, start_kafka, start_redis  # noqa: E402
-from harness.stack import ServiceProcess, wait_ready  # noqa: E402
+from harness.stack import TANSU_FETCH_WAIT_MS, ServiceProcess, wait_ready  # noqa: E402
 
 UID = "10001:10001"
 TMP_SIZE = "256m"  # the chart's /tmp emptyDir sizeLimit
@@ -240,6 +240,7 @@ def run(tag: str, model: str, work: Path) -> None:
         common = {
             "INFLIGHT_KAFKA_BOOTSTRAP": kafka.address,
             "INFLIGHT_KAFKA_IDEMPOTENCE": "false",  # tansu has no idempotent producer
+            "INFLIGHT_KAFKA_FETCH_MAX_WAIT_MS": str(TANSU_FETCH_WAIT_MS),
             "INFLIGHT_REDIS_URL": redis.url,
             "INFLIGHT_BIND_HOST": "127.0.0.1",
             "INFLIGHT_MODEL": model_path,

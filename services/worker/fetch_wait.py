@@ -1,14 +1,14 @@
-"""How long the worker's fetches wait at the broker: short while it has work, long once it has been idle.
+"""How long the worker's fetches wait at the broker: a bounded long poll while it has work, a longer one
+once it has been idle.
 
-A fetch asks the broker to hold the request until data arrives or ``fetch_max_wait`` passes. While
-requests run, a short wait (``kafka_fetch_max_wait_ms``, 5 ms) keeps a new arrival's pick-up quick on
-every broker, the tansu test broker included (it answers late in the wait). An idle worker has nothing
-to gain from that: at 5 ms it would wake 200 times a second to hear "nothing", costing CPU in the worker
-and the broker. After ``IDLE_AFTER_S`` with no run in flight and nothing fetched, fetches wait
-``kafka_idle_fetch_wait_ms`` instead; Apache Kafka answers such a long poll as soon as a message
-arrives, so the first request after a quiet spell is not delayed by it, and the next fetch is short again.
+A fetch asks the broker to hold the request until data arrives or ``fetch_max_wait`` passes. Apache Kafka
+answers as soon as a message arrives, so the wait costs a new arrival nothing and only spaces out the
+fetches that find nothing: while requests run the worker waits ``kafka_fetch_max_wait_ms`` (100 ms by
+default; the loopback tansu broker, which answers late in the wait, runs with 5). After
+``IDLE_AFTER_S`` with no run in flight and nothing fetched, fetches wait ``kafka_idle_fetch_wait_ms``
+instead, and the next fetch that finds a record is short again.
 
-    busy (runs or records)  ->  5 ms  ... idle 2 s ...  ->  500 ms  ... a record arrives ...  ->  5 ms
+    busy (runs or records)  ->  100 ms  ... idle 2 s ...  ->  500 ms  ... a record arrives ...  ->  100 ms
 """
 
 from __future__ import annotations

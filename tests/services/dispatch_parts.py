@@ -10,6 +10,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from harness.servers import ServerProcess
+from harness.stack import TANSU_FETCH_WAIT_MS
 from services.common.kafka import ensure_topic
 from services.common.settings import Settings
 from services.common.store import Store
@@ -28,6 +29,7 @@ async def dispatcher_parts(
         kafka_topic=f"inflight.{name}.{uuid.uuid4().hex[:8]}",
         kafka_idempotence=False,
         kafka_partitions=1,
+        kafka_fetch_max_wait_ms=TANSU_FETCH_WAIT_MS,
         redis_url=redis_server.url,
         redis_password=REDIS_PASSWORD,
         **settings,

@@ -16,6 +16,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.structs import TopicPartition
 
 from harness.servers import ServerProcess, start_kafka
+from harness.stack import TANSU_FETCH_WAIT_MS
 from services.common.kafka import log_holds, make_consumer, make_probe
 from services.common.settings import Settings
 from services.worker.commits import Committer
@@ -37,7 +38,7 @@ async def _batch(producer: AIOKafkaProducer, topic: str, keys: list[bytes]) -> l
 
 
 async def test_a_message_behind_a_batch_is_still_in_the_log(broker: ServerProcess) -> None:
-    settings = Settings(kafka_bootstrap=broker.address)
+    settings = Settings(kafka_bootstrap=broker.address, kafka_fetch_max_wait_ms=TANSU_FETCH_WAIT_MS)
     tp = TopicPartition("batches", 0)
     producer = AIOKafkaProducer(bootstrap_servers=broker.address, enable_idempotence=False)
     probe = make_probe(settings)
@@ -59,7 +60,11 @@ async def test_a_message_behind_a_batch_is_still_in_the_log(broker: ServerProces
 
 
 async def test_the_worker_commits_past_a_batch_but_not_past_a_lost_log(broker: ServerProcess) -> None:
-    settings = Settings(kafka_bootstrap=broker.address, kafka_consumer_group="commits")
+    settings = Settings(
+        kafka_bootstrap=broker.address,
+        kafka_fetch_max_wait_ms=TANSU_FETCH_WAIT_MS,
+        kafka_consumer_group="commits",
+    )
     tp = TopicPartition("commits", 0)
     producer = AIOKafkaProducer(bootstrap_servers=broker.address, enable_idempotence=False)
     await producer.start()
@@ -97,7 +102,11 @@ async def test_a_stopped_consumer_ends_the_fetch_task_instead_of_failing(broker:
     the supervisor to restart and log as an error)."""
     from services.worker.intake import Intake
 
-    settings = Settings(kafka_bootstrap=broker.address, kafka_consumer_group="stopped")
+    settings = Settings(
+        kafka_bootstrap=broker.address,
+        kafka_fetch_max_wait_ms=TANSU_FETCH_WAIT_MS,
+        kafka_consumer_group="stopped",
+    )
     consumer = make_consumer(settings)
     await consumer.start()
     await consumer.stop()

@@ -12,6 +12,7 @@ import openai
 import pytest
 from aiokafka.structs import TopicPartition
 
+from harness.stack import TANSU_FETCH_WAIT_MS
 from services.common.kafka import make_probe
 from services.common.settings import Settings
 from tests.services.stack import MODEL_NAME, Stack, wait_for
@@ -189,7 +190,9 @@ def _topic_ends(stack: Stack) -> dict[int, int]:
     """The end offset of each partition of the stack's request topic: what the gateway has produced."""
 
     async def ends() -> dict[int, int]:
-        probe = make_probe(Settings(kafka_bootstrap=stack.kafka.address))
+        probe = make_probe(
+            Settings(kafka_bootstrap=stack.kafka.address, kafka_fetch_max_wait_ms=TANSU_FETCH_WAIT_MS)
+        )
         await probe.start()
         try:
             topic = stack.env["INFLIGHT_KAFKA_TOPIC"]
