@@ -69,8 +69,9 @@ class Settings:
     # late in the wait instead: those set 5.
     kafka_fetch_max_wait_ms: int = 100
     # A worker with no request in flight and nothing fetched for 2 s waits this long per fetch instead
-    # (a long poll), so an idle worker stops waking 200 times a second; Apache Kafka answers it as soon as
-    # a message arrives (tansu, the test broker, within a fraction of it). 0: always kafka_fetch_max_wait_ms.
+    # (a long poll), so an idle worker stops waking at the busy wait's pace (10 times a second; 200 on the
+    # tests' tansu at 5 ms); Apache Kafka answers it as soon as a message arrives (tansu within a fraction
+    # of it). 0: always kafka_fetch_max_wait_ms.
     kafka_idle_fetch_wait_ms: int = 500
     # How long the group waits for a silent worker before its partitions go to the others: with
     # lease_ttl_s, what a SIGKILLed worker's requests wait until another worker resumes them (about this
