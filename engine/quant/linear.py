@@ -1,12 +1,12 @@
 """x @ w.T (+ bias) on a weight kept in a GGUF block format, on the kernel the device has.
 
 CPU: the C++ kernels (engine/kernels/cpu/quant_gemm.cpp: AVX-512, AVX2 or portable code, chosen from
-the host) once ``torch.ops.inflight_cpu`` is loaded. On a CPU with AVX2 or AVX-512 VNNI x's rows are
-rounded to int8 blocks of 32 (llama.cpp's way; ``INFLIGHT_QUANT_INT8_ACTIVATIONS=0`` keeps them as they
-are) at every row count: up to ``INT8_ACTIVATION_MAX_ROWS`` rows (a decode step) multiplied on the integer
-path (``quant_linear_int8``: integer dot products), more rows by the float32 kernels (the dequantized
-weight times the rounded rows), so the path a step's size picks does not change a row's result beyond
-float32 rounding. CUDA: the
+the host) once ``torch.ops.inflight_cpu`` is loaded, on x's rows as they are. With
+``INFLIGHT_QUANT_INT8_ACTIVATIONS=1``, on a CPU with AVX2 or AVX-512 VNNI, x's rows are rounded to int8
+blocks of 32 (llama.cpp's way) at every row count (``rounds_activations``): up to
+``INT8_ACTIVATION_MAX_ROWS`` rows (a decode step) multiplied on the integer path (``quant_linear_int8``:
+integer dot products), more rows by the float32 kernels (the dequantized weight times the rounded rows),
+so the path a step's size picks does not change a row's result beyond float32 rounding. CUDA: the
 Triton kernel (engine/kernels/quant_matmul.py). Anywhere else, or where those cannot run: the
 reference, the float32 matmul of the dequantized weight (every row of x at once, so a long prompt pays
 the dequantization once).
@@ -82,11 +82,6 @@ def rounds_activations(w: QuantizedWeight, device: torch.device) -> bool:
     )
 
 
-def int8_activations(rows: int, w: QuantizedWeight) -> bool:
-    """Whether ``quant_linear`` multiplies ``rows`` rows of a CPU x by ``w`` on the integer path."""
-    return rounds_activations(w, torch.device("cpu")) and rows <= INT8_ACTIVATION_MAX_ROWS[w.format]
-
-
 def round_activations(x: torch.Tensor) -> torch.Tensor:
     """x's rows (float32 or bf16, CPU) as the integer path rounds them, in float32: each block of 32
     values q * d, d = amax / 127 (the C++ kernels' own rounding: the same integers)."""
@@ -134,7 +129,7 @@ def quant_linear(
         if not rounds_activations(w, x.device):
             out: torch.Tensor = ops.quant_linear(x, w.blocks, w.fmt.ggml_type, w.in_features, bias)
             return out
-        if int8_activations(x.shape[0], w):
+        if x.shape[0] <= INT8_ACTIVATION_MAX_ROWS[w.format]:
             out = ops.quant_linear_int8(x, w.blocks, w.fmt.ggml_type, w.in_features, bias)
             return out
         # More rows than the integer path is fast for: the float kernels, on the rows it would have rounded.
