@@ -62,11 +62,11 @@ class Settings:
     # Kafka's own default, a week, keeps every prompt six days longer than anything reads it.
     kafka_retention_ms: int = 86_400_000
     # How long the broker may hold a worker's fetch that finds nothing (a long poll). Apache Kafka answers
-    # as soon as a message arrives, so a longer wait costs no latency and saves the empty fetches: at
-    # 12 requests a second a 5 ms wait had each request cost the worker 22 ms and the broker 9 ms of CPU,
-    # 100 ms 16 and 2. It also bounds how long a partition the worker resumes (its engine had no room)
-    # waits for the fetch in flight. tansu, the loopback broker of the tests and `inflight dev`, answers
-    # late in the wait instead: those set 5.
+    # as soon as a message arrives, so a longer wait costs no latency and saves the empty fetches (about
+    # a third of a busy worker's CPU at 5 ms: docs/benchmarks.md, "The worker's fetch wait"). It also
+    # bounds how long a partition the worker resumes (its engine had no room) waits for the fetch in
+    # flight. tansu, the loopback broker of the tests and `inflight dev`, answers late in the wait
+    # instead: those set 5.
     kafka_fetch_max_wait_ms: int = 100
     # A worker with no request in flight and nothing fetched for 2 s waits this long per fetch instead
     # (a long poll), so an idle worker stops waking at the busy wait's pace (10 times a second; 200 on the
