@@ -20,6 +20,7 @@ from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.models.gguf import default_gguf_path, local_checkpoint, short_name
 from engine.tokenizer import load_tokenizer
+from tests.engine.hf_gguf import hf_model_and_tokenizer
 
 GGUF = default_gguf_path()
 pytestmark = [
@@ -57,12 +58,8 @@ def llm(gguf_home: Path) -> LLM:
 
 @lru_cache(maxsize=1)
 def _hf():  # type: ignore[no-untyped-def]
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     assert GGUF is not None
-    model = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32)
-    model.eval()
-    return model, AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    return hf_model_and_tokenizer(GGUF)
 
 
 def _hf_greedy(prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -16,6 +16,7 @@ from engine.models.gguf import build_tokenizer, default_gguf_path
 from engine.quant import QuantizedWeight
 from engine.quant.gguf_weights import Weight, read_gguf_weights
 from engine.quant.perplexity import LlamaShape, perplexity_of_ids
+from tests.engine.hf_gguf import hf_model
 
 GGUF = default_gguf_path()
 TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity.txt"
@@ -28,7 +29,6 @@ pytestmark = [
 
 def test_quantized_perplexity_equals_float_and_hf_transformers() -> None:
     from gguf import GGUFReader
-    from transformers import AutoModelForCausalLM
 
     assert GGUF is not None
     reader = GGUFReader(str(GGUF))
@@ -45,7 +45,7 @@ def test_quantized_perplexity_equals_float_and_hf_transformers() -> None:
     assert 1 < quantized < 100
     assert abs(quantized - dequantized) / dequantized < 1e-5, (quantized, dequantized)
 
-    model = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32)
+    model = hf_model(GGUF)
     with torch.inference_mode():
         logits = model(input_ids=ids[None]).logits[0]
     hf = math.exp(float(F.cross_entropy(logits[:-1], ids[1:])))
