@@ -1,12 +1,14 @@
 """``python -m bench batch-interference``: what a running batch costs interactive traffic.
 
-On a loopback stack (tansu, Redis, one gateway, one worker), the same interactive load runs twice:
-alone, then while a batch of ``--lines`` requests (the OpenAI Batch API, 1,000 by default) runs. Each
+On a loopback stack (tansu, Redis, one gateway, one worker), the same interactive load runs twice in
+each of ``--rounds`` rounds: alone, then while a batch of ``--lines`` requests (the OpenAI Batch API,
+1,000 by default) runs, which finishes before the next round. Each
 interactive request is a streamed completion sent one at a time, ``--interval-s`` apart; its TTFT is
 taken at the client (request sent to first text chunk). Reported, as JSON under ``--out``:
 
-    interactive TTFT p50 / p99 without and with the batch, and their ratio (target: p99 within 1.2x)
-    the batch's completion time (create to "completed") and its request_counts
+    interactive TTFT p50 / p99 without and with the batch, and their ratio (target: p99 within 1.2x),
+    over every round's requests together, and each round's own ratio with the median of them
+    each round's batch: its completion time (create to "completed") and its request_counts
     where each interactive request's time to its first token went in each phase (the stages of
     ``python -m bench service``: gateway, queue and claim, worker to first token, delivery)
     the cores each process group kept busy in each phase (gateway, worker, engine core, broker, Redis,
@@ -53,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--interactive", type=int, default=50, help="interactive requests per phase (default 50)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per interactive request (default 8)")
     p.add_argument("--interval-s", type=float, default=0.2, help="gap between interactive requests")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alone-then-beside rounds, each with a batch of its own (default 1); the figures pool every "
+        "round's requests, and each round's p99 ratio is kept with their median",
+    )
     p.add_argument("--torch-threads", type=int, default=None, help="the worker's torch threads")
     p.add_argument(
         "--batch-max-queued",
@@ -114,6 +123,32 @@ def _batch_file(lines: int, max_tokens: int) -> bytes:
     return ("\n".join(rows) + "\n").encode()
 
 
+def _phase_cores(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Each process group's cores, averaged over the rounds' phases."""
+    return {k: round(statistics.fmean(c[k] for c in samples), 3) for k in samples[0]}
+
+
+def _batch_round(client: openai.OpenAI, args: argparse.Namespace) -> tuple[Any, float]:
+    """Create a batch, wait until it has begun, and return it with its start time."""
+    upload = client.files.create(
+        file=("batch.jsonl", io.BytesIO(_batch_file(args.lines, args.batch_max_tokens))), purpose="batch"
+    )
+    started = time.perf_counter()
+    batch = client.batches.create(
+        input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
+    )
+    time.sleep(2.0)  # the batch's first rounds: its lines are queued and running
+    return batch, started
+
+
+def _finished(client: openai.OpenAI, batch_id: str) -> Any:
+    while True:
+        state = client.batches.retrieve(batch_id)
+        if state.status in ("completed", "failed", "cancelled", "expired"):
+            return state
+        time.sleep(1.0)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     env = {"INFLIGHT_SERVED_MODEL_NAME": MODEL, "INFLIGHT_LOG_LEVEL": "WARNING"}
     if args.torch_threads:
@@ -126,65 +161,71 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tag="bench-batch",
         env=env,
     )
+    alone: list[Streamed] = []
+    beside: list[Streamed] = []
+    rounds: list[dict[str, Any]] = []
+    cores: dict[str, list[dict[str, float]]] = {"without_batch": [], "with_batch": []}
     try:
         client = openai.OpenAI(
             base_url=f"{stack.gateways[0].url}/v1", api_key="bench", max_retries=0, timeout=120
         )
         _ttfts(client, 3, args.max_tokens, 0.0)  # warm-up: first requests compile and fill caches
         groups = stack_processes(stack)
-        print(f"interactive alone: {args.interactive} requests ...", flush=True)
-        meter = CpuMeter(groups)
-        alone = _ttfts(client, args.interactive, args.max_tokens, args.interval_s)
-        cores_alone = meter.cores()
-        upload = client.files.create(
-            file=("batch.jsonl", io.BytesIO(_batch_file(args.lines, args.batch_max_tokens))), purpose="batch"
-        )
-        started = time.perf_counter()
-        batch = client.batches.create(
-            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h"
-        )
-        time.sleep(2.0)  # the batch's first rounds: its lines are queued and running
-        print(f"interactive with a {args.lines}-line batch running ...", flush=True)
-        meter = CpuMeter(groups)
-        beside = _ttfts(client, args.interactive, args.max_tokens, args.interval_s)
-        cores_beside = meter.cores()
-        running_throughout = client.batches.retrieve(batch.id).status == "in_progress"
+        for n in range(args.rounds):
+            # Alone, then beside a batch, in every round: drift of the host over the run shows in both.
+            tag = f"round {n + 1}/{args.rounds}:"
+            print(f"{tag} interactive alone, {args.interactive} requests ...", flush=True)
+            meter = CpuMeter(groups)
+            round_alone = _ttfts(client, args.interactive, args.max_tokens, args.interval_s)
+            cores["without_batch"].append(meter.cores())
+            batch, started = _batch_round(client, args)
+            print(f"{tag} interactive beside a {args.lines}-line batch ...", flush=True)
+            meter = CpuMeter(groups)
+            round_beside = _ttfts(client, args.interactive, args.max_tokens, args.interval_s)
+            cores["with_batch"].append(meter.cores())
+            running_throughout = client.batches.retrieve(batch.id).status == "in_progress"
+            print(f"{tag} waiting for the batch to complete ...", flush=True)
+            state = _finished(client, batch.id)
+            counts = state.request_counts
+            without, with_batch = _summary(round_alone), _summary(round_beside)
+            rounds.append(
+                {
+                    "interactive_without_batch": without,
+                    "interactive_with_batch": with_batch,
+                    "p99_ratio": round(with_batch["p99_ms"] / without["p99_ms"], 3),
+                    "batch": {
+                        "status": state.status,
+                        "completion_s": round(time.perf_counter() - started, 2),
+                        "request_counts": None if counts is None else counts.model_dump(),
+                        "running_throughout": running_throughout,
+                    },
+                }
+            )
+            alone += round_alone
+            beside += round_beside
         redis = stack.redis_client()
         stage_ms = {
             "without_batch": stages(alone, records(redis, keys, alone)),
             "with_batch": stages(beside, records(redis, keys, beside)),
         }
-        print("waiting for the batch to complete ...", flush=True)
-        while True:
-            state = client.batches.retrieve(batch.id)
-            if state.status in ("completed", "failed", "cancelled", "expired"):
-                break
-            time.sleep(1.0)
-        completion_s = time.perf_counter() - started
     finally:
         stack.close()
     without, with_batch = _summary(alone), _summary(beside)
-    counts = state.request_counts
     return {
         "model": args.model,
         "lines": args.lines,
+        "rounds": args.rounds,
         "batch_max_tokens": args.batch_max_tokens,
         "batch_max_queued": args.batch_max_queued,
         "interactive_max_tokens": args.max_tokens,
+        # Every round's requests together: the p99 of rounds x --interactive samples per phase.
         "interactive_without_batch": without,
         "interactive_with_batch": with_batch,
         "p99_ratio": round(with_batch["p99_ms"] / without["p99_ms"], 3) if without["p99_ms"] else None,
+        "p99_ratio_median_of_rounds": round(statistics.median(r["p99_ratio"] for r in rounds), 3),
+        "per_round": rounds,
         "stages": stage_ms,
-        "cpu_cores": {
-            "without_batch": {k: round(v, 3) for k, v in cores_alone.items()},
-            "with_batch": {k: round(v, 3) for k, v in cores_beside.items()},
-        },
-        "batch": {
-            "status": state.status,
-            "completion_s": round(completion_s, 2),
-            "request_counts": None if counts is None else counts.model_dump(),
-            "running_throughout": running_throughout,
-        },
+        "cpu_cores": {phase: _phase_cores(samples) for phase, samples in cores.items()},
     }
 
 

@@ -4,7 +4,8 @@ CPU is pytest's own (RUSAGE_SELF) plus that of its reaped children (RUSAGE_CHILD
 engine cores and fresh interpreters the tests start are children, counted once they are stopped and
 reaped. A child a fixture keeps alive past its file (a session stack) is counted in the file that
 stops it. On a 2-core host the suite is CPU-bound, so CPU seconds, not wall seconds, say where a cut
-pays. `INFLIGHT_CPU_REPORT_TOP` sets how many files the summary lists (default 40).
+pays. `INFLIGHT_CPU_REPORT_TOP` sets how many files the summary lists (default 40). Under pytest-xdist
+each worker measures its own files and hands them to the controller as it exits, which prints the sum.
 """
 
 from __future__ import annotations
@@ -39,6 +40,22 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     _wall[path] += time.monotonic() - wall0
     _cpu[path] += _cpu_now() - cpu0
     _tests[path] += 1
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # An xdist worker: what it measured goes back to the controller with the worker's own output.
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["cpu_report"] = {path: (_wall[path], _cpu[path], _tests[path]) for path in _wall}
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_testnodedown(node: object, error: object) -> None:
+    measured = getattr(node, "workeroutput", {}).get("cpu_report", {})
+    for path, (wall, cpu, tests) in measured.items():
+        _wall[path] += wall
+        _cpu[path] += cpu
+        _tests[path] += tests
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
