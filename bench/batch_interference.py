@@ -10,7 +10,9 @@ taken at the client (request sent to first text chunk). Reported, as JSON under 
     over every round's requests together, and each round's own ratio with the median of them
     each round's batch: its completion time (create to "completed") and its request_counts
     where each interactive request's time to its first token went in each phase (the stages of
-    ``python -m bench service``: gateway, queue and claim, worker to first token, delivery)
+    ``python -m bench service``: gateway, queue and claim, worker to first token, delivery; the
+    worker's stage split at the engine core's arrival and first token), and the five slowest requests'
+    own stages
     the cores each process group kept busy in each phase (gateway, worker, engine core, broker, Redis,
     this client, the rest of the host): where the interactive request's way in competes with the batch
     whether the batch was still running when the last interactive request finished (else the "with"
@@ -34,7 +36,7 @@ import openai
 
 from bench.process_cpu import CpuMeter, stack_processes
 from bench.results import write_json
-from bench.service_load import records, stages
+from bench.service_load import records, slowest, stages
 from bench.service_load_args import resolve_model
 from bench.service_replay import Streamed
 from harness.stack import build_stack
@@ -204,10 +206,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             alone += round_alone
             beside += round_beside
         redis = stack.redis_client()
-        stage_ms = {
-            "without_batch": stages(alone, records(redis, keys, alone)),
-            "with_batch": stages(beside, records(redis, keys, beside)),
-        }
+        by_phase = {"without_batch": alone, "with_batch": beside}
+        recs = {phase: records(redis, keys, group) for phase, group in by_phase.items()}
+        stage_ms = {phase: stages(group, recs[phase]) for phase, group in by_phase.items()}
+        slow = {phase: slowest(group, recs[phase]) for phase, group in by_phase.items()}
     finally:
         stack.close()
     without, with_batch = _summary(alone), _summary(beside)
@@ -225,6 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "p99_ratio_median_of_rounds": round(statistics.median(r["p99_ratio"] for r in rounds), 3),
         "per_round": rounds,
         "stages": stage_ms,
+        "slowest_requests": slow,
         "cpu_cores": {phase: _phase_cores(samples) for phase, samples in cores.items()},
     }
 

@@ -69,6 +69,13 @@ STAGES = (
     "worker fetch -> first token",
     "first token -> client",
 )
+# The worker's stage in three: its fetch to the engine core's arrival, the core's arrival to its first
+# token (queue and first step), and the first token's way back to the worker's stream.
+WORKER_PARTS = (
+    "  worker fetch -> engine core",
+    "  engine core -> first token",
+    "  engine core -> worker",
+)
 
 
 @dataclass(frozen=True)
@@ -200,32 +207,44 @@ def saturation_figures(
     }
 
 
+def breakdown(s: Streamed, rec: dict[str, str]) -> dict[str, float] | None:
+    """One request's TTFT at the client and its stages (seconds): STAGES where its record has every
+    stamp, WORKER_PARTS too where it has the engine core's; None without the stamps."""
+    if s.sent_wall is None or s.first_wall is None or not {"created", "started", "ttft_worker_s"} <= set(rec):
+        return None
+    created, started, worker_ttft = float(rec["created"]), float(rec["started"]), float(rec["ttft_worker_s"])
+    values = (created - s.sent_wall, started - created, worker_ttft, s.first_wall - started - worker_ttft)
+    out = {"ttft": s.first_wall - s.sent_wall, **dict(zip(STAGES, values, strict=True))}
+    if {"engine_arrival_s", "ttft_engine_s"} <= set(rec):
+        to_core, in_core = float(rec["engine_arrival_s"]), float(rec["ttft_engine_s"])
+        parts = (to_core, in_core, worker_ttft - to_core - in_core)
+        out.update(zip(WORKER_PARTS, parts, strict=True))
+    return out
+
+
 def stages(streamed: Sequence[Streamed], records: dict[str, dict[str, str]]) -> dict[str, dict[str, float]]:
-    """Median and p99 (ms) of each stage of STAGES, over the requests whose record has every stamp."""
-    values: dict[str, list[float]] = {name: [] for name in STAGES}
+    """Median and p99 (ms) of each stage of STAGES, over the requests whose record has every stamp, and of
+    each part of the worker's stage (WORKER_PARTS) where the record has the engine core's stamps too."""
+    values: dict[str, list[float]] = {name: [] for name in (*STAGES, *WORKER_PARTS)}
     for s in streamed:
-        rec = records.get(s.request_id, {})
-        if (
-            s.sent_wall is None
-            or s.first_wall is None
-            or not {"created", "started", "ttft_worker_s"} <= set(rec)
-        ):
-            continue
-        created, started, worker_ttft = (
-            float(rec["created"]),
-            float(rec["started"]),
-            float(rec["ttft_worker_s"]),
-        )
-        for name, value in zip(
-            STAGES,
-            (created - s.sent_wall, started - created, worker_ttft, s.first_wall - started - worker_ttft),
-            strict=True,
-        ):
-            values[name].append(value)
+        for name, value in (breakdown(s, records.get(s.request_id, {})) or {}).items():
+            if name in values:
+                values[name].append(value)
     return {
         name: {"p50_ms": 1e3 * percentile(v, 50), "p99_ms": 1e3 * percentile(v, 99), "count": len(v)}
         for name, v in values.items()
+        if v or name in STAGES
     }
+
+
+def slowest(
+    streamed: Sequence[Streamed], records: dict[str, dict[str, str]], k: int = 5
+) -> list[dict[str, float]]:
+    """The ``k`` requests with the longest TTFT, each with its stages (ms): whether a tail comes from one
+    stage or from every process at once."""
+    rows = [b for s in streamed if (b := breakdown(s, records.get(s.request_id, {}))) is not None]
+    rows.sort(key=lambda b: b["ttft"], reverse=True)
+    return [{f"{name.strip()} ms": round(1e3 * v, 2) for name, v in b.items()} for b in rows[:k]]
 
 
 def judge(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -416,7 +435,9 @@ def report(result: dict[str, Any]) -> str:
     lines.append(_row("run tok/s", e["run_output_tok_s"], s["run_output_tok_s"]))
     lines.append("stages of the stack's TTFT, ms (p50 / p99):")
     lines.append(f"  {'':<32}" + "".join(f"{n:>16}" for n in (*TRACES, "saturation")))
-    for stage in STAGES:
+    for stage in (*STAGES, *WORKER_PARTS):
+        if any(stage not in stk[n]["stages"] for n in (*TRACES, "burst")):
+            continue
         cells = [stk[n]["stages"][stage] for n in (*TRACES, "burst")]
         lines.append(f"  {stage:<32}" + "".join(f"{c['p50_ms']:>8.1f} /{c['p99_ms']:>6.1f}" for c in cells))
     lines.append("cores busy (CPU seconds per second of the run):")

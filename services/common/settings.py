@@ -200,9 +200,10 @@ class Settings:
     # because Redis holds every file in memory until it expires (a day or two after its batch).
     max_file_bytes: int = 64 * 1024 * 1024
     max_file_lines: int = 50_000  # The lines (requests) of one batch file, as OpenAI bounds them.
-    # A batch's lines submitted and not yet taken by a worker: the batch tops this up each round (about
-    # once a second) instead of filling the queue, so an interactive request waits behind at most this
-    # many batch lines in the broker; lines a worker has taken wait in its engine behind interactive ones.
+    # A batch's lines submitted and not yet taken by a worker: the batch tops this up each round instead
+    # of filling the queue, so an interactive request waits behind at most this many batch lines in the
+    # broker; lines a worker has taken wait in its engine behind interactive ones. Also the batch's pace:
+    # at most this many lines a second, a few a round (services/gateway/batches.py, ``pace_credit``).
     # 16: one worker's fetch bound (INFLIGHT_FETCH_MAX_WAITING), enough to keep its engine fed.
     batch_max_queued: int = 16
     # ---- worker -----------------------------------------------------------------------------

@@ -6,8 +6,8 @@ POST /v1/batches/{id}/cancel  stops submitting, cancels its unfinished jobs; "ca
 GET  /v1/batches              a key's batches, newest first (``limit``, ``after``)
 
 A batch takes one slot of its key's job quota (INFLIGHT_MAX_JOBS_PER_KEY), however many lines it has.
-Each gateway sweeps the active batches once a second (started by its first batch request), and any
-batch request advances that batch at once.
+Each gateway sweeps the active batches five times a second (started by its first batch request), and
+any batch request advances that batch at once; batches.py paces how many lines a round submits.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from services.gateway.batch_lines import encode_index, index_key, line_starts
 from services.gateway.batches import (
     ENDPOINTS,
     FINISHED,
+    SWEEP_S,
     active_key,
     advance,
     batch_key,
@@ -44,7 +45,6 @@ from services.gateway.state import Gateway, gateway, job_quota, owner_of, quota_
 
 log = logging.getLogger(__name__)
 router = APIRouter()
-_SWEEP_S = 1.0
 
 
 class BatchRequest(BaseModel):
@@ -63,7 +63,7 @@ def _sweeping(request: Request, gw: Gateway) -> None:
 
     async def sweep() -> None:
         while True:
-            await asyncio.sleep(_SWEEP_S)
+            await asyncio.sleep(SWEEP_S)
             try:
                 for batch_id in await gw.store.client.smembers(active_key(gw)):
                     await advance(gw, str(batch_id))

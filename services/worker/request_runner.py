@@ -241,6 +241,9 @@ class Runner:
                     run.prompt_logprobs = prompt_logprobs_json(out.prompt_logprobs)
                 if out.metrics is not None:  # the finished request's record: its prefix-cache hit
                     run.cached_tokens = min(out.metrics.num_cached_tokens, len(run.prompt_token_ids))
+                    if run.engine_arrival is None:  # n > 1 may run as several engine requests: the first
+                        run.engine_arrival = out.metrics.arrival
+                        run.engine_first_token = out.metrics.first_token
                 if out.error_param is not None:  # the input's fault (a grammar that did not compile): a 400
                     run.state.blame("invalid_request", out.error_param)
                 if run.stopping and not out.finished:
@@ -365,6 +368,9 @@ class Runner:
         }
         if run.first_token is not None:
             fields["ttft_worker_s"] = round(run.first_token - run.started, 6)
+        if run.engine_arrival is not None and run.engine_first_token is not None:
+            fields["engine_arrival_s"] = round(run.engine_arrival - run.started, 6)
+            fields["ttft_engine_s"] = round(run.engine_first_token - run.engine_arrival, 6)
         if final.error:
             fields["error"] = final.error
             fields["code"] = final.code or ""

@@ -131,6 +131,10 @@ class Run:
     started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     cached_tokens: int = 0  # prompt tokens the engine found in its prefix cache (usage)
+    # When the engine core took it and sampled its first token (time.monotonic, one clock for every
+    # process of the host): the record's split of the worker's time to a first token.
+    engine_arrival: float | None = None
+    engine_first_token: float | None = None
     # SamplingParams.prompt_logprobs: the prompt's, in vLLM's response shape (wire.prompt_logprobs_json).
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
     log_full: bool = False  # its log reached INFLIGHT_MAX_LOG_BYTES: failed, its engine request aborted
