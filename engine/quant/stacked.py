@@ -10,7 +10,7 @@ by side, which is the fused product's output exactly (rows of a linear's weight 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,3 +72,12 @@ def _shape(p: Part) -> tuple[int, int]:
             raise ValueError(f"a float part must be [out, in], got {list(p.shape)}")
         return int(p.shape[0]), int(p.shape[1])
     return p.out_features, p.in_features
+
+
+def any_kept_quantized(weights: Iterable[object]) -> bool:
+    """Whether any of ``weights`` is kept quantized (GGUF blocks, int8, or such parts stacked). The
+    engine then pads no rows to oneDNN's tiles (engine/models/row_padding.py): the quantized kernels'
+    time grows with every row, so a decode step of one sequence padded to 16 rows cost about 4x its
+    unpadded time (SmolLM2's Q4_1, bf16, one thread, a 2-core Xeon with AMX: 10 tokens a second
+    against 39), which the few float layers left to oneDNN do not win back."""
+    return any(isinstance(w, QuantizedWeight | Int8Weight | StackedWeight) for w in weights)

@@ -25,6 +25,7 @@ from engine.models import cpu_gemm, onednn
 from engine.models.decoder import DecoderModel
 from engine.models.loader import load_weights
 from engine.platform import memory
+from engine.quant.stacked import any_kept_quantized
 from engine.runner.cuda_graph import GraphedDecode
 from engine.runner.input_batch import CachedRequestState, InputBatch
 from engine.runner.piecewise_graph import PiecewiseGraphs, piecewise_buckets
@@ -113,7 +114,7 @@ class ModelRunner:
                 prepack_rows=config.max_num_seqs if prepack else 0,
                 row_padding=(
                     onednn.RowPadding(onednn.row_grain(config.dtype), max_rows)
-                    if prepack and gemm == "onednn"
+                    if prepack and gemm == "onednn" and not any_kept_quantized(weights.values())
                     else None
                 ),
             ),

@@ -8,8 +8,10 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
+from engine.models import onednn
 from engine.models.decoder import DenseMLP
 from engine.quant.stacked import StackedWeight
 from engine.quant.weight import QuantizedWeight
@@ -84,3 +86,20 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path: Path) -> None:
         LLM(str(checkpoint), quantization="gguf")
     with pytest.raises(ValueError, match="unsupported quantization 'fp8'"):
         LLM(str(checkpoint), quantization="fp8")
+
+
+@pytest.mark.skipif(not onednn.can_prepack(torch.float32), reason="torch without oneDNN's packed float32")
+def test_a_model_kept_quantized_pads_no_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's row padding (engine/models/row_padding.py) rounds a step's rows up to its tiles; the
+    quantized kernels pay for every padded row, so a model kept in its blocks is not padded, where
+    its float copy on the same kernels is."""
+    monkeypatch.setenv("INFLIGHT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("INFLIGHT_CPU_GEMM", "onednn")
+    checkpoint = write_hf_checkpoint(tmp_path / "hf", "llama3", seed=6)
+    path = write_gguf(checkpoint, tmp_path / "tiny.gguf", "llama", quantize="Q8_0")
+    padding = {}
+    for quantization in ("auto", "none"):
+        llm = LLM(str(path), dtype="float32", quantization=quantization, max_num_seqs=4)
+        padding[quantization] = llm.engine.runner.model.kernels.row_padding
+    assert padding["auto"] is None
+    assert padding["none"] is not None and padding["none"].padded(17) > 17
