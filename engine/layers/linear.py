@@ -98,9 +98,11 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
         # A prefill's many rows are bound by the multiplies, not by reading the weight: dequantising it
         # once for the whole chunk and multiplying in float beats re-expanding blocks per row tile.
         if isinstance(weight, QuantizedWeight) and rounds_activations(weight, x.device):
-            # The rows as the integer path rounds them (engine/quant/linear.py), in float32.
-            out = F.linear(round_activations(x), dequantize_for_step(weight))
-            out = out.to(x.dtype)
+            # The rows as the integer path rounds them (engine/quant/linear.py), multiplied in x's dtype:
+            # in bf16 the product then runs at bf16's rate (twice float32's with AVX512_BF16), and a row's
+            # result differs from its batch of one by bf16's rounding, as anything in a bf16 model does.
+            rounded = round_activations(x).to(x.dtype)
+            out = F.linear(rounded, dequantize_for_step(weight).to(x.dtype))
             return out if bias is None else out + bias
         return F.linear(x, dequantize_for_step(weight).to(x.dtype), bias)
     if weight.dim() == 3:  # column panels (cpu_gemm.pack)
