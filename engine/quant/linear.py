@@ -5,8 +5,9 @@ the host) once ``torch.ops.inflight_cpu`` is loaded, on x's rows as they are. Wi
 ``INFLIGHT_QUANT_INT8_ACTIVATIONS=1``, on a CPU with AVX2 or AVX-512 VNNI, x's rows are rounded to int8
 blocks of 32 (llama.cpp's way) at every row count (``rounds_activations``): up to
 ``INT8_ACTIVATION_MAX_ROWS`` rows (a decode step) multiplied on the integer path (``quant_linear_int8``:
-integer dot products), more rows by the float32 kernels (the dequantized weight times the rounded rows),
-so the path a step's size picks does not change a row's result beyond float32 rounding. CUDA: the
+integer dot products), more rows by the float kernels (the dequantized weight times the rounded rows,
+in x's dtype), so the path a step's size picks does not change a row's result beyond that dtype's
+rounding. CUDA: the
 Triton kernel (engine/kernels/quant_matmul.py). Anywhere else, or where those cannot run: the
 reference, the float32 matmul of the dequantized weight (every row of x at once, so a long prompt pays
 the dequantization once).
@@ -73,7 +74,7 @@ def rounds_activations(w: QuantizedWeight, device: torch.device) -> bool:
     ``INFLIGHT_QUANT_INT8_ACTIVATIONS`` on. Past the integer path's row bound the float kernels (or the
     dequantised weight) multiply the rounded rows (``round_activations``), so that a row's result does not
     depend on how many rows share its step: a request's greedy tokens stay those of its batch of one, up to
-    float32 rounding as on the float path."""
+    the rounding of the model's dtype (float32 or bf16) as on the float path."""
     return (
         device.type == "cpu"
         and w.format in INT8_ACTIVATION_MAX_ROWS
