@@ -58,9 +58,8 @@ _SUBMIT_PER_ROUND = 256  # lines one advance submits at most: a round stays shor
 # How often each gateway advances its active batches. A batch submits at most ``batch_max_queued`` lines a
 # second, and a round at most this interval's share of them: its lines reach the broker, the worker's
 # claims and the engine a few at a time. Submitted once a second, a second's lines arrived together and
-# every process on an interactive request's way (gateway, worker, engine) took them in at once; the
-# requests that came in meanwhile waited behind them (interactive TTFT p99 beside a 1,000-line batch
-# 1.58x -> 1.24x its value alone, measured with ``python -m bench batch-interference``).
+# every process on an interactive request's way (gateway, worker, engine) took them in at once, and the
+# requests that came in meanwhile waited behind them (docs/benchmarks.md, "Paced batches").
 SWEEP_S = 0.2
 _READ_CHUNK = 500  # job records a pipelined read asks for at once when the output files are written
 
