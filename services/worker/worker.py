@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 
 _MAX_ATTEMPTS = 3  # a request the worker fails this often (not Redis) is failed for good
 _HAND_OVER_TIMEOUT_S = 20.0  # a dead engine's worker leaving the group: normally well under a second
+# Each step of a stopping worker's clean-up, at most: the process ends after them, and its end releases
+# whatever a step still held (a producer flushing to a broker that restarted, a core being reaped), where
+# a step without a bound kept a worker whose engine had stalled from exiting for its restart.
+_CLOSE_STEP_TIMEOUT_S = 10.0
 
 
 class Worker:
@@ -177,15 +181,16 @@ class Worker:
         for run in self.runs.values():
             if run.task is not None:
                 run.task.cancel()
-        await asyncio.gather(
-            *self._tasks, *(r.task for r in self.runs.values() if r.task), return_exceptions=True
+        await _bounded(
+            "ending its tasks",
+            asyncio.gather(
+                *self._tasks, *(r.task for r in self.runs.values() if r.task), return_exceptions=True
+            ),
         )
-        await self.committer.close()
-        await self.runner.requeue.close()
-        with contextlib.suppress(Exception):
-            await self.engine.shutdown()
-        with contextlib.suppress(Exception):
-            await self.store.client.aclose()
+        await _bounded("closing the commit probe", self.committer.close())
+        await _bounded("closing the requeue producer", self.runner.requeue.close())
+        await _bounded("stopping the engine", self.engine.shutdown())
+        await _bounded("closing Redis", self.store.client.aclose())
         self._stopped.set()
 
     async def wait_stopped(self) -> None:
@@ -362,3 +367,14 @@ class Worker:
             "publisher_healthy": self.publisher.healthy,
             "problems": self.problems(),
         }
+
+
+async def _bounded(step: str, awaitable: Awaitable[Any]) -> None:
+    """One step of ``Worker.stop``'s clean-up, within ``_CLOSE_STEP_TIMEOUT_S``; a failure or an overrun is
+    logged and the next step runs."""
+    try:
+        await asyncio.wait_for(awaitable, _CLOSE_STEP_TIMEOUT_S)
+    except TimeoutError:
+        log.warning("stopping: %s took over %.0fs; going on without it", step, _CLOSE_STEP_TIMEOUT_S)
+    except Exception as exc:
+        log.warning("stopping: %s failed: %r", step, exc)
