@@ -36,9 +36,9 @@ import openai
 
 from bench.process_cpu import CpuMeter, stack_processes
 from bench.results import write_json
-from bench.service_load import records, slowest, stages
 from bench.service_load_args import resolve_model
 from bench.service_replay import Streamed
+from bench.service_stages import records, slowest, stages
 from harness.stack import build_stack
 from services.common import keys
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import process_cpu, service_bench, service_load
+from bench import process_cpu, service_bench, service_load, service_stages
 from bench.service_replay import Streamed
 from inflight.plan.workload import RequestSpec
 
@@ -57,12 +57,12 @@ def test_stages_add_up_to_the_clients_ttft() -> None:
     # 0.030 s after its fetch; the client read it at .050.
     s = Streamed("cmpl-1", sent_wall=100.0, first_wall=100.05, first=0.05, last=0.1, finish_reason="length")
     records = {"cmpl-1": {"created": "100.004", "started": "100.012", "ttft_worker_s": "0.030"}}
-    got = service_load.stages([s, Streamed("cmpl-2", sent_wall=100.0)], records)
-    values = [got[name]["p50_ms"] for name in service_load.STAGES]
+    got = service_stages.stages([s, Streamed("cmpl-2", sent_wall=100.0)], records)
+    values = [got[name]["p50_ms"] for name in service_stages.STAGES]
     assert values == pytest.approx([4.0, 8.0, 30.0, 8.0])
     assert sum(values) == pytest.approx(50.0)
     assert {v["count"] for v in got.values()} == {1}  # the request without a record is left out
-    assert not set(service_load.WORKER_PARTS) & set(got)  # no engine core stamps, no split
+    assert not set(service_stages.WORKER_PARTS) & set(got)  # no engine core stamps, no split
 
 
 def test_the_worker_stage_splits_at_the_engine_core_and_the_slowest_come_first() -> None:
@@ -79,11 +79,11 @@ def test_the_worker_stage_splits_at_the_engine_core_and_the_slowest_come_first()
         "cmpl-1": {**stamps, "engine_arrival_s": "0.002", "ttft_engine_s": "0.020"},
         "cmpl-2": {"created": "100.004", "started": "100.008", "ttft_worker_s": "0.006"},
     }
-    got = service_load.stages([slow], records)
-    parts = [got[name]["p50_ms"] for name in service_load.WORKER_PARTS]
+    got = service_stages.stages([slow], records)
+    parts = [got[name]["p50_ms"] for name in service_stages.WORKER_PARTS]
     assert parts == pytest.approx([2.0, 20.0, 8.0])
     assert sum(parts) == pytest.approx(got["worker fetch -> first token"]["p50_ms"])
-    top = service_load.slowest([fast, slow], records, k=1)
+    top = service_stages.slowest([fast, slow], records, k=1)
     assert len(top) == 1 and top[0]["ttft ms"] == pytest.approx(50.0)
     assert top[0]["engine core -> first token ms"] == pytest.approx(20.0)
 
