@@ -101,7 +101,7 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
             # The rows as the integer path rounds them (engine/quant/linear.py), multiplied in x's dtype:
             # in bf16 the product then runs at bf16's rate (twice float32's with AVX512_BF16), and a row's
             # result differs from its batch of one by bf16's rounding, as anything in a bf16 model does.
-            rounded = round_activations(x).to(x.dtype)
+            rounded = round_activations(x)
             out = F.linear(rounded, dequantize_for_step(weight).to(x.dtype))
             return out if bias is None else out + bias
         return F.linear(x, dequantize_for_step(weight).to(x.dtype), bias)

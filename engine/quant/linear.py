@@ -84,8 +84,8 @@ def rounds_activations(w: QuantizedWeight, device: torch.device) -> bool:
 
 
 def round_activations(x: torch.Tensor) -> torch.Tensor:
-    """x's rows (float32 or bf16, CPU) as the integer path rounds them, in float32: each block of 32
-    values q * d, d = amax / 127 (the C++ kernels' own rounding: the same integers)."""
+    """x's rows (float32 or bf16, CPU) as the integer path rounds them, in x's dtype: each block of 32
+    values q * d, d = amax / 127 (the C++ kernels' own rounding: the same integers), rounded once to it."""
     out: torch.Tensor = torch.ops.inflight_cpu.round_rows_int8(x)
     return out
 
@@ -135,7 +135,7 @@ def quant_linear(
             return out
         # More rows than the integer path is fast for: the float kernels, on the rows it would have rounded.
         out = ops.quant_linear(round_activations(x), w.blocks, w.fmt.ggml_type, w.in_features, bias)
-        return out.to(x.dtype)
+        return out
     if path == "triton":
         from engine.kernels.quant_matmul import quant_matmul
 

@@ -317,24 +317,91 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
 // x's rows as the integer path reads them: each block of 32 values quantized symmetrically to int8 with
 // one float32 scale, d = amax / 127 and q = round_half_even(x * (1 / d)) (llama.cpp's Q8_0 activations,
 // with the scale kept in float32 rather than fp16), and d * sum(q) for the formats with a min. Plain
-// float32 operations in a fixed order: tests repeat them in torch and get the same integers.
+// float32 operations in a fixed order (the product rounded before the rounding to an integer, never fused):
+// tests repeat them in torch and get the same integers. One block at a time, q and d out; the sum of q
+// returned.
+int32_t round_block_portable(const float* v, int8_t* q, float* d) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float scale = amax / 127.f;
+  const float inv = scale != 0.f ? 1.f / scale : 0.f;
+  int32_t sum = 0;
+  for (int i = 0; i < 32; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+    sum += q[i];
+  }
+  *d = scale;
+  return sum;
+}
+
+#ifdef QUANT_X86
+// The same operations on two 16-lane vectors: std::nearbyint does not vectorize at the baseline ISA (a
+// libm call a value, which made rounding a prefill's rows cost more than its bf16 multiply).
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+int32_t round_block_avx512(const float* v, int8_t* q, float* d) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float scale = amax / 127.f;
+  const __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), kNearest));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(b, inv), kNearest));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  *d = scale;
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+
+// round_rows_int8's loop: x's blocks rounded (round_block_avx512's operations) and written back as
+// q * d in the output's dtype, read and written in bf16 where the tensors are (a bf16 prefill's rows
+// cross memory at half float32's bytes, and no float32 copy of them is made).
+__m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+void store16(c10::BFloat16* p, __m512 v) {
+  // Round to nearest even, as torch's conversion does (the values are finite: q * d, |q| <= 127).
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+
+template <typename In, typename Out>
+void round_rows_avx512(const In* src, Out* dst, int64_t b0, int64_t b1) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  for (int64_t b = b0; b < b1; ++b) {
+    const __m512 a = load16(src + 32 * b), c = load16(src + 32 * b + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    const float scale = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(scale != 0.f ? 1.f / scale : 0.f), d = _mm512_set1_ps(scale);
+    store16(dst + 32 * b, _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(a, inv), kNearest), d));
+    store16(dst + 32 * b + 16, _mm512_mul_ps(_mm512_roundscale_ps(_mm512_mul_ps(c, inv), kNearest), d));
+  }
+}
+#pragma GCC pop_options
+#endif
+
+using RoundBlockFn = int32_t (*)(const float*, int8_t*, float*);
+
+RoundBlockFn round_block_fn() {
+#ifdef QUANT_X86
+  if (kHasAvx512) return round_block_avx512;
+#endif
+  return round_block_portable;
+}
+
 void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* q, float* d, float* s) {
   const int64_t nb = k / 32;
+  const RoundBlockFn round_block = round_block_fn();
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
-      const float* v = x + r * ldx + 32 * b;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float scale = amax / 127.f;
-      const float inv = scale != 0.f ? 1.f / scale : 0.f;
-      int8_t* out = q + r * k + 32 * b;
-      int32_t sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        out[i] = static_cast<int8_t>(std::nearbyint(v[i] * inv));
-        sum += out[i];
-      }
-      d[r * nb + b] = scale;
-      s[r * nb + b] = scale * static_cast<float>(sum);
+      const int64_t i = r * nb + b;
+      const int32_t sum = round_block(x + r * ldx + 32 * b, q + r * k + 32 * b, d + i);
+      s[i] = d[i] * static_cast<float>(sum);
     }
   }
 }
@@ -387,28 +454,42 @@ at::Tensor quant_linear_int8(const at::Tensor& x, const at::Tensor& blocks, int6
 }
 
 // x's rows as the integer path rounds them (quantize_rows: the same operations, so the same integers),
-// back in float32: q * d per block of 32. A product past the integer path's row bound multiplies these
-// rows, so that what a row's result holds does not depend on how many rows share its step.
+// back as q * d per block of 32, rounded once to x's dtype (float32 or bf16). A product past the integer
+// path's row bound multiplies these rows, so that what a row's result holds does not depend on how many
+// rows share its step beyond that dtype's rounding.
 at::Tensor round_rows_int8(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % 32 == 0,
-              "x must be a 2-D CPU tensor with whole blocks of 32 columns");
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  const int64_t m = xf.size(0), k = xf.size(1), nb = k / 32;
-  at::Tensor out = at::empty({m, k}, xf.options());
-  const float* src = xf.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  at::parallel_for(0, m * nb, 64, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* v = src + 32 * b;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float scale = amax / 127.f;
-      const float inv = scale != 0.f ? 1.f / scale : 0.f;
-      for (int i = 0; i < 32; ++i) {
-        dst[32 * b + i] = static_cast<float>(static_cast<int8_t>(std::nearbyint(v[i] * inv))) * scale;
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) % 32 == 0 &&
+                  (dtype == at::kFloat || dtype == at::kBFloat16),
+              "x must be a 2-D float32 or bfloat16 CPU tensor with whole blocks of 32 columns");
+  const at::Tensor xc = x.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), nb = k / 32;
+  at::Tensor out = at::empty({m, k}, xc.options());
+#ifdef QUANT_X86
+  if (kHasAvx512) {
+    at::parallel_for(0, m * nb, 256, [&](int64_t b0, int64_t b1) {
+      if (dtype == at::kFloat) {
+        round_rows_avx512(xc.data_ptr<float>(), out.data_ptr<float>(), b0, b1);
+      } else {
+        round_rows_avx512(xc.data_ptr<c10::BFloat16>(), out.data_ptr<c10::BFloat16>(), b0, b1);
       }
+    });
+    return out;
+  }
+#endif
+  const at::Tensor xf = xc.to(at::kFloat);
+  at::Tensor of = dtype == at::kFloat ? out : at::empty({m, k}, xf.options());
+  const float* src = xf.data_ptr<float>();
+  float* dst = of.data_ptr<float>();
+  at::parallel_for(0, m * nb, 64, [&](int64_t b0, int64_t b1) {
+    int8_t q[32];
+    float scale;
+    for (int64_t b = b0; b < b1; ++b) {
+      round_block_portable(src + 32 * b, q, &scale);
+      for (int i = 0; i < 32; ++i) dst[32 * b + i] = static_cast<float>(q[i]) * scale;
     }
   });
+  if (dtype != at::kFloat) out.copy_(of);
   return out;
 }
 
