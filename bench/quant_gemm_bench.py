@@ -47,7 +47,7 @@ def int8_kernels(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 def dequantized_step(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """What a linear layer runs past its row bound (engine/layers/linear.py): the weight dequantized for
     the step, then the float linear."""
-    return F.linear(x, dequantize_for_step(w).to(x.dtype))
+    return F.linear(x, dequantize_for_step(w, x.dtype))
 
 
 def shapes(args: argparse.Namespace, block: int) -> list[tuple[int, int]]:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
-from engine.platform.cpu import cpu_flags
+from engine.platform.cpu import cpu_flags, cpu_has_bf16_matmul
 from engine.quant.int8 import Int8Weight, int8_linear
 from engine.quant.linear import dequantize_for_step, quant_linear, round_activations, rounds_activations
 from engine.quant.stacked import StackedWeight
@@ -34,21 +34,26 @@ Weight = SingleWeight | StackedWeight
 # Up to this many rows a block-format or int8 weight is multiplied as stored (engine/quant: a decode step
 # reads each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step and
 # multiplied in float, where the float GEMM's register blocking beats re-expanding blocks per row tile.
-# Where that happens depends on the float GEMM's width, so on the host: on SmolLM2-135M's layer shapes, one
-# thread, an AVX2 CPU's block kernels were even with the C++ dequantisation plus a float linear at 64 rows
-# (64 covers a full decode batch at the default max_num_seqs); on an AVX-512 one (oneDNN's float kernels
-# twice as wide) even at 16 rows and 1.7-2.4x slower at 64 (docs/benchmarks.md, "Block kernels or the
-# dequantised weight"). A GPU's Triton kernels keep 64.
+# Where that happens depends on the float GEMM's width, so on the host and the model's dtype: on
+# SmolLM2-135M's layer shapes, one thread, an AVX2 CPU's block kernels were even with the C++
+# dequantisation plus a float linear at 64 rows (64 covers a full decode batch at the default
+# max_num_seqs); on an AVX-512 one (oneDNN's float kernels twice as wide) even at 16 rows and 1.7-2.4x
+# slower at 64 (docs/benchmarks.md, "Block kernels or the dequantised weight"); in bf16 on an AVX512_BF16
+# CPU (the weight dequantised straight to bf16, and a product at bf16's rate) even at 6 to 8 rows. A
+# GPU's Triton kernels keep 64.
 QUANT_KERNEL_MAX_ROWS = 64
 QUANT_KERNEL_MAX_ROWS_WIDE_CPU = 16
+QUANT_KERNEL_MAX_ROWS_BF16_CPU = 6
 
 
 @functools.cache
-def quant_kernel_max_rows(device_type: str) -> int:
-    """The row bound above for a weight on ``device_type`` ("cpu", "cuda"), on this host."""
-    if device_type == "cpu" and "avx512f" in cpu_flags():
-        return QUANT_KERNEL_MAX_ROWS_WIDE_CPU
-    return QUANT_KERNEL_MAX_ROWS
+def quant_kernel_max_rows(device_type: str, dtype: torch.dtype = torch.float32) -> int:
+    """The row bound above for rows of ``dtype`` on ``device_type`` ("cpu", "cuda"), on this host."""
+    if device_type != "cpu":
+        return QUANT_KERNEL_MAX_ROWS
+    if dtype == torch.bfloat16 and cpu_has_bf16_matmul():
+        return QUANT_KERNEL_MAX_ROWS_BF16_CPU
+    return QUANT_KERNEL_MAX_ROWS_WIDE_CPU if "avx512f" in cpu_flags() else QUANT_KERNEL_MAX_ROWS
 
 
 class Linear:
@@ -91,7 +96,7 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
         outs = [matmul(x, part, b, kernels) for part, b in zip(weight.parts, biases, strict=True)]
         return torch.cat(outs, dim=1)
     if isinstance(weight, QuantizedWeight | Int8Weight):
-        if x.shape[0] <= quant_kernel_max_rows(x.device.type):
+        if x.shape[0] <= quant_kernel_max_rows(x.device.type, x.dtype):
             if isinstance(weight, Int8Weight):
                 return int8_linear(x, weight, bias)
             return quant_linear(x, weight, bias)
@@ -102,9 +107,9 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
             # in bf16 the product then runs at bf16's rate (twice float32's with AVX512_BF16), and a row's
             # result differs from its batch of one by bf16's rounding, as anything in a bf16 model does.
             rounded = round_activations(x)
-            out = F.linear(rounded, dequantize_for_step(weight).to(x.dtype))
+            out = F.linear(rounded, dequantize_for_step(weight, x.dtype))
             return out if bias is None else out + bias
-        return F.linear(x, dequantize_for_step(weight).to(x.dtype), bias)
+        return F.linear(x, dequantize_for_step(weight, x.dtype), bias)
     if weight.dim() == 3:  # column panels (cpu_gemm.pack)
         return cpu_gemm.linear(x, weight, bias)
     if kernels.prepack_rows:

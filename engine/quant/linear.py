@@ -101,13 +101,17 @@ def path_for(device: torch.device) -> Path:
     return "reference"
 
 
-def dequantize_for_step(w: QuantizedWeight | Int8Weight) -> torch.Tensor:
-    """The float32 weight for one many-row product: the C++ dequantizer where it is loaded (the same
-    values as ``dequantize``, several times faster than its torch ops), else ``dequantize``."""
+def dequantize_for_step(w: QuantizedWeight | Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight in ``dtype`` for one many-row product: the C++ dequantizer where it is loaded (the same
+    values as ``dequantize``, several times faster than its torch ops; for bf16 each row rounded from
+    float32 as it is made, so no float32 copy of the whole weight is written), else ``dequantize``."""
     if isinstance(w, QuantizedWeight) and w.device.type == "cpu" and cpu_kernels_loaded():
-        out: torch.Tensor = torch.ops.inflight_cpu.quant_dequantize(w.blocks, w.fmt.ggml_type, w.in_features)
-        return out
-    return w.dequantize()
+        bf16 = dtype == torch.bfloat16
+        out: torch.Tensor = torch.ops.inflight_cpu.quant_dequantize(
+            w.blocks, w.fmt.ggml_type, w.in_features, -1, bf16
+        )
+        return out if bf16 else out.to(dtype)
+    return w.dequantize().to(dtype)
 
 
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

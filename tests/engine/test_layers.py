@@ -160,21 +160,25 @@ def test_block_weights_are_dequantised_past_a_row_bound_the_host_decides(
 
     bound = linear.quant_kernel_max_rows.__wrapped__
     monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2", "avx512f"}))
+    monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: True)
     assert (
         bound("cpu") == linear.QUANT_KERNEL_MAX_ROWS_WIDE_CPU
+        and bound("cpu", torch.bfloat16) == linear.QUANT_KERNEL_MAX_ROWS_BF16_CPU
         and bound("cuda") == linear.QUANT_KERNEL_MAX_ROWS
     )
+    monkeypatch.setattr(linear, "cpu_has_bf16_matmul", lambda: False)  # bf16 without bf16 units: as float32
+    assert bound("cpu", torch.bfloat16) == linear.QUANT_KERNEL_MAX_ROWS_WIDE_CPU
     monkeypatch.setattr(linear, "cpu_flags", lambda: frozenset({"avx2"}))
     assert bound("cpu") == linear.QUANT_KERNEL_MAX_ROWS
     # Up to the bound the blocks are multiplied as stored; past it, the dequantised weight in float.
-    rows = linear.quant_kernel_max_rows("cpu")
+    rows = linear.quant_kernel_max_rows("cpu", torch.float32)  # the key matmul asks with
     w = random_quantized("Q8_0", 8, 64, torch.Generator().manual_seed(3))
     calls: list[str] = []
     monkeypatch.setattr(
         linear, "quant_linear", lambda x, w, b: calls.append("blocks") or x.new_zeros(len(x), 8)
     )
     monkeypatch.setattr(
-        linear, "dequantize_for_step", lambda w: calls.append("dequantised") or w.dequantize()
+        linear, "dequantize_for_step", lambda w, dtype: calls.append("dequantised") or w.dequantize()
     )
     for n in (1, rows, rows + 1):
         linear.matmul(torch.randn(n, 64), w, None, Kernels())

@@ -59,6 +59,9 @@ def test_every_path_dequantizes_like_gguf(name: str) -> None:
     for isa in _isas():
         got = torch.ops.inflight_cpu.quant_dequantize(w.blocks, w.fmt.ggml_type, w.in_features, isa)
         assert torch.equal(got, expected), CPU_ISAS[isa]
+        # Straight to bf16: torch's rounding of the float32 values, with no float32 copy in between.
+        got = torch.ops.inflight_cpu.quant_dequantize(w.blocks, w.fmt.ggml_type, w.in_features, isa, True)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, expected.bfloat16()), CPU_ISAS[isa]
 
 
 @pytest.mark.parametrize("name", list(FORMATS))

@@ -178,6 +178,7 @@ namespace isa_portable {
 
 using TilesFn = void (*)(const Job&, int64_t, int64_t);
 using IntTilesFn = void (*)(const IntJob&, int64_t, int64_t);
+using RowFn = void (*)(const Job&, int64_t, float*);
 
 #ifdef QUANT_X86
 // Asked of the CPU once, not on each call.
@@ -254,66 +255,6 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
   return dtype == at::kFloat ? out : out.to(dtype);
 }
 
-at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t in_features, int64_t isa) {
-  Job job = make_job(blocks, fmt, in_features);
-  at::Tensor out = at::empty({job.n, in_features}, blocks.options().dtype(at::kFloat));
-  job.out = out.data_ptr<float>();
-  const int64_t chosen = pick(isa);
-  TilesFn fn = isa_portable::rows;
-#ifdef QUANT_X86
-  if (chosen >= kAvx512) fn = isa_avx512::rows;
-  if (chosen == kAvx2) fn = isa_avx2::rows;
-#endif
-  at::parallel_for(0, job.n, 16, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
-  return out;
-}
-
-// Per-channel int8 weights (weight-only, W8A16): out = x @ (scale[:, None] * qweight).T (+ bias).
-at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
-                     const c10::optional<at::Tensor>& bias, int64_t isa) {
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
-                  qweight.is_contiguous(),
-              "qweight must be a contiguous int8 [out features, in features] CPU tensor");
-  const int64_t n = qweight.size(0), k = qweight.size(1);
-  TORCH_CHECK(k > 0 && k % 16 == 0, "w8_linear needs in features in multiples of 16, got ", k);
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.numel() == n && scale.is_contiguous(),
-              "scale must be a contiguous float32 [out features] tensor");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
-              "x must be a 2-D float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
-  Job job{};
-  job.w = reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>());
-  job.row_bytes = k;
-  job.n = n;
-  job.k = k;
-  job.fmt = kW8;
-  job.scales = scale.data_ptr<float>();
-  at::Tensor xf = x.to(at::kFloat);
-  if (xf.stride(1) != 1) xf = xf.contiguous();
-  at::Tensor bf;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "bias must be [out features]");
-    bf = bias->to(at::kFloat).contiguous();
-    job.bias = bf.data_ptr<float>();
-  }
-  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
-  const int64_t chosen = pick(isa);
-  if (x.size(0) == 0) return out.to(dtype);
-  job.x = xf.data_ptr<float>();
-  job.ldx = xf.stride(0);
-  job.m = xf.size(0);
-  job.out = out.data_ptr<float>();
-  TilesFn fn = isa_portable::tiles;
-#ifdef QUANT_X86
-  if (chosen >= kAvx512) fn = isa_avx512::tiles;
-  if (chosen == kAvx2) fn = isa_avx2::tiles;
-#endif
-  const int64_t tiles = (n + kTileRows - 1) / kTileRows;
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { fn(job, t0, t1); });
-  return dtype == at::kFloat ? out : out.to(dtype);
-}
-
 // x's rows as the integer path reads them: each block of 32 values quantized symmetrically to int8 with
 // one float32 scale, d = amax / 127 and q = round_half_even(x * (1 / d)) (llama.cpp's Q8_0 activations,
 // with the scale kept in float32 rather than fp16), and d * sum(q) for the formats with a min. Plain
@@ -370,6 +311,11 @@ void store16(c10::BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
 }
 
+// A dequantized row (float32, n a multiple of 16) rounded to bf16 as torch's conversion rounds it.
+void floats_to_bf16_avx512(const float* src, c10::BFloat16* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) store16(dst + i, _mm512_loadu_ps(src + i));
+}
+
 template <typename In, typename Out>
 void round_rows_avx512(const In* src, Out* dst, int64_t b0, int64_t b1) {
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
@@ -404,6 +350,93 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* q,
       s[i] = d[i] * static_cast<float>(sum);
     }
   }
+}
+
+// The weight in float32, or (bf16) rounded to bf16 row by row from a float32 row in cache: a many-row
+// bf16 product then reads half the bytes, and no float32 copy of the whole weight is written and read
+// back to convert it.
+at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t in_features, int64_t isa, bool bf16) {
+  Job job = make_job(blocks, fmt, in_features);
+  const int64_t chosen = pick(isa);
+  TilesFn fn = isa_portable::rows;
+#ifdef QUANT_X86
+  if (chosen >= kAvx512) fn = isa_avx512::rows;
+  if (chosen == kAvx2) fn = isa_avx2::rows;
+#endif
+  RowFn row_fn = isa_portable::row_to;
+#ifdef QUANT_X86
+  if (chosen >= kAvx512) row_fn = isa_avx512::row_to;
+  if (chosen == kAvx2) row_fn = isa_avx2::row_to;
+#endif
+  if (!bf16) {
+    at::Tensor out = at::empty({job.n, in_features}, blocks.options().dtype(at::kFloat));
+    job.out = out.data_ptr<float>();
+    at::parallel_for(0, job.n, 16, [&](int64_t r0, int64_t r1) { fn(job, r0, r1); });
+    return out;
+  }
+  at::Tensor out = at::empty({job.n, in_features}, blocks.options().dtype(at::kBFloat16));
+  c10::BFloat16* dst = out.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, job.n, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(in_features);
+    for (int64_t r = r0; r < r1; ++r) {
+      row_fn(job, r, row.data());
+      c10::BFloat16* to = dst + r * in_features;
+#ifdef QUANT_X86
+      if (kHasAvx512) {
+        floats_to_bf16_avx512(row.data(), to, in_features);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < in_features; ++i) to[i] = c10::BFloat16(row[i]);
+    }
+  });
+  return out;
+}
+
+// Per-channel int8 weights (weight-only, W8A16): out = x @ (scale[:, None] * qweight).T (+ bias).
+at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, int64_t isa) {
+  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
+                  qweight.is_contiguous(),
+              "qweight must be a contiguous int8 [out features, in features] CPU tensor");
+  const int64_t n = qweight.size(0), k = qweight.size(1);
+  TORCH_CHECK(k > 0 && k % 16 == 0, "w8_linear needs in features in multiples of 16, got ", k);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.numel() == n && scale.is_contiguous(),
+              "scale must be a contiguous float32 [out features] tensor");
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "x must be a 2-D float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
+  Job job{};
+  job.w = reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>());
+  job.row_bytes = k;
+  job.n = n;
+  job.k = k;
+  job.fmt = kW8;
+  job.scales = scale.data_ptr<float>();
+  at::Tensor xf = x.to(at::kFloat);
+  if (xf.stride(1) != 1) xf = xf.contiguous();
+  at::Tensor bf;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "bias must be [out features]");
+    bf = bias->to(at::kFloat).contiguous();
+    job.bias = bf.data_ptr<float>();
+  }
+  at::Tensor out = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  const int64_t chosen = pick(isa);
+  if (x.size(0) == 0) return out.to(dtype);
+  job.x = xf.data_ptr<float>();
+  job.ldx = xf.stride(0);
+  job.m = xf.size(0);
+  job.out = out.data_ptr<float>();
+  TilesFn fn = isa_portable::tiles;
+#ifdef QUANT_X86
+  if (chosen >= kAvx512) fn = isa_avx512::tiles;
+  if (chosen == kAvx2) fn = isa_avx2::tiles;
+#endif
+  const int64_t tiles = (n + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) { fn(job, t0, t1); });
+  return dtype == at::kFloat ? out : out.to(dtype);
 }
 
 // out = x @ w.T (+ bias) with x's rows quantized to int8 blocks (quantize_rows) and integer dot products
@@ -503,7 +536,7 @@ TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor blocks, int fmt, int in_features, Tensor? bias, int isa=-1) -> Tensor");
   // The same product with x's rows quantized to int8 blocks of 32 and integer dot products (3: VNNI).
   m.def("quant_linear_int8(Tensor x, Tensor blocks, int fmt, int in_features, Tensor? bias, int isa=-1) -> Tensor");
-  m.def("quant_dequantize(Tensor blocks, int fmt, int in_features, int isa=-1) -> Tensor");
+  m.def("quant_dequantize(Tensor blocks, int fmt, int in_features, int isa=-1, bool bf16=False) -> Tensor");
   m.def("round_rows_int8(Tensor x) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int isa=-1) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.

@@ -13,10 +13,10 @@
 // dot gives 8 int32 lanes, lane l the sum over bytes 4l .. 4l + 3 (vpdpbusd's shape): exact integers,
 // converted to float once per sub-block and multiplied by the scales in float32.
 //
-// Signed weights (Q8_0, Q4_0 as q - 8, Q5_0 as q - 16, Q6_K as q - 32): vpdpbusd / vpmaddubsw
-// multiply unsigned by signed bytes, so |q_w| goes as the unsigned operand and q_x with q_w's sign as
-// the signed one (vpsignb); |q_w| <= 128 and |q_x| <= 127 keep vpmaddubsw's 16-bit pair sums
-// (<= 32512) from saturating. Unsigned ones (nibbles 0..15, Q5_1's and Q5_K's 0..31) go as they are.
+// Signed weights (Q8_0 without VNNI, Q6_K as q - 32): vpdpbusd / vpmaddubsw multiply unsigned by signed
+// bytes, so |q_w| goes as the unsigned operand and q_x with q_w's sign as the signed one (vpsignb);
+// |q_w| <= 128 and |q_x| <= 127 keep vpmaddubsw's 16-bit pair sums (<= 32512) from saturating. Unsigned
+// ones (nibbles 0..15, Q5_1's and Q5_K's 0..31) go as they are, and so do the offset formats (kOffset).
 
 typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef int8_t s8x32 __attribute__((vector_size(32)));
@@ -88,10 +88,31 @@ INLINE void k_scale_min(const uint8_t* s, int j, int& sc, int& m) {
   }
 }
 
+// Offset formats: Q4_0 (q - 8), Q5_0 (q - 16) and, with VNNI, Q8_0 (q + 128 - 128) go as unsigned q with
+// a min of -offset * scale (the block's x sum does the rest: the min term above), which spares the two
+// vpsignb of a signed dot. Q8_0's q + 128 reaches 255: vpdpbusd sums it exactly, but vpmaddubsw's 16-bit
+// pair sums (255 * 127 * 2) would saturate, so without VNNI Q8_0 stays signed. Q6_K stays signed: its
+// two scales per sub-block would need a sum of x per 16 values.
 template <int64_t FMT>
-constexpr bool kSigned = FMT == kQ8_0 || FMT == kQ4_0 || FMT == kQ5_0 || FMT == kQ6_K;
+constexpr int kOffset = FMT == kQ4_0 ? 8 : FMT == kQ5_0 ? 16 : (FMT == kQ8_0 && QUANT_ISA == 3) ? 128 : 0;
 template <int64_t FMT>
-constexpr bool kHasMin = FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == kQ5_K;
+constexpr bool kSigned = (FMT == kQ8_0 && kOffset<FMT> == 0) || FMT == kQ6_K;
+template <int64_t FMT>
+constexpr bool kHasMin = FMT == kQ4_1 || FMT == kQ5_1 || FMT == kQ4_K || FMT == kQ5_K || kOffset<FMT> != 0;
+
+// Q5_0 / Q5_1's fifth bits as one 32-lane vector, 16 where bit i of the 4 qh bytes is set. With AVX-512
+// BW and VL the 32 bits are a byte mask as they stand (one masked move); elsewhere fifth_bits' shuffles.
+INLINE u8x32 fifth_bits32(const uint8_t* qh) {
+#if QUANT_ISA == 3
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  return (u8x32)_mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16));
+#else
+  vu8 lo, hi;
+  fifth_bits(qh, lo, hi);  // quant_gemm.cpp
+  return join16(lo, hi);
+#endif
+}
 
 // Sub-block j (values 32j .. 32j + 32) of a weight row: its integers q (signed formats: int8 bits), its
 // scale(s) and its min (see the top).
@@ -100,24 +121,27 @@ INLINE void sub_block(const uint8_t* row, int64_t j, u8x32& q, f32x8& scale, flo
   if constexpr (FMT == kQ8_0) {
     const uint8_t* b = row + block_bytes(FMT) * j;
     q = ld32(b + 2);
-    scale = f32x8{} + half_at(b);
+    const float d = half_at(b);
+    scale = f32x8{} + d;
+    if constexpr (kOffset<FMT> != 0) {
+      q ^= 0x80;  // q + 128, as unsigned bytes
+      min = -128.f * d;
+    }
   } else if constexpr (FMT == kQ4_0 || FMT == kQ4_1) {
     const uint8_t* b = row + block_bytes(FMT) * j;
     const vu8 v = bytes16(b + (FMT == kQ4_0 ? 2 : 4));
     q = join16(v & 15, v >> 4);
-    if constexpr (FMT == kQ4_0) q -= 8;
-    scale = f32x8{} + half_at(b);
-    if constexpr (FMT == kQ4_1) min = half_at(b + 2);
+    const float d = half_at(b);
+    scale = f32x8{} + d;
+    min = FMT == kQ4_1 ? half_at(b + 2) : -8.f * d;
   } else if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {
     const uint8_t* b = row + block_bytes(FMT) * j;
     const uint8_t* qh = b + (FMT == kQ5_0 ? 2 : 4);
     const vu8 v = bytes16(qh + 4);
-    vu8 lo, hi;
-    fifth_bits(qh, lo, hi);  // quant_gemm.cpp
-    q = join16((v & 15) | lo, (v >> 4) | hi);
-    if constexpr (FMT == kQ5_0) q -= 16;
-    scale = f32x8{} + half_at(b);
-    if constexpr (FMT == kQ5_1) min = half_at(b + 2);
+    q = join16(v & 15, v >> 4) | fifth_bits32(qh);
+    const float d = half_at(b);
+    scale = f32x8{} + d;
+    min = FMT == kQ5_1 ? half_at(b + 2) : -16.f * d;
   } else if constexpr (FMT == kQ4_K || FMT == kQ5_K) {
     const uint8_t* b = row + block_bytes(FMT) * (j >> 3);
     const int s = static_cast<int>(j & 7);

@@ -338,3 +338,5 @@ INLINE void dequantize_rows(const Job& job, int64_t r0, int64_t r1) {
 // Entry points: out features' tiles [t0, t1) of a multiply; rows [r0, r1) of a dequantization.
 inline void tiles(const Job& job, int64_t t0, int64_t t1) { run_tiles(job, t0, t1); }
 inline void rows(const Job& job, int64_t r0, int64_t r1) { dequantize_rows(job, r0, r1); }
+// Row r of the weight, dequantized into out[0, k).
+inline void row_to(const Job& job, int64_t r, float* out) { dq_any_row(job, r, out); }
