@@ -204,7 +204,13 @@ INLINE void int_tile(const IntJob& job, int64_t r, int64_t col, int64_t rows) {
   const int64_t step = (kTileRows * job.row_bytes + nb - 1) / nb;
   f32x8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
   float ma0 = 0.f, ma1 = 0.f, ma2 = 0.f, ma3 = 0.f, mb0 = 0.f, mb1 = 0.f, mb2 = 0.f, mb3 = 0.f;
-  for (int64_t j = 0; j < nb; ++j) {
+  // A K-quant's sub-blocks in an inner loop of constant length, unrolled: each sub-block's position in
+  // its super-block is then a constant, and what the super-block shares (d, dmin, the scale bytes'
+  // layout) is read once per super-block instead of once per sub-block.
+  constexpr int64_t kInner = (FMT == kQ4_K || FMT == kQ5_K || FMT == kQ6_K) ? 8 : 1;
+  for (int64_t jo = 0; jo < nb; jo += kInner) {
+#pragma GCC unroll 8
+  for (int64_t j = jo; j < jo + kInner; ++j) {
     for (int64_t o = j * step; o < (j + 1) * step; o += 64) __builtin_prefetch(next + o);
     u8x32 q0, q1, q2, q3;
     f32x8 s0, s1, s2, s3;
@@ -241,6 +247,7 @@ INLINE void int_tile(const IntJob& job, int64_t r, int64_t col, int64_t rows) {
         mb3 += m3 * sb;
       }
     }
+  }
   }
   const float sums[2][4] = {{hsum8(a0) + ma0, hsum8(a1) + ma1, hsum8(a2) + ma2, hsum8(a3) + ma3},
                             {hsum8(b0) + mb0, hsum8(b1) + mb1, hsum8(b2) + mb2, hsum8(b3) + mb3}};
