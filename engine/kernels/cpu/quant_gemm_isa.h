@@ -299,6 +299,119 @@ INLINE void multiply_w8_direct(const Job& job, int64_t r, int64_t col, int64_t r
   }
 }
 
+#if QUANT_ISA == 2
+// The blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) times one or two rows of x (a decode step) with each
+// block's 32 values made in two registers (emit's arithmetic, so the same floats) and multiplied at
+// once: no tile of dequantized rows written and read back, which at one row cost as much as the
+// multiply. Summed in the tile path's order (lane l over values l, l + 16, l + 32, ...).
+template <typename Q>
+INLINE __m512 widen(Q q, float scale, float offset) {
+  __m128i b;
+  std::memcpy(&b, &q, 16);
+  const __m512i wide = std::is_same_v<Q, vi8> ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(wide), _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+}
+
+template <int64_t FMT>
+INLINE void block_values(const uint8_t* b, __m512& lo, __m512& hi) {
+  const float d = half_at(b);
+  if constexpr (FMT == kQ8_0) {
+    vi8 q0, q1;
+    std::memcpy(&q0, b + 2, 16);
+    std::memcpy(&q1, b + 18, 16);
+    lo = widen(q0, d, 0.f);
+    hi = widen(q1, d, 0.f);
+  } else if constexpr (FMT == kQ4_0) {
+    const vu8 q = bytes16(b + 2);
+    lo = widen((vi8)(q & 15) - 8, d, 0.f);
+    hi = widen((vi8)(q >> 4) - 8, d, 0.f);
+  } else if constexpr (FMT == kQ4_1) {
+    const float m = half_at(b + 2);
+    const vu8 q = bytes16(b + 4);
+    lo = widen((vu8)(q & 15), d, m);
+    hi = widen((vu8)(q >> 4), d, m);
+  } else {  // Q5_0, Q5_1 (dq_q5)
+    constexpr bool kMin = FMT == kQ5_1;
+    const uint8_t* qh = b + (kMin ? 4 : 2);
+    const vu8 q = bytes16(qh + 4);
+    vu8 fifth_lo, fifth_hi;
+    fifth_bits(qh, fifth_lo, fifth_hi);
+    if constexpr (kMin) {
+      const float m = half_at(b + 2);
+      lo = widen((vu8)((q & 15) | fifth_lo), d, m);
+      hi = widen((vu8)((q >> 4) | fifth_hi), d, m);
+    } else {
+      lo = widen((vi8)((q & 15) | fifth_lo) - 16, d, 0.f);
+      hi = widen((vi8)((q >> 4) | fifth_hi) - 16, d, 0.f);
+    }
+  }
+}
+
+template <int64_t FMT, int MR>
+INLINE void multiply_blocks_direct(const Job& job, int64_t r, int64_t col, int64_t rows) {
+  constexpr int64_t bytes = block_bytes(FMT);
+  const int64_t nb = job.k / 32;
+  const float* x0 = job.x + r * job.ldx;
+  const float* x1 = x0 + (MR == 2 ? job.ldx : 0);
+  const uint8_t* w0 = job.w + col * job.row_bytes;
+  const uint8_t* w1 = rows > 1 ? w0 + job.row_bytes : w0;
+  const uint8_t* w2 = rows > 2 ? w0 + 2 * job.row_bytes : w0;
+  const uint8_t* w3 = rows > 3 ? w0 + 3 * job.row_bytes : w0;
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  for (int64_t i = 0; i < nb; ++i) {
+    __m512 l0, h0, l1, h1, l2, h2, l3, h3;
+    block_values<FMT>(w0 + i * bytes, l0, h0);
+    block_values<FMT>(w1 + i * bytes, l1, h1);
+    block_values<FMT>(w2 + i * bytes, l2, h2);
+    block_values<FMT>(w3 + i * bytes, l3, h3);
+    const __m512 xl = _mm512_loadu_ps(x0 + 32 * i), xh = _mm512_loadu_ps(x0 + 32 * i + 16);
+    a0 = _mm512_fmadd_ps(xh, h0, _mm512_fmadd_ps(xl, l0, a0));
+    a1 = _mm512_fmadd_ps(xh, h1, _mm512_fmadd_ps(xl, l1, a1));
+    a2 = _mm512_fmadd_ps(xh, h2, _mm512_fmadd_ps(xl, l2, a2));
+    a3 = _mm512_fmadd_ps(xh, h3, _mm512_fmadd_ps(xl, l3, a3));
+    if constexpr (MR == 2) {
+      const __m512 yl = _mm512_loadu_ps(x1 + 32 * i), yh = _mm512_loadu_ps(x1 + 32 * i + 16);
+      b0 = _mm512_fmadd_ps(yh, h0, _mm512_fmadd_ps(yl, l0, b0));
+      b1 = _mm512_fmadd_ps(yh, h1, _mm512_fmadd_ps(yl, l1, b1));
+      b2 = _mm512_fmadd_ps(yh, h2, _mm512_fmadd_ps(yl, l2, b2));
+      b3 = _mm512_fmadd_ps(yh, h3, _mm512_fmadd_ps(yl, l3, b3));
+    }
+  }
+  const float sums[2][4] = {{hsum((VF)a0), hsum((VF)a1), hsum((VF)a2), hsum((VF)a3)},
+                            {hsum((VF)b0), hsum((VF)b1), hsum((VF)b2), hsum((VF)b3)}};
+  for (int mm = 0; mm < MR; ++mm) {
+    for (int64_t j = 0; j < rows; ++j) {
+      job.out[(r + mm) * job.n + col + j] = sums[mm][j] + (job.bias != nullptr ? job.bias[col + j] : 0.f);
+    }
+  }
+}
+
+template <int64_t FMT>
+INLINE void blocks_direct_tiles(const Job& job, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t col = t * kTileRows, rows = std::min<int64_t>(kTileRows, job.n - col);
+    if (job.m == 2) {
+      multiply_blocks_direct<FMT, 2>(job, 0, col, rows);
+    } else {
+      multiply_blocks_direct<FMT, 1>(job, 0, col, rows);
+    }
+  }
+}
+
+// Whether run_tiles took the job: one or two rows on a format of 32-value blocks.
+INLINE bool blocks_direct(const Job& job, int64_t t0, int64_t t1) {
+  if (job.m > 2) return false;
+  switch (job.fmt) {
+    case kQ8_0: blocks_direct_tiles<kQ8_0>(job, t0, t1); return true;
+    case kQ4_0: blocks_direct_tiles<kQ4_0>(job, t0, t1); return true;
+    case kQ4_1: blocks_direct_tiles<kQ4_1>(job, t0, t1); return true;
+    case kQ5_0: blocks_direct_tiles<kQ5_0>(job, t0, t1); return true;
+    case kQ5_1: blocks_direct_tiles<kQ5_1>(job, t0, t1); return true;
+    default: return false;
+  }
+}
+#endif
+
 INLINE void dq_any_row(const Job& job, int64_t row, float* out) {
   const uint8_t* w = job.w + row * job.row_bytes;
   if (job.fmt == kW8) {
@@ -320,6 +433,9 @@ INLINE void run_tiles(const Job& job, int64_t t0, int64_t t1) {
     }
     return;
   }
+#if QUANT_ISA == 2
+  if (blocks_direct(job, t0, t1)) return;
+#endif
   std::vector<float> tile(kTileRows * job.k);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t col = t * kTileRows, rows = std::min<int64_t>(kTileRows, job.n - col);
