@@ -302,8 +302,7 @@ INLINE void multiply_w8_direct(const Job& job, int64_t r, int64_t col, int64_t r
 #if QUANT_ISA == 2
 // The blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) times one or two rows of x (a decode step) with each
 // block's 32 values made in two registers (emit's arithmetic, so the same floats) and multiplied at
-// once: no tile of dequantized rows written and read back, which at one row cost as much as the
-// multiply. Summed in the tile path's order (lane l over values l, l + 16, l + 32, ...).
+// once: no tile of dequantized rows written and read back. Summed in the tile path's order (lane l over values l, l + 16, l + 32, ...).
 template <typename Q>
 INLINE __m512 widen(Q q, float scale, float offset) {
   __m128i b;
@@ -357,8 +356,13 @@ INLINE void multiply_blocks_direct(const Job& job, int64_t r, int64_t col, int64
   const uint8_t* w1 = rows > 1 ? w0 + job.row_bytes : w0;
   const uint8_t* w2 = rows > 2 ? w0 + 2 * job.row_bytes : w0;
   const uint8_t* w3 = rows > 3 ? w0 + 3 * job.row_bytes : w0;
+  // The next tile's four rows, prefetched a slice per block as the integer path does (quant_gemm_int8.h):
+  // the hardware prefetchers follow one stream, not four read side by side.
+  const uint8_t* next = w0 + kTileRows * job.row_bytes;
+  const int64_t step = (kTileRows * job.row_bytes + nb - 1) / nb;
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   for (int64_t i = 0; i < nb; ++i) {
+    for (int64_t o = i * step; o < (i + 1) * step; o += 64) __builtin_prefetch(next + o);
     __m512 l0, h0, l1, h1, l2, h2, l3, h3;
     block_values<FMT>(w0 + i * bytes, l0, h0);
     block_values<FMT>(w1 + i * bytes, l1, h1);
@@ -439,6 +443,12 @@ INLINE void run_tiles(const Job& job, int64_t t0, int64_t t1) {
   std::vector<float> tile(kTileRows * job.k);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t col = t * kTileRows, rows = std::min<int64_t>(kTileRows, job.n - col);
+    // The next tile's bytes requested before this one is multiplied: a decode step streams every weight
+    // from memory once, and the multiply hides the fetch.
+    const uint8_t* next = job.w + (col + kTileRows) * job.row_bytes;
+    if (t + 1 < t1) {
+      for (int64_t o = 0; o < kTileRows * job.row_bytes; o += 64) __builtin_prefetch(next + o);
+    }
     for (int64_t j = 0; j < rows; ++j) dq_any_row(job, col + j, tile.data() + j * job.k);
     if (rows < kTileRows) std::fill(tile.begin() + rows * job.k, tile.end(), 0.f);  // the last tile's gap
     int64_t r = 0;
