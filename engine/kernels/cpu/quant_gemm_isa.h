@@ -329,20 +329,29 @@ INLINE void block_values(const uint8_t* b, __m512& lo, __m512& hi) {
     const vu8 q = bytes16(b + 4);
     lo = widen((vu8)(q & 15), d, m);
     hi = widen((vu8)(q >> 4), d, m);
-  } else {  // Q5_0, Q5_1 (dq_q5)
+  } else {  // Q5_0, Q5_1 (dq_q5's values): the fifth bits straight from qh as lane masks
     constexpr bool kMin = FMT == kQ5_1;
     const uint8_t* qh = b + (kMin ? 4 : 2);
+    uint32_t bits;
+    std::memcpy(&bits, qh, 4);
     const vu8 q = bytes16(qh + 4);
-    vu8 fifth_lo, fifth_hi;
-    fifth_bits(qh, fifth_lo, fifth_hi);
+    __m128i nib_lo, nib_hi;
+    const vu8 q_lo = q & 15, q_hi = q >> 4;
+    std::memcpy(&nib_lo, &q_lo, 16);
+    std::memcpy(&nib_hi, &q_hi, 16);
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __m512i v_lo = _mm512_or_si512(_mm512_cvtepu8_epi32(nib_lo), _mm512_maskz_mov_epi32(bits & 0xFFFF, sixteen));
+    __m512i v_hi = _mm512_or_si512(_mm512_cvtepu8_epi32(nib_hi), _mm512_maskz_mov_epi32(bits >> 16, sixteen));
+    float m = 0.f;
     if constexpr (kMin) {
-      const float m = half_at(b + 2);
-      lo = widen((vu8)((q & 15) | fifth_lo), d, m);
-      hi = widen((vu8)((q >> 4) | fifth_hi), d, m);
+      m = half_at(b + 2);
     } else {
-      lo = widen((vi8)((q & 15) | fifth_lo) - 16, d, 0.f);
-      hi = widen((vi8)((q >> 4) | fifth_hi) - 16, d, 0.f);
+      v_lo = _mm512_sub_epi32(v_lo, sixteen);
+      v_hi = _mm512_sub_epi32(v_hi, sixteen);
     }
+    const __m512 scale = _mm512_set1_ps(d), offset = _mm512_set1_ps(m);
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v_lo), scale, offset);
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v_hi), scale, offset);
   }
 }
 
