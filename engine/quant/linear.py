@@ -35,7 +35,8 @@ CPU_ISAS = ("portable", "avx2", "avx512", "avx512_vnni")
 # Per format, the most rows the integer path multiplies: past it the float32 kernels were as fast or
 # faster (bench/quant_gemm_bench.py, SmolLM2-135M's layer shapes, a 2-core AMD EPYC with AVX-512 VNNI).
 # Q5_0 and Q5_1 were not measured: they take Q4_0's and Q4_1's bound, being those formats' integer path
-# with one more byte shuffle per block for the fifth bit.
+# with one more byte shuffle per block for the fifth bit. A linear layer stops at its own row bound
+# first (engine/layers/linear.py: in a bf16 model on an AVX512_BF16 CPU, 6 rows).
 INT8_ACTIVATION_MAX_ROWS = {
     "Q8_0": 16,
     "Q4_0": 16,
