@@ -320,38 +320,38 @@ INLINE void block_values(const uint8_t* b, __m512& lo, __m512& hi) {
     std::memcpy(&q1, b + 18, 16);
     lo = widen(q0, d, 0.f);
     hi = widen(q1, d, 0.f);
-  } else if constexpr (FMT == kQ4_0) {
-    const vu8 q = bytes16(b + 2);
-    lo = widen((vi8)(q & 15) - 8, d, 0.f);
-    hi = widen((vi8)(q >> 4) - 8, d, 0.f);
-  } else if constexpr (FMT == kQ4_1) {
-    const float m = half_at(b + 2);
-    const vu8 q = bytes16(b + 4);
-    lo = widen((vu8)(q & 15), d, m);
-    hi = widen((vu8)(q >> 4), d, m);
-  } else {  // Q5_0, Q5_1 (dq_q5's values): the fifth bits straight from qh as lane masks
-    constexpr bool kMin = FMT == kQ5_1;
-    const uint8_t* qh = b + (kMin ? 4 : 2);
-    uint32_t bits;
-    std::memcpy(&bits, qh, 4);
-    const vu8 q = bytes16(qh + 4);
-    __m128i nib_lo, nib_hi;
+  } else {
+    // Q4_0, Q4_1, Q5_0, Q5_1: a block's 16 (or 32) possible values made once, d * (i - offset) + m by
+    // emit's arithmetic, and each lane's value looked up by its quant (vpermps; Q5's fifth bit picks
+    // the second table, vpermt2ps): one lookup per 16 values where the conversion took three.
+    constexpr bool kFive = FMT == kQ5_0 || FMT == kQ5_1;
+    constexpr bool kMin = FMT == kQ4_1 || FMT == kQ5_1;
+    constexpr float kOffset = FMT == kQ4_0 ? 8.f : FMT == kQ5_0 ? 16.f : 0.f;
+    const float m = kMin ? half_at(b + 2) : 0.f;
+    const uint8_t* qs = b + 2 + (kMin ? 2 : 0) + (kFive ? 4 : 0);
+    const vu8 q = bytes16(qs);
     const vu8 q_lo = q & 15, q_hi = q >> 4;
+    __m128i nib_lo, nib_hi;
     std::memcpy(&nib_lo, &q_lo, 16);
     std::memcpy(&nib_hi, &q_hi, 16);
-    const __m512i sixteen = _mm512_set1_epi32(16);
-    __m512i v_lo = _mm512_or_si512(_mm512_cvtepu8_epi32(nib_lo), _mm512_maskz_mov_epi32(bits & 0xFFFF, sixteen));
-    __m512i v_hi = _mm512_or_si512(_mm512_cvtepu8_epi32(nib_hi), _mm512_maskz_mov_epi32(bits >> 16, sixteen));
-    float m = 0.f;
-    if constexpr (kMin) {
-      m = half_at(b + 2);
+    __m512i idx_lo = _mm512_cvtepu8_epi32(nib_lo), idx_hi = _mm512_cvtepu8_epi32(nib_hi);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 scale = _mm512_set1_ps(d), min = _mm512_set1_ps(m);
+    const __m512 low = _mm512_fmadd_ps(_mm512_sub_ps(iota, _mm512_set1_ps(kOffset)), scale, min);
+    if constexpr (kFive) {
+      uint32_t bits;
+      std::memcpy(&bits, b + 2 + (kMin ? 2 : 0), 4);
+      const __m512i sixteen = _mm512_set1_epi32(16);
+      idx_lo = _mm512_or_si512(idx_lo, _mm512_maskz_mov_epi32(static_cast<__mmask16>(bits & 0xFFFF), sixteen));
+      idx_hi = _mm512_or_si512(idx_hi, _mm512_maskz_mov_epi32(static_cast<__mmask16>(bits >> 16), sixteen));
+      const __m512 high =
+          _mm512_fmadd_ps(_mm512_sub_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.f)), _mm512_set1_ps(kOffset)), scale, min);
+      lo = _mm512_permutex2var_ps(low, idx_lo, high);
+      hi = _mm512_permutex2var_ps(low, idx_hi, high);
     } else {
-      v_lo = _mm512_sub_epi32(v_lo, sixteen);
-      v_hi = _mm512_sub_epi32(v_hi, sixteen);
+      lo = _mm512_permutexvar_ps(idx_lo, low);
+      hi = _mm512_permutexvar_ps(idx_hi, low);
     }
-    const __m512 scale = _mm512_set1_ps(d), offset = _mm512_set1_ps(m);
-    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v_lo), scale, offset);
-    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v_hi), scale, offset);
   }
 }
 
