@@ -138,6 +138,24 @@ struct IntJob {
   float* out;         // [m, n] contiguous
 };
 
+// A tile's four weight rows from row col of w; rows past the last (rows < 4) read the first again and
+// are not stored (store_tile).
+struct TileRows {
+  const uint8_t *w0, *w1, *w2, *w3;
+};
+INLINE TileRows tile_rows(const uint8_t* w, int64_t row_bytes, int64_t col, int64_t rows) {
+  const uint8_t* w0 = w + col * row_bytes;
+  return {w0, rows > 1 ? w0 + row_bytes : w0, rows > 2 ? w0 + 2 * row_bytes : w0, rows > 3 ? w0 + 3 * row_bytes : w0};
+}
+
+// out[r .. r + mr, col .. col + rows) = sums (+ bias), out n columns wide.
+INLINE void store_tile(float* out, int64_t n, const float* bias, const float (&sums)[2][4], int mr, int64_t r,
+                       int64_t col, int64_t rows) {
+  for (int mm = 0; mm < mr; ++mm) {
+    for (int64_t c = 0; c < rows; ++c) out[(r + mm) * n + col + c] = sums[mm][c] + (bias != nullptr ? bias[col + c] : 0.f);
+  }
+}
+
 // The kernels, once per instruction set (quant_gemm_isa.h; the integer path: quant_gemm_int8.h).
 #ifdef QUANT_X86
 #pragma GCC push_options

@@ -188,10 +188,7 @@ INLINE float hsum8(f32x8 v) {
 template <int64_t FMT, int MR>
 INLINE void int_tile(const IntJob& job, int64_t r, int64_t col, int64_t rows) {
   const int64_t nb = job.k / 32;
-  const uint8_t* w0 = job.w + col * job.row_bytes;
-  const uint8_t* w1 = rows > 1 ? w0 + job.row_bytes : w0;
-  const uint8_t* w2 = rows > 2 ? w0 + 2 * job.row_bytes : w0;
-  const uint8_t* w3 = rows > 3 ? w0 + 3 * job.row_bytes : w0;
+  const auto [w0, w1, w2, w3] = tile_rows(job.w, job.row_bytes, col, rows);
   const int8_t* xq0 = job.xq + r * job.k;
   const int8_t* xq1 = xq0 + (MR == 2 ? job.k : 0);
   const float* xd0 = job.xd + r * nb;
@@ -251,11 +248,7 @@ INLINE void int_tile(const IntJob& job, int64_t r, int64_t col, int64_t rows) {
   }
   const float sums[2][4] = {{hsum8(a0) + ma0, hsum8(a1) + ma1, hsum8(a2) + ma2, hsum8(a3) + ma3},
                             {hsum8(b0) + mb0, hsum8(b1) + mb1, hsum8(b2) + mb2, hsum8(b3) + mb3}};
-  for (int mm = 0; mm < MR; ++mm) {
-    for (int64_t c = 0; c < rows; ++c) {
-      job.out[(r + mm) * job.n + col + c] = sums[mm][c] + (job.bias != nullptr ? job.bias[col + c] : 0.f);
-    }
-  }
+  store_tile(job.out, job.n, job.bias, sums, MR, r, col, rows);
 }
 
 template <int64_t FMT>

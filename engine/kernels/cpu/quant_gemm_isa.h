@@ -255,11 +255,7 @@ INLINE void multiply_tile(const Job& job, const float* tile, int64_t r, int64_t 
     }
   }
   const float sums[2][4] = {{hsum(a0), hsum(a1), hsum(a2), hsum(a3)}, {hsum(b0), hsum(b1), hsum(b2), hsum(b3)}};
-  for (int mm = 0; mm < MR; ++mm) {
-    for (int64_t j = 0; j < rows; ++j) {
-      job.out[(r + mm) * job.n + col + j] = sums[mm][j] + (job.bias != nullptr ? job.bias[col + j] : 0.f);
-    }
-  }
+  store_tile(job.out, job.n, job.bias, sums, MR, r, col, rows);
 }
 
 // Per-channel int8 weights times one or two rows of x (a decode step): each weight vector converted in
@@ -270,10 +266,7 @@ INLINE void multiply_w8_direct(const Job& job, int64_t r, int64_t col, int64_t r
   const int64_t k = job.k;
   const float* x0 = job.x + r * job.ldx;
   const float* x1 = x0 + (MR == 2 ? job.ldx : 0);
-  const uint8_t* w0 = job.w + col * job.row_bytes;
-  const uint8_t* w1 = rows > 1 ? w0 + job.row_bytes : w0;
-  const uint8_t* w2 = rows > 2 ? w0 + 2 * job.row_bytes : w0;
-  const uint8_t* w3 = rows > 3 ? w0 + 3 * job.row_bytes : w0;
+  const auto [w0, w1, w2, w3] = tile_rows(job.w, job.row_bytes, col, rows);
   VF a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
   for (int64_t i = 0; i < k; i += sizeof(VF) / sizeof(float)) {
     const VF q0 = load_i8(w0 + i), q1 = load_i8(w1 + i), q2 = load_i8(w2 + i), q3 = load_i8(w3 + i);
@@ -361,10 +354,7 @@ INLINE void multiply_blocks_direct(const Job& job, int64_t r, int64_t col, int64
   const int64_t nb = job.k / 32;
   const float* x0 = job.x + r * job.ldx;
   const float* x1 = x0 + (MR == 2 ? job.ldx : 0);
-  const uint8_t* w0 = job.w + col * job.row_bytes;
-  const uint8_t* w1 = rows > 1 ? w0 + job.row_bytes : w0;
-  const uint8_t* w2 = rows > 2 ? w0 + 2 * job.row_bytes : w0;
-  const uint8_t* w3 = rows > 3 ? w0 + 3 * job.row_bytes : w0;
+  const auto [w0, w1, w2, w3] = tile_rows(job.w, job.row_bytes, col, rows);
   // The next tile's four rows, prefetched a slice per block as the integer path does (quant_gemm_int8.h):
   // the hardware prefetchers follow one stream, not four read side by side.
   const uint8_t* next = w0 + kTileRows * job.row_bytes;
@@ -392,11 +382,7 @@ INLINE void multiply_blocks_direct(const Job& job, int64_t r, int64_t col, int64
   }
   const float sums[2][4] = {{hsum((VF)a0), hsum((VF)a1), hsum((VF)a2), hsum((VF)a3)},
                             {hsum((VF)b0), hsum((VF)b1), hsum((VF)b2), hsum((VF)b3)}};
-  for (int mm = 0; mm < MR; ++mm) {
-    for (int64_t j = 0; j < rows; ++j) {
-      job.out[(r + mm) * job.n + col + j] = sums[mm][j] + (job.bias != nullptr ? job.bias[col + j] : 0.f);
-    }
-  }
+  store_tile(job.out, job.n, job.bias, sums, MR, r, col, rows);
 }
 
 template <int64_t FMT>
