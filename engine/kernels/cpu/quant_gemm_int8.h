@@ -195,10 +195,7 @@ INLINE void int_tile(const IntJob& job, int64_t r, int64_t col, int64_t rows) {
   const float* xd1 = xd0 + (MR == 2 ? nb : 0);
   const float* xs0 = job.xs + r * nb;
   const float* xs1 = xs0 + (MR == 2 ? nb : 0);
-  // The next tile's rows, prefetched a slice per sub-block: four rows read side by side 34 bytes at a
-  // time streamed from memory at half the float path's rate (which reads a row at a time) without it.
-  const uint8_t* next = w0 + kTileRows * job.row_bytes;
-  const int64_t step = (kTileRows * job.row_bytes + nb - 1) / nb;
+  const NextTile prefetch = next_tile(w0, job.row_bytes, nb);
   f32x8 a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
   float ma0 = 0.f, ma1 = 0.f, ma2 = 0.f, ma3 = 0.f, mb0 = 0.f, mb1 = 0.f, mb2 = 0.f, mb3 = 0.f;
   // A K-quant's sub-blocks in an inner loop of constant length, unrolled: each sub-block's position in
@@ -208,7 +205,7 @@ INLINE void int_tile(const IntJob& job, int64_t r, int64_t col, int64_t rows) {
   for (int64_t jo = 0; jo < nb; jo += kInner) {
 #pragma GCC unroll 8
   for (int64_t j = jo; j < jo + kInner; ++j) {
-    for (int64_t o = j * step; o < (j + 1) * step; o += 64) __builtin_prefetch(next + o);
+    prefetch.fetch(j);
     u8x32 q0, q1, q2, q3;
     f32x8 s0, s1, s2, s3;
     float m0 = 0.f, m1 = 0.f, m2 = 0.f, m3 = 0.f;

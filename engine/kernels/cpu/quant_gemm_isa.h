@@ -355,13 +355,10 @@ INLINE void multiply_blocks_direct(const Job& job, int64_t r, int64_t col, int64
   const float* x0 = job.x + r * job.ldx;
   const float* x1 = x0 + (MR == 2 ? job.ldx : 0);
   const auto [w0, w1, w2, w3] = tile_rows(job.w, job.row_bytes, col, rows);
-  // The next tile's four rows, prefetched a slice per block as the integer path does (quant_gemm_int8.h):
-  // the hardware prefetchers follow one stream, not four read side by side.
-  const uint8_t* next = w0 + kTileRows * job.row_bytes;
-  const int64_t step = (kTileRows * job.row_bytes + nb - 1) / nb;
+  const NextTile prefetch = next_tile(w0, job.row_bytes, nb);
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
   for (int64_t i = 0; i < nb; ++i) {
-    for (int64_t o = i * step; o < (i + 1) * step; o += 64) __builtin_prefetch(next + o);
+    prefetch.fetch(i);
     __m512 l0, h0, l1, h1, l2, h2, l3, h3;
     block_values<FMT>(w0 + i * bytes, l0, h0);
     block_values<FMT>(w1 + i * bytes, l1, h1);
@@ -452,12 +449,7 @@ INLINE void run_tiles(const Job& job, int64_t t0, int64_t t1) {
   }
 }
 
-INLINE void dequantize_rows(const Job& job, int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) dq_any_row(job, r, job.out + r * job.k);
-}
 
-// Entry points: out features' tiles [t0, t1) of a multiply; rows [r0, r1) of a dequantization.
+// Entry points: out features' tiles [t0, t1) of a multiply; row r of the weight dequantized into out[0, k).
 inline void tiles(const Job& job, int64_t t0, int64_t t1) { run_tiles(job, t0, t1); }
-inline void rows(const Job& job, int64_t r0, int64_t r1) { dequantize_rows(job, r0, r1); }
-// Row r of the weight, dequantized into out[0, k).
 inline void row_to(const Job& job, int64_t r, float* out) { dq_any_row(job, r, out); }
