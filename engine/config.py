@@ -13,6 +13,7 @@ import torch
 from engine.async_scheduling import decide_async_scheduling
 from engine.inputs import ModelContext
 from engine.platform.cpu import cpu_auto_dtype
+from engine.quant.resolve import resolve_kv_cache_dtype, resolve_quantization
 
 _DTYPES = {
     "float32": torch.float32,
@@ -417,77 +418,7 @@ class EngineConfig:
             async_scheduling=overlap,
             async_scheduling_reason=overlap_reason,
             tensor_parallel_size=args.tensor_parallel_size,
-            quantization=_quantization(args),
+            quantization=resolve_quantization(args),
             grammar_compile_timeout_s=args.grammar_compile_timeout_s,
-            kv_cache_dtype=_kv_cache_dtype(args.kv_cache_dtype, dtype, model.head_dim, attn, device),
+            kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype, model.head_dim, attn, device),
         )
-
-
-def _kv_cache_dtype(
-    name: str, dtype: torch.dtype, head_size: int, backend: str, device: torch.device
-) -> torch.dtype:
-    """``EngineArgs.kv_cache_dtype`` resolved: the cache's storage dtype, or a ValueError saying why
-    this model, backend or device cannot keep it."""
-    from engine.kernels import kv_quant
-
-    if name == "auto":
-        return dtype
-    cache_dtype = kv_quant.KV_CACHE_DTYPES[name]
-    if head_size % 4:
-        raise ValueError(
-            f"kv_cache_dtype={name!r} needs a head size that is a multiple of 4, not {head_size}"
-        )
-    if cache_dtype == torch.float8_e4m3fn and backend == "triton" and device.type == "cuda":
-        capability = torch.cuda.get_device_capability(device)
-        if capability < (8, 9):
-            raise ValueError(
-                f"kv_cache_dtype='fp8_e4m3' needs a GPU with fp8 conversions (compute capability 8.9+, "
-                f"e.g. L4, H100); this one is {capability[0]}.{capability[1]}: use kv_cache_dtype='int8'"
-            )
-    return cache_dtype
-
-
-def _quantization(args: EngineArgs) -> str | None:
-    """``EngineArgs.quantization`` resolved against the checkpoint: "gguf", "compressed-tensors" or None
-    (float weights, a quantized checkpoint's dequantised)."""
-    from engine.models.gguf import is_gguf
-
-    gguf_file = args.load_format == "auto" and is_gguf(args.model)
-    if args.quantization == "gguf" and not gguf_file:
-        raise ValueError(f"quantization='gguf' needs a .gguf checkpoint; {args.model!r} is not one")
-    if not gguf_file:
-        return _hf_quantization(args)
-    if not gguf_file or args.quantization == "none":
-        return None
-    if args.tensor_parallel_size > 1:
-        raise ValueError(
-            "a GGUF's block formats do not split over tensor-parallel ranks here; "
-            "use quantization='none' (its float copy) with tensor_parallel_size > 1"
-        )
-    return "gguf"
-
-
-def _hf_quantization(args: EngineArgs) -> str | None:
-    """An HF checkpoint's ``quantization_config``: compressed-tensors W8A16 kept as int8 (or dequantised
-    with ``quantization='none'``), anything else refused by name (engine/quant/compressed_tensors.py)."""
-    from engine.quant import compressed_tensors
-
-    cfg = Path(args.model) / "config.json"
-    raw = json.loads(cfg.read_text()) if args.load_format == "auto" and cfg.is_file() else {}
-    method = compressed_tensors.quantization_method(raw)
-    if method is None:
-        if args.quantization == "compressed-tensors":
-            raise ValueError(
-                "quantization='compressed-tensors' needs a compressed-tensors checkpoint; "
-                f"{args.model!r} is not one"
-            )
-        return None
-    compressed_tensors.check_w8a16(raw)
-    if args.quantization == "none":
-        return None
-    if args.tensor_parallel_size > 1:
-        raise ValueError(
-            "int8 (W8A16) weights do not split over tensor-parallel ranks here; use quantization='none' "
-            "(dequantised to dtype) with tensor_parallel_size > 1"
-        )
-    return compressed_tensors.METHOD

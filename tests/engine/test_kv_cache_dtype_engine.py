@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import _kv_cache_dtype
 from engine.kernels import cpu as cpu_kernels
+from engine.quant.resolve import resolve_kv_cache_dtype
 
 PROMPTS = [[5, 17, 42, 9, 3, 88, 61, 7, 150, 23, 11], [200, 4, 4, 90]]
 # Six tokens: the random-weight model's next-token logits are nearly flat, and by the eighth token of
@@ -71,10 +71,11 @@ def test_what_cannot_keep_an_8bit_cache_is_refused(
     with pytest.raises(ValueError, match="unsupported kv_cache_dtype 'fp16'"):
         LLM(str(tiny_llama_path), kv_cache_dtype="fp16")
     with pytest.raises(ValueError, match="multiple of 4, not 6"):
-        _kv_cache_dtype("int8", torch.float32, 6, "torch", torch.device("cpu"))
+        resolve_kv_cache_dtype("int8", torch.float32, 6, "torch", torch.device("cpu"))
     # No GPU here: the capability query is faked to be an A100's (8.0), whose Triton has no fp8 cast.
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match=r"compute capability 8\.9\+.*this one is 8\.0.*'int8'"):
-        _kv_cache_dtype("fp8_e4m3", torch.bfloat16, 128, "triton", torch.device("cuda"))
-    assert _kv_cache_dtype("int8", torch.bfloat16, 128, "triton", torch.device("cuda")) == torch.int8
-    assert _kv_cache_dtype("auto", torch.bfloat16, 128, "triton", torch.device("cuda")) == torch.bfloat16
+        resolve_kv_cache_dtype("fp8_e4m3", torch.bfloat16, 128, "triton", torch.device("cuda"))
+    cuda = torch.device("cuda")
+    assert resolve_kv_cache_dtype("int8", torch.bfloat16, 128, "triton", cuda) == torch.int8
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, 128, "triton", cuda) == torch.bfloat16
