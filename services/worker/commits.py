@@ -45,7 +45,8 @@ class Committer:
             # listener awaits this.
             ends = await asyncio.wait_for(self.consumer.end_offsets(list(offsets)), COMMIT_TIMEOUT_S)
             suspects = {tp for tp, position in offsets.items() if position > ends.get(tp, position)}
-            stale = {tp for tp in suspects if not await self._still_there(tp)}
+            # Reading the log back is bounded too: a timeout commits nothing this round (below).
+            stale = await asyncio.wait_for(self._gone(suspects), COMMIT_TIMEOUT_S) if suspects else set()
             if stale:
                 log.warning("not committing past the end of %s: the broker lost its log", sorted(stale))
                 self.tracker.forget(stale)
@@ -57,6 +58,9 @@ class Committer:
             # Not fatal: the offsets are committed with the next success, or the requests are
             # redelivered after a rebalance and skipped as terminal.
             log.warning("commit failed: %r", exc)
+
+    async def _gone(self, suspects: set[TopicPartition]) -> set[TopicPartition]:
+        return {tp for tp in suspects if not await self._still_there(tp)}
 
     async def _still_there(self, tp: TopicPartition) -> bool:
         """Read the last message the commit passes: an end offset that lags a record batch (tansu's)

@@ -167,7 +167,7 @@ class Worker:
         await self.stop()
 
     async def stop(self) -> None:
-        await self.committer.commit_now()
+        await _bounded("committing offsets", self.committer.commit_now())
         if self.consumer is not None:
             began = time.monotonic()
             try:
