@@ -2,15 +2,16 @@
 
 Measured: the resident memory (VmRSS, and its peak VmHWM) of a fresh process after ``LLM(...)`` has
 loaded the model with a fixed KV cache (``--num-blocks``), for the default model (SmolLM2-135M) served
-from its own Q4_1 blocks, as W8A16 int8 (a compressed-tensors checkpoint made here from its float copy)
-and as its float32 copy; then, in the same process, batch-1 decode tok/s. One child process per
-configuration, so no one's pages stay behind.
+from its own Q4_1 blocks, as W8A16 int8 (a compressed-tensors checkpoint made here from its float copy),
+as fp8 (its float copy quantized at load, ``quantization="fp8"``) and as its float32 copy; then, in
+the same process, batch-1 decode tok/s. One child process per configuration, so no one's pages stay
+behind.
 
 Computed: the largest of the planner's model shapes (inflight/plan/presets.py) that fits a host of
 ``--host-gb`` GB for each weight format, by the planner's arithmetic (``activation_reserve``: 1 GiB of
 runtime plus a full-budget step's activations; the weights; a KV cache holding ``--context`` tokens
 in the activations' dtype). Block formats count their bytes per value as stored (Q4_K: 144 bytes per
-256 values); W8A16 keeps the embedding and the LM head in bf16 (compressed-tensors quantizes linears).
+256 values); W8A16 and fp8 keep the embedding and the LM head in bf16 (both quantize linears only).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ GB = 1e9
 _BYTES_PER_VALUE = {
     "float32": 4.0,
     "bfloat16": 2.0,
-    "W8A16": 1.0,
+    "W8A16 or fp8": 1.0,
     "Q8_0": 34 / 32,
     "Q6_K": 210 / 256,
     "Q5_K": 176 / 256,
@@ -101,7 +102,7 @@ def write_w8a16_copy(float_dir: Path, target: Path) -> Path:
 
     from safetensors.torch import load_file, save_file
 
-    from engine.quant.int8 import quantize_per_channel
+    from engine.quant.channel import quantize_per_channel
 
     if (target / "config.json").is_file():
         return target
@@ -143,6 +144,7 @@ def _measure(args: argparse.Namespace, gguf: Path) -> list[dict[str, Any]]:
     for label, model, quantization in (
         (f"{gguf.name} blocks", str(gguf), "auto"),
         ("W8A16 int8 (from the float copy)", str(w8), "auto"),
+        ("fp8 at load (from the float copy)", str(float_dir), "fp8"),
         ("float32 copy", str(gguf), "none"),
     ):
         cmd = [sys.executable, "-m", "bench", "memory", "--one", model, quantization]
@@ -164,7 +166,7 @@ def fit(host_gb: float, context: int, kv_bytes: int) -> list[dict[str, Any]]:
         table = shape.embedding_params + (0 if shape.tie_word_embeddings else shape.lm_head_params)
         linears = shape.params - table
         for fmt, per_value in _BYTES_PER_VALUE.items():
-            weights = linears * per_value + table * (2.0 if fmt == "W8A16" else per_value)
+            weights = linears * per_value + table * (2.0 if fmt == "W8A16 or fp8" else per_value)
             total = weights + reserve + kv
             rows.append(
                 {

@@ -208,11 +208,13 @@ class EngineArgs:
     device: str = "auto"  # auto: cuda when available, else cpu; or a torch device name.
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights from config.json only
     # auto: a .gguf file's linear layers and embedding stay in its block formats (Q8_0, Q4_0, Q4_1,
-    # Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), an HF checkpoint is read as stored (compressed-tensors W8A16: int8
+    # Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), an HF checkpoint is read as stored (compressed-tensors: int8 or fp8
     # weights with per-channel scales; other quantization schemes refused); gguf / compressed-tensors:
-    # the same, refused for any other kind of checkpoint; none: every weight dequantised to dtype (a
+    # the same, refused for any other kind of checkpoint; fp8: a float HF checkpoint's decoder linears
+    # quantized at load to fp8 e4m3 with one scale per output channel (engine/quant/channel.py; the
+    # embedding, LM head and MoE experts stay in dtype); none: every weight dequantised to dtype (a
     # GGUF's float copy in the model cache).
-    quantization: Literal["auto", "gguf", "compressed-tensors", "none"] = "auto"
+    quantization: Literal["auto", "gguf", "compressed-tensors", "fp8", "none"] = "auto"
     # auto: K/V cached in dtype; int8 or fp8_e4m3: one byte per value plus a float32 scale per token and
     # kv head (engine/kernels/kv_quant.py), a quarter of float32's bytes or about half of bf16's, so
     # about twice the tokens in the same memory (fp8_e4m3 on GPUs needs compute capability 8.9+).
@@ -266,10 +268,11 @@ class EngineArgs:
             raise ValueError(f"unsupported dtype {self.dtype!r}; use auto, float32, bfloat16 or float16")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"unknown load_format {self.load_format!r}")
-        if self.quantization not in ("auto", "gguf", "compressed-tensors", "none"):
+        if self.quantization not in ("auto", "gguf", "compressed-tensors", "fp8", "none"):
             raise ValueError(
                 f"unsupported quantization {self.quantization!r}; inflight serves auto, gguf (a .gguf file's "
-                "block formats kept), compressed-tensors (W8A16 int8 weights kept) and none"
+                "block formats kept), compressed-tensors (int8 or fp8 weights kept), fp8 (a float "
+                "checkpoint's linears quantized at load) and none"
             )
         if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
             raise ValueError(
@@ -321,7 +324,8 @@ class EngineConfig:
     async_scheduling: bool = False
     async_scheduling_reason: str = "default"  # why it is on or off, for the engine's start-up log
     tensor_parallel_size: int = 1
-    # "gguf": the linear layers multiply the GGUF file's blocks as stored; None: float weights.
+    # "gguf": the linear layers multiply the GGUF file's blocks as stored; "compressed-tensors": a
+    # checkpoint's int8 or fp8 weights kept; "fp8": float weights quantized at load; None: float weights.
     quantization: str | None = None
     grammar_compile_timeout_s: float | None = None  # EngineArgs'; None: in process, unbounded
     # The KV cache's storage dtype: dtype itself, or torch.int8 / torch.float8_e4m3fn for the 8-bit

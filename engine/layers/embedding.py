@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from engine.distributed.parallel_state import TensorParallel
 from engine.layers.kernels import Kernels
 from engine.layers.linear import SingleWeight, matmul
+from engine.quant.channel import ChannelWeight
 from engine.quant.gguf_weights import embedding_rows
-from engine.quant.int8 import Int8Weight
 from engine.quant.weight import QuantizedWeight
 
 
@@ -39,7 +39,7 @@ class VocabEmbedding:
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if isinstance(self.table, QuantizedWeight):  # tensor parallel refuses block formats
             hidden = embedding_rows(self.table, input_ids).to(self.dtype)
-        elif isinstance(self.table, Int8Weight):  # and int8 weights
+        elif isinstance(self.table, ChannelWeight):  # and int8 weights
             rows = input_ids.long()
             hidden = (self.table.qweight[rows].float() * self.table.scale[rows, None]).to(self.dtype)
         elif not self.tp.enabled:
@@ -67,7 +67,7 @@ class LMHead:
         soft_cap: float | None = None,
         scaling: float = 1.0,
     ) -> None:
-        self.weight = weight if isinstance(weight, QuantizedWeight | Int8Weight) else kernels.pack(weight)
+        self.weight = weight if isinstance(weight, QuantizedWeight | ChannelWeight) else kernels.pack(weight)
         self.kernels = kernels
         self.tp = tp
         self.vocab_size = vocab_size

@@ -1,7 +1,7 @@
 """Linear layers: ``y = x W^T (+ b)`` on whatever layout the engine's kernel reads.
 
 The weight kind decides the kernel, in ``matmul`` and nowhere else: a GGUF block format
-(``QuantizedWeight``: engine/quant, multiplied as stored), per-channel int8 (``Int8Weight``, W8A16),
+(``QuantizedWeight``: engine/quant, multiplied as stored), per-channel int8 (``ChannelWeight``, W8A16),
 column panels (3-D, the engine's own CPU
 kernels: engine/models/cpu_gemm.py), oneDNN's packed weights (CPU), or a plain [out, in] tensor
 (torch's matmul; cuBLAS on a GPU).
@@ -23,13 +23,13 @@ from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.layers.kernels import Kernels
 from engine.models import cpu_gemm, onednn
 from engine.platform.cpu import cpu_flags, cpu_has_bf16_matmul
-from engine.quant.int8 import Int8Weight, int8_linear
+from engine.quant.channel import ChannelWeight, channel_linear
 from engine.quant.linear import dequantize_for_step, quant_linear, round_activations, rounds_activations
 from engine.quant.stacked import StackedWeight
 from engine.quant.weight import QuantizedWeight
 
 # One stored layout (an embedding table or LM head is one of these); a fused linear may also be a stack.
-SingleWeight = torch.Tensor | QuantizedWeight | Int8Weight
+SingleWeight = torch.Tensor | QuantizedWeight | ChannelWeight
 Weight = SingleWeight | StackedWeight
 # Up to this many rows a block-format or int8 weight is multiplied as stored (engine/quant: a decode step
 # reads each weight once, a quarter to a half of float32's bytes); past it, dequantised for the step and
@@ -71,7 +71,7 @@ class Linear:
             self.weight: Weight = weight.map(
                 lambda part: kernels.pack(part) if isinstance(part, torch.Tensor) else part
             )
-        elif isinstance(weight, QuantizedWeight | Int8Weight):
+        elif isinstance(weight, QuantizedWeight | ChannelWeight):
             self.out_features, self.in_features = weight.out_features, weight.in_features
             self.weight = weight
         else:
@@ -95,10 +95,10 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
         biases = [None] * len(weight.parts) if bias is None else bias.split(list(weight.splits))
         outs = [matmul(x, part, b, kernels) for part, b in zip(weight.parts, biases, strict=True)]
         return torch.cat(outs, dim=1)
-    if isinstance(weight, QuantizedWeight | Int8Weight):
+    if isinstance(weight, QuantizedWeight | ChannelWeight):
         if x.shape[0] <= quant_kernel_max_rows(x.device.type, x.dtype):
-            if isinstance(weight, Int8Weight):
-                return int8_linear(x, weight, bias)
+            if isinstance(weight, ChannelWeight):
+                return channel_linear(x, weight, bias)
             return quant_linear(x, weight, bias)
         # A prefill's many rows are bound by the multiplies, not by reading the weight: dequantising it
         # once for the whole chunk and multiplying in float beats re-expanding blocks per row tile.

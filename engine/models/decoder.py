@@ -33,7 +33,7 @@ from engine.layers.kernels import CustomOp, Kernels
 from engine.layers.linear import Linear, Weight
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.quant.int8 import Int8Weight
+from engine.quant.channel import ChannelWeight
 from engine.quant.stacked import StackedWeight
 from engine.quant.weight import QuantizedWeight
 
@@ -340,6 +340,6 @@ class DecoderModel:
 
 
 def _nbytes(t: Weight) -> int:
-    if isinstance(t, QuantizedWeight | Int8Weight | StackedWeight):
+    if isinstance(t, QuantizedWeight | ChannelWeight | StackedWeight):
         return t.nbytes
     return t.numel() * t.element_size()

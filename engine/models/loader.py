@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -10,9 +11,11 @@ import torch
 
 from engine.config import ModelConfig
 from engine.models.gguf import local_checkpoint
-from engine.quant.int8 import Int8Weight
+from engine.quant.channel import ChannelWeight, quantize_per_channel
 from engine.quant.stacked import StackedWeight
 from engine.quant.weight import QuantizedWeight
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.distributed.sharding import ShardPlan
@@ -72,21 +75,26 @@ def read_safetensors(
 
 def read_compressed_tensors(
     path: Path, family: Family, raw_config: dict[str, Any], keep_int8: bool
-) -> dict[str, torch.Tensor | Int8Weight]:
-    """A compressed-tensors W8A16 checkpoint's tensors under their canonical names, each quantized linear
-    an ``Int8Weight`` (``keep_int8``) or its dequantised float32 weight. No tensor-parallel slicing
-    (refused with int8 weights; the dequantised copy is read whole)."""
+) -> dict[str, torch.Tensor | ChannelWeight]:
+    """A compressed-tensors checkpoint's tensors under their canonical names, each quantized linear a
+    ``ChannelWeight`` (int8 or fp8 codes; ``keep_int8``) or its dequantised float32 weight. No
+    tensor-parallel slicing (refused with 8-bit weights; the dequantised copy is read whole)."""
     from safetensors.torch import load_file
 
-    from engine.quant.compressed_tensors import check_w8a16, combine
+    from engine.quant.compressed_tensors import check_supported, combine
 
-    check_w8a16(raw_config)
+    for scheme in check_supported(raw_config):
+        logger.warning(
+            "%s: the checkpoint's fp8 activations are not applied; its fp8 weights are served with "
+            "activations in the model's dtype",
+            scheme,
+        )
     stored: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
         stored.update(load_file(str(file)))
-    out: dict[str, torch.Tensor | Int8Weight] = {}
+    out: dict[str, torch.Tensor | ChannelWeight] = {}
     for stored_name, weight in combine(stored).items():
-        if isinstance(weight, Int8Weight) and not keep_int8:
+        if isinstance(weight, ChannelWeight) and not keep_int8:
             weight = weight.dequantize()
         name = family.canonical(stored_name)
         parts = family.fused(name, raw_config) if family.fused else None
@@ -97,7 +105,7 @@ def read_compressed_tensors(
         for part, rows in parts:  # a fused checkpoint tensor (Phi-3's qkv_proj): row ranges
             out[part] = (
                 weight.narrow_rows(start, start + rows)
-                if isinstance(weight, Int8Weight)
+                if isinstance(weight, ChannelWeight)
                 else weight[start : start + rows].clone()
             )
             start += rows
@@ -187,7 +195,7 @@ def dummy_weights(
     return w
 
 
-Weight = torch.Tensor | QuantizedWeight | Int8Weight | StackedWeight
+Weight = torch.Tensor | QuantizedWeight | ChannelWeight | StackedWeight
 
 
 def _cat(parts: list[Weight]) -> Weight:
@@ -199,8 +207,8 @@ def _cat(parts: list[Weight]) -> Weight:
     blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(blocks) == len(parts) and len({(p.format, p.in_features) for p in blocks}) == 1:
         return QuantizedWeight.cat_rows(blocks)
-    if all(isinstance(p, Int8Weight) for p in parts):
-        return Int8Weight.cat_rows(parts)  # type: ignore[arg-type]
+    if all(isinstance(p, ChannelWeight) for p in parts):
+        return ChannelWeight.cat_rows(parts)  # type: ignore[arg-type]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)  # type: ignore[arg-type]
     return StackedWeight.of(parts)  # type: ignore[arg-type]
@@ -209,7 +217,7 @@ def _cat(parts: list[Weight]) -> Weight:
 def _place(weight: Weight, dtype: torch.dtype, device: torch.device) -> Weight:
     if isinstance(weight, StackedWeight):
         return weight.map(lambda part: _place(part, dtype, device))  # type: ignore[arg-type,return-value]
-    if isinstance(weight, QuantizedWeight | Int8Weight):
+    if isinstance(weight, QuantizedWeight | ChannelWeight):
         return weight.to(device)
     return weight.to(device=device, dtype=dtype).contiguous()
 
@@ -219,7 +227,7 @@ def merge_weights(
 ) -> dict[str, Any]:
     """Cast, move, fuse q/k/v and gate/up (two fewer matmuls a layer), and stack each MoE layer's
     experts into ``mlp.experts.w13`` [E, 2I, H] (gate rows, then up) and ``mlp.experts.w2`` [E, H, I].
-    Weights kept in a GGUF block format (``QuantizedWeight``) or as int8 (``Int8Weight``) are fused by
+    Weights kept in a GGUF block format (``QuantizedWeight``) or as int8 (``ChannelWeight``) are fused by
     whole rows, never cast."""
 
     def take(name: str) -> Any:
@@ -284,7 +292,8 @@ def load_weights(
 ) -> dict[str, Any]:
     """The merged weights; with a tensor-parallel ``plan``, this rank's shard of them; with
     ``quantization="gguf"``, a GGUF file's linear layers and embedding in its block formats; with
-    ``"compressed-tensors"``, a W8A16 checkpoint's linears as int8 (without it, dequantised)."""
+    ``"compressed-tensors"``, a checkpoint's int8 or fp8 linears as stored (without it, dequantised);
+    with ``"fp8"``, a float checkpoint's decoder linears quantized to fp8 per output channel."""
     from engine.models.registry import family_of
 
     if quantization == "gguf":
@@ -307,4 +316,25 @@ def load_weights(
                 raw = {name: plan.take(name, _region_reader(w)) for name, w in raw.items()}
         else:
             raw = read_safetensors(local, plan, family_of(config.architecture), raw_config)
-    return merge_weights(config, raw, dtype, device)
+    merged = merge_weights(config, raw, dtype, device)
+    if quantization == "fp8":
+        quantize_linears(merged, torch.float8_e4m3fn)
+    return merged
+
+
+# The decoder's dense linear layers after merge_weights: what quantization="fp8" quantizes. The
+# embedding and LM head (a row lookup and the logits' precision) and the stacked MoE experts stay float.
+_LINEARS = (
+    "self_attn.qkv_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+)
+
+
+def quantize_linears(weights: dict[str, Any], code: torch.dtype) -> None:
+    """Replaces each float decoder linear in ``weights`` with its per-channel ``code`` quantization,
+    on the weight's device (one layer's float32 copy at a time)."""
+    for name, weight in weights.items():
+        if name.endswith(_LINEARS) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            weights[name] = quantize_per_channel(weight, code)

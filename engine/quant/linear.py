@@ -25,7 +25,7 @@ from engine.kernels import reference
 from engine.quant.weight import QuantizedWeight
 
 if TYPE_CHECKING:
-    from engine.quant.int8 import Int8Weight
+    from engine.quant.channel import ChannelWeight
 
 Path = Literal["cpu", "triton", "reference"]
 
@@ -102,7 +102,9 @@ def path_for(device: torch.device) -> Path:
     return "reference"
 
 
-def dequantize_for_step(w: QuantizedWeight | Int8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_for_step(
+    w: QuantizedWeight | ChannelWeight, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The weight in ``dtype`` for one many-row product: the C++ dequantizer where it is loaded (the same
     values as ``dequantize``, several times faster than its torch ops; for bf16 each row rounded from
     float32 as it is made, so no float32 copy of the whole weight is written), else ``dequantize``."""

@@ -39,13 +39,18 @@ def resolve_kv_cache_dtype(
 
 
 def resolve_quantization(args: EngineArgs) -> str | None:
-    """``EngineArgs.quantization`` resolved against the checkpoint: "gguf", "compressed-tensors" or None
-    (float weights, a quantized checkpoint's dequantised)."""
+    """``EngineArgs.quantization`` resolved against the checkpoint: "gguf", "compressed-tensors", "fp8"
+    or None (float weights, a quantized checkpoint's dequantised)."""
     from engine.models.gguf import is_gguf
 
     gguf_file = args.load_format == "auto" and is_gguf(args.model)
     if args.quantization == "gguf" and not gguf_file:
         raise ValueError(f"quantization='gguf' needs a .gguf checkpoint; {args.model!r} is not one")
+    if args.quantization == "fp8" and gguf_file:
+        raise ValueError(
+            "quantization='fp8' quantizes a float checkpoint; a GGUF file is served in its own block "
+            "formats (quantization='auto') or as its float copy (quantization='none')"
+        )
     if not gguf_file:
         return _hf_quantization(args)
     if args.quantization == "none":
@@ -72,13 +77,25 @@ def _hf_quantization(args: EngineArgs) -> str | None:
                 "quantization='compressed-tensors' needs a compressed-tensors checkpoint; "
                 f"{args.model!r} is not one"
             )
+        if args.quantization == "fp8":
+            _check_tensor_parallel(args, "fp8 weights")
+            return "fp8"
         return None
-    compressed_tensors.check_w8a16(raw)
+    compressed_tensors.check_supported(raw)
     if args.quantization == "none":
         return None
+    if args.quantization == "fp8" and not compressed_tensors.holds_fp8(raw):
+        raise ValueError(
+            "quantization='fp8' quantizes a float checkpoint; this one is already quantized to int8 "
+            "(serve it with quantization='auto', or dequantised with quantization='none')"
+        )
+    _check_tensor_parallel(args, "8-bit per-channel weights")
+    return compressed_tensors.METHOD
+
+
+def _check_tensor_parallel(args: EngineArgs, what: str) -> None:
     if args.tensor_parallel_size > 1:
         raise ValueError(
-            "int8 (W8A16) weights do not split over tensor-parallel ranks here; use quantization='none' "
-            "(dequantised to dtype) with tensor_parallel_size > 1"
+            f"{what} do not split over tensor-parallel ranks here (a row-parallel shard would need the "
+            "whole row's scale); use quantization='none' (float weights) with tensor_parallel_size > 1"
         )
-    return compressed_tensors.METHOD

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.quant.int8 import Int8Weight
+from engine.quant.channel import ChannelWeight
 from engine.quant.weight import QuantizedWeight
 
-Part = torch.Tensor | QuantizedWeight | Int8Weight
+Part = torch.Tensor | QuantizedWeight | ChannelWeight
 
 
 @dataclass(frozen=True)
@@ -80,4 +80,4 @@ def any_kept_quantized(weights: Iterable[object]) -> bool:
     time grows with every row, so a decode step of one sequence padded to 16 rows cost about 4x its
     unpadded time (SmolLM2's Q4_1, bf16, one thread, a 2-core Xeon with AMX: 10 tokens a second
     against 39), which the few float layers left to oneDNN do not win back."""
-    return any(isinstance(w, QuantizedWeight | Int8Weight | StackedWeight) for w in weights)
+    return any(isinstance(w, QuantizedWeight | ChannelWeight | StackedWeight) for w in weights)

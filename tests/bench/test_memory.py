@@ -8,7 +8,7 @@ from pathlib import Path
 
 from bench.memory import fit, write_w8a16_copy
 from engine import LLM, SamplingParams
-from engine.quant.int8 import Int8Weight
+from engine.quant.channel import ChannelWeight
 
 
 def test_w8a16_copy_serves_int8(tiny_model: Path, tmp_path: Path) -> None:
@@ -20,7 +20,7 @@ def test_w8a16_copy_serves_int8(tiny_model: Path, tmp_path: Path) -> None:
     for name, path in (("float", tiny_model), ("int8", copy)):
         llm = LLM(str(path), dtype="float32", max_num_seqs=2)
         weight = llm.engine.runner.model.layers[0].qkv_proj.weight
-        assert isinstance(weight, Int8Weight) == (name == "int8")
+        assert isinstance(weight, ChannelWeight) == (name == "int8")
         runs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     # The tiny checkpoint's logits are far apart: int8 rounding moves none of its greedy choices.
     assert runs["int8"] == runs["float"]
@@ -33,5 +33,5 @@ def test_fit_follows_the_planner() -> None:
     assert not any(r["fits"] for (model, _), r in rows.items() if model == "llama-3-70b")
     q4 = rows["llama-3-8b", "Q4_K"]["weights_gb"]
     assert abs(q4 - rows["llama-3-8b", "float32"]["weights_gb"] * 4.5 / 32) < 0.01
-    w8, bf16 = rows["llama-3-8b", "W8A16"]["weights_gb"], rows["llama-3-8b", "bfloat16"]["weights_gb"]
+    w8, bf16 = rows["llama-3-8b", "W8A16 or fp8"]["weights_gb"], rows["llama-3-8b", "bfloat16"]["weights_gb"]
     assert bf16 / 2 < w8 < bf16, "int8 linears, the bf16 embedding and LM head kept"

@@ -71,12 +71,12 @@ def test_int8_activations_keep_perplexity_within_one_percent(monkeypatch: pytest
     weights = read_gguf_weights(GGUF)
     floats = perplexity_of_ids(weights, shape, ids)
 
-    def int8_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def channel_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         out: torch.Tensor = torch.ops.inflight_cpu.quant_linear_int8(
             x, w.blocks, w.fmt.ggml_type, w.in_features, bias
         )
         return out
 
-    monkeypatch.setattr(perplexity, "quant_linear", int8_linear)
+    monkeypatch.setattr(perplexity, "quant_linear", channel_linear)
     int8 = perplexity_of_ids(weights, shape, ids)
     assert abs(int8 - floats) / floats < 0.01, (int8, floats)

@@ -1,7 +1,7 @@
-"""Per-channel int8 linear layers (W8A16): the C++ kernel (engine/kernels/cpu/quant_gemm.cpp,
-``w8_linear``) on every instruction set this host has, and the Triton kernel
-(engine/kernels/w8_matmul.py, under the interpreter without a GPU), against the float64 product of the
-dequantized weight; ``int8_linear``'s dispatch and its torch fallback.
+"""Per-channel 8-bit linear layers, int8 (W8A16) and fp8 e4m3 (W8A16-FP8): the C++ kernel
+(engine/kernels/cpu/quant_gemm.cpp, ``w8_linear``) on every instruction set this host has, and the
+Triton kernel (engine/kernels/w8_matmul.py, under the interpreter without a GPU), against the float64
+product of the dequantized weight; ``channel_linear``'s dispatch and its torch fallback.
 
 Rows 1 and 2 take the C++ kernel's in-register path, 3 and more its dequantized tiles; out features 37
 end in a partial tile of four rows. Tolerance, float32 x: one float32 sum of k products per output
@@ -17,17 +17,30 @@ import pytest
 import torch
 
 from engine.kernels import cpu as cpu_kernels
-from engine.quant.int8 import Int8Weight, int8_linear, path_for, quantize_per_channel, reference_linear
+from engine.quant.channel import (
+    E4M3_UNBIAS,
+    ChannelWeight,
+    channel_linear,
+    decode_e4m3,
+    path_for,
+    quantize_per_channel,
+    reference_linear,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CODES = pytest.mark.parametrize("code", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 
 
-def _weight(out_features: int, in_features: int, seed: int) -> Int8Weight:
+def _weight(out_features: int, in_features: int, seed: int, code: torch.dtype = torch.int8) -> ChannelWeight:
     gen = torch.Generator().manual_seed(seed)
-    return quantize_per_channel(torch.randn(out_features, in_features, generator=gen) / in_features**0.5)
+    weight = torch.randn(out_features, in_features, generator=gen) / in_features**0.5
+    if code == torch.float8_e4m3fn:
+        # Rows spanning e4m3's whole range: a few tiny values land on its subnormal codes.
+        weight[:, ::7] *= 1e-4
+    return quantize_per_channel(weight, code)
 
 
-def _check(got: torch.Tensor, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None) -> None:
+def _check(got: torch.Tensor, x: torch.Tensor, w: ChannelWeight, bias: torch.Tensor | None) -> None:
     weight = w.dequantize().double()
     exact = x.double() @ weight.T + (0 if bias is None else bias.double())
     bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 2.0**-22 * exact.abs()
@@ -44,13 +57,33 @@ def test_quantize_per_channel_round_trips_within_half_a_step() -> None:
     assert w.qweight.dtype == torch.int8 and w.scale.shape == (9,)
     assert (w.qweight.abs().amax(dim=1) == 127).all(), "each row's largest value uses the full range"
     assert ((w.dequantize() - weight).abs() <= w.scale[:, None] / 2 + 1e-7).all()
-    fused = Int8Weight.cat_rows([w, w.narrow_rows(2, 5)])
+    fused = ChannelWeight.cat_rows([w, w.narrow_rows(2, 5)])
     assert fused.out_features == 12 and torch.equal(fused.dequantize()[9:], w.dequantize()[2:5])
+    f8 = quantize_per_channel(weight, torch.float8_e4m3fn)
+    assert f8.is_fp8 and (f8.qweight.float().abs().amax(dim=1) == 448).all()
+    # e4m3 keeps 3 mantissa bits: within 2^-4 of each value (relative), or half its smallest step.
+    err = (f8.dequantize() - weight).abs()
+    assert (err <= weight.abs() * 2.0**-4 + f8.scale[:, None] * 2.0**-10).all()
+    with pytest.raises(ValueError, match="different widths or codes"):
+        ChannelWeight.cat_rows([w, f8])
 
 
+def test_e4m3_decoding_is_exact_for_every_code() -> None:
+    """The kernels' decoding (bits under an fp16's, times 2^8) gives each of the 254 non-NaN e4m3 codes'
+    values exactly, subnormals and both zeros included."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    values = codes.view(torch.float8_e4m3fn).float()
+    finite = ~values.isnan()
+    decoded = decode_e4m3(codes).float() * E4M3_UNBIAS
+    assert int(finite.sum()) == 254
+    assert torch.equal(decoded[finite], values[finite])
+    assert torch.equal(decoded[finite].signbit(), values[finite].signbit())
+
+
+@CODES
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the C++ CPU kernels cannot be built here")
-def test_cpu_kernel_on_every_instruction_set() -> None:
-    w = _weight(37, 96, seed=1)
+def test_cpu_kernel_on_every_instruction_set(code: torch.dtype) -> None:
+    w = _weight(37, 96, seed=1, code=code)
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(37, generator=gen)
     for isa in range(int(torch.ops.inflight_cpu.quant_linear_isa()) + 1):
@@ -68,25 +101,27 @@ def test_cpu_kernel_on_every_instruction_set() -> None:
         )
 
 
-def test_int8_linear_dispatch_and_fallback() -> None:
+@CODES
+def test_channel_linear_dispatch_and_fallback(code: torch.dtype) -> None:
     """Widths the C++ kernel cannot step through (not a multiple of 16) take the torch reference;
     the rest the kernel, where it is built. Both give the dequantized weight's product."""
     gen = torch.Generator().manual_seed(3)
     for in_features in (40, 64):
-        w = _weight(11, in_features, seed=in_features)
+        w = _weight(11, in_features, seed=in_features, code=code)
         x = torch.randn(3, in_features, generator=gen)
         expected = "cpu" if in_features % 16 == 0 and cpu_kernels.load() else "reference"
         assert path_for(w) == expected
-        _check(int8_linear(x, w), x, w, None)
+        _check(channel_linear(x, w), x, w, None)
         _check(reference_linear(x, w), x, w, None)
     with pytest.raises(ValueError, match=r"x must be \[T, 64\]"):
-        int8_linear(torch.zeros(2, 63), w)
+        channel_linear(torch.zeros(2, 63), w)
 
 
-def test_triton_kernel() -> None:
+@CODES
+def test_triton_kernel(code: torch.dtype) -> None:
     w8_matmul = pytest.importorskip("engine.kernels.w8_matmul").w8_matmul
     gen = torch.Generator().manual_seed(4)
-    w = _weight(37, 80, seed=6)  # 80: a partial last slice of 64 in features
+    w = _weight(37, 80, seed=6, code=code)  # 80: a partial last slice of 64 in features
     bias = torch.randn(37, generator=gen)
     q, s = w.qweight.to(DEVICE), w.scale.to(DEVICE)
     for rows, b in ((1, bias), (17, None)):

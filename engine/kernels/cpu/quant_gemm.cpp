@@ -1,7 +1,7 @@
 // Linear layers on weights kept in GGUF block formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K):
 // out = x @ w.T (+ bias), w read as stored, one row of blocks per output feature
 // (engine/quant/formats.py documents each block's struct; the format is the contract). And on
-// per-channel int8 weights (w8_linear: engine/quant/int8.py), through the same tiles.
+// per-channel int8 or fp8 weights (w8_linear: engine/quant/channel.py), through the same tiles.
 //
 // Why dequantize into float32 rather than quantize x to int8 (llama.cpp's way, maddubs / VNNI dot
 // products). A decode step multiplies 1 to 64 rows by every weight: its time is the weights' stream
@@ -53,9 +53,10 @@
 namespace {
 
 // ggml's type ids (GGMLQuantizationType), the format names of engine/quant/formats.py.
-// kW8: per-channel int8 rows (compressed-tensors W8A16), no ggml type: k bytes a row, one float32 scale a
-// row in Job::scales; the multiply is the blocks' (a tile dequantized, then a float GEMM), and one or two
-// rows of x (decode) convert the int8 weights in registers instead (multiply_w8_direct).
+// kW8 / kF8: per-channel int8 or fp8 e4m3 rows (compressed-tensors W8A16 and W8A16-FP8), no ggml type: k
+// bytes a row, one float32 scale a row in Job::scales; the multiply is the blocks' (a tile dequantized,
+// then a float GEMM), and one or two rows of x (decode) convert the codes in registers instead
+// (multiply_channel_direct).
 enum Format : int64_t {
   kQ4_0 = 2,
   kQ4_1 = 3,
@@ -65,7 +66,8 @@ enum Format : int64_t {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
-  kW8 = 1000
+  kW8 = 1000,
+  kF8 = 1001
 };
 // kAvx512Vnni: the float kernels of kAvx512, and vpdpbusd for the integer path (quant_linear_int8), which
 // runs the AVX2 code (vpmaddubsw) on kAvx2 and kAvx512.
@@ -123,7 +125,7 @@ struct Job {
   int64_t row_bytes, n, fmt;
   const float* bias;  // [n] or null
   float* out;         // [m, n] contiguous
-  const float* scales;  // kW8: [n], each row's scale
+  const float* scales;  // kW8, kF8: [n], each row's scale
 };
 
 // What one thread's share of an integer-path multiply needs: x's rows quantized (quantize_rows).
@@ -429,12 +431,13 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t in_fe
   return out;
 }
 
-// Per-channel int8 weights (weight-only, W8A16): out = x @ (scale[:, None] * qweight).T (+ bias).
+// Per-channel int8 or fp8 e4m3 weights (weight-only): out = x @ (scale[:, None] * qweight).T (+ bias).
 at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
                      const c10::optional<at::Tensor>& bias, int64_t isa) {
-  TORCH_CHECK(qweight.device().is_cpu() && qweight.scalar_type() == at::kChar && qweight.dim() == 2 &&
+  const bool fp8 = qweight.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(qweight.device().is_cpu() && (fp8 || qweight.scalar_type() == at::kChar) && qweight.dim() == 2 &&
                   qweight.is_contiguous(),
-              "qweight must be a contiguous int8 [out features, in features] CPU tensor");
+              "qweight must be a contiguous int8 or float8_e4m3fn [out features, in features] CPU tensor");
   const int64_t n = qweight.size(0), k = qweight.size(1);
   TORCH_CHECK(k > 0 && k % 16 == 0, "w8_linear needs in features in multiples of 16, got ", k);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.numel() == n && scale.is_contiguous(),
@@ -444,11 +447,11 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
               "x must be a 2-D float32 or bfloat16 CPU tensor");
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
   Job job{};
-  job.w = reinterpret_cast<const uint8_t*>(qweight.data_ptr<int8_t>());
+  job.w = static_cast<const uint8_t*>(qweight.data_ptr());
   job.row_bytes = k;
   job.n = n;
   job.k = k;
-  job.fmt = kW8;
+  job.fmt = fp8 ? kF8 : kW8;
   job.scales = scale.data_ptr<float>();
   at::Tensor xf = x.to(at::kFloat);
   if (xf.stride(1) != 1) xf = xf.contiguous();

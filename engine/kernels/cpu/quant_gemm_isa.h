@@ -75,6 +75,51 @@ INLINE VF load_i8(const uint8_t* p) {
 }
 #endif
 
+// load_f8(p): VF's lane count of fp8 e4m3 codes at p as their values times 2^-8 (callers fold 2^8 into the
+// row's scale): each byte's sign, exponent and mantissa moved under an fp16's, which the hardware
+// converts (F16C: subnormals included, no fp8 instructions needed; engine/quant/channel.py,
+// decode_e4m3, writes the same in torch). Exact: every e4m3 value times 2^-8 is an fp16.
+#if QUANT_ISA == 2
+INLINE VF load_f8(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  return (VF)_mm512_cvtph_ps(h);
+}
+#elif QUANT_ISA == 1
+INLINE VF load_f8(const uint8_t* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
+  return (VF)_mm256_cvtph_ps(h);
+}
+#else
+INLINE VF load_f8(const uint8_t* p) {
+  VF v;
+  for (int i = 0; i < 8; ++i) {
+    const auto bits = static_cast<uint16_t>(((p[i] & 0x7f) << 7) | ((p[i] & 0x80) << 8));
+    v[i] = static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  }
+  return v;
+}
+#endif
+
+// A per-channel code vector as floats: int8 values themselves, e4m3 values times 2^-8.
+template <bool F8>
+INLINE VF load_code(const uint8_t* p) {
+  if constexpr (F8) {
+    return load_f8(p);
+  } else {
+    return load_i8(p);
+  }
+}
+
+// What a per-channel row's scale is multiplied by for load_code's values to be the weight's.
+template <bool F8>
+constexpr float code_unbias() {
+  return F8 ? 256.f : 1.f;
+}
+
 // Each dequantizer writes one block's values to out[0 .. block size).
 
 INLINE void dq_q8_0(const uint8_t* b, float* out) {
@@ -174,13 +219,23 @@ INLINE void dq_q6_k(const uint8_t* b, float* out) {
   }
 }
 
-// A per-channel int8 row (not a block format): x[i] = scale * q[i], k a multiple of 16. round(q * scale)
-// in float32, as the dequantized float weight holds it.
-INLINE void dq_w8(const uint8_t* row, int64_t k, float scale, float* out) {
-  for (int64_t i = 0; i < k; i += 16) {
-    vi8 q;
-    std::memcpy(&q, row + i, 16);
-    emit(out + i, q, scale, 0.f);
+// A per-channel row (not a block format), int8 or e4m3 codes: x[i] = scale * q[i], k a multiple of 16,
+// round(q * scale) in float32 as the dequantized float weight holds it (for e4m3: (q * 2^-8) * (scale *
+// 2^8), both factors exact, so the same single rounding).
+template <bool F8>
+INLINE void dq_channel(const uint8_t* row, int64_t k, float scale, float* out) {
+  if constexpr (F8) {
+    const VF s = VF{} + scale * code_unbias<true>();
+    for (int64_t i = 0; i < k; i += sizeof(VF) / sizeof(float)) {
+      const VF v = load_f8(row + i) * s;
+      std::memcpy(out + i, &v, sizeof(VF));
+    }
+  } else {
+    for (int64_t i = 0; i < k; i += 16) {
+      vi8 q;
+      std::memcpy(&q, row + i, 16);
+      emit(out + i, q, scale, 0.f);
+    }
   }
 }
 
@@ -258,18 +313,19 @@ INLINE void multiply_tile(const Job& job, const float* tile, int64_t r, int64_t 
   store_tile(job.out, job.n, job.bias, sums, MR, r, col, rows);
 }
 
-// Per-channel int8 weights times one or two rows of x (a decode step): each weight vector converted in
-// registers and multiplied at once, no tile buffer; the row's scale multiplies its sum at the end. Rows
-// past the last (rows < 4) read the tile's first row again and are not stored.
-template <int MR>
-INLINE void multiply_w8_direct(const Job& job, int64_t r, int64_t col, int64_t rows) {
+// Per-channel int8 or e4m3 weights times one or two rows of x (a decode step): each weight vector
+// converted in registers and multiplied at once, no tile buffer; the row's scale multiplies its sum at
+// the end. Rows past the last (rows < 4) read the tile's first row again and are not stored.
+template <int MR, bool F8>
+INLINE void multiply_channel_direct(const Job& job, int64_t r, int64_t col, int64_t rows) {
   const int64_t k = job.k;
   const float* x0 = job.x + r * job.ldx;
   const float* x1 = x0 + (MR == 2 ? job.ldx : 0);
   const auto [w0, w1, w2, w3] = tile_rows(job.w, job.row_bytes, col, rows);
   VF a0{}, a1{}, a2{}, a3{}, b0{}, b1{}, b2{}, b3{};
   for (int64_t i = 0; i < k; i += sizeof(VF) / sizeof(float)) {
-    const VF q0 = load_i8(w0 + i), q1 = load_i8(w1 + i), q2 = load_i8(w2 + i), q3 = load_i8(w3 + i);
+    const VF q0 = load_code<F8>(w0 + i), q1 = load_code<F8>(w1 + i), q2 = load_code<F8>(w2 + i),
+             q3 = load_code<F8>(w3 + i);
     const VF xa = load_vf(x0 + i);
     a0 += xa * q0;
     a1 += xa * q1;
@@ -287,7 +343,7 @@ INLINE void multiply_w8_direct(const Job& job, int64_t r, int64_t col, int64_t r
   for (int mm = 0; mm < MR; ++mm) {
     for (int64_t j = 0; j < rows; ++j) {
       const float bias = job.bias != nullptr ? job.bias[col + j] : 0.f;
-      job.out[(r + mm) * job.n + col + j] = sums[mm][j] * job.scales[col + j] + bias;
+      job.out[(r + mm) * job.n + col + j] = sums[mm][j] * (job.scales[col + j] * code_unbias<F8>()) + bias;
     }
   }
 }
@@ -411,20 +467,24 @@ INLINE bool blocks_direct(const Job& job, int64_t t0, int64_t t1) {
 INLINE void dq_any_row(const Job& job, int64_t row, float* out) {
   const uint8_t* w = job.w + row * job.row_bytes;
   if (job.fmt == kW8) {
-    dq_w8(w, job.k, job.scales[row], out);
+    dq_channel<false>(w, job.k, job.scales[row], out);
+  } else if (job.fmt == kF8) {
+    dq_channel<true>(w, job.k, job.scales[row], out);
   } else {
     dq_row(job.fmt, w, job.k, out);
   }
 }
 
 INLINE void run_tiles(const Job& job, int64_t t0, int64_t t1) {
-  if (job.fmt == kW8 && job.m <= 2) {
+  if ((job.fmt == kW8 || job.fmt == kF8) && job.m <= 2) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t col = t * kTileRows, rows = std::min<int64_t>(kTileRows, job.n - col);
-      if (job.m == 2) {
-        multiply_w8_direct<2>(job, 0, col, rows);
+      if (job.fmt == kF8) {
+        job.m == 2 ? multiply_channel_direct<2, true>(job, 0, col, rows)
+                   : multiply_channel_direct<1, true>(job, 0, col, rows);
       } else {
-        multiply_w8_direct<1>(job, 0, col, rows);
+        job.m == 2 ? multiply_channel_direct<2, false>(job, 0, col, rows)
+                   : multiply_channel_direct<1, false>(job, 0, col, rows);
       }
     }
     return;
