@@ -24,6 +24,7 @@ from engine.cost_model import StepCostModel
 from engine.inputs import EngineRequest, PromptLimits, check_context_length, prepare_prompt
 from engine.kv_cache.manager import KVCacheManager
 from engine.metrics import EngineMetrics, RequestRecord, SchedulerStats, StepRecord
+from engine.platform.cpu import release_freed_heap
 from engine.prompt_logprobs import PromptLogprobs
 from engine.request import Request, RequestStatus
 from engine.runner.model_runner import ModelRunner
@@ -57,6 +58,8 @@ class EngineCore:
         eos = set(config.model.eos_token_ids)
         self.eos_token_ids = eos
         self.runner = ModelRunner(config)
+        if config.device.type == "cpu":
+            release_freed_heap()
         self.kv = KVCacheManager(
             self.runner.num_blocks,
             config.block_size,

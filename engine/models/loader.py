@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,13 +43,16 @@ def read_safetensors(
     plan: ShardPlan | None = None,
     family: Family | None = None,
     raw_config: dict[str, Any] | None = None,
-) -> dict[str, torch.Tensor]:
+    transform: Callable[[str, torch.Tensor], Any] | None = None,
+) -> dict[str, Any]:
     """Every tensor of the checkpoint under its canonical name (``family.canonical``); with a
     tensor-parallel ``plan``, only this rank's slice of each (a sliced read: the rest of the file is
-    never copied), except tensors the family fuses in its checkpoint, which are read whole and split."""
+    never copied), except tensors the family fuses in its checkpoint, which are read whole and split.
+    ``transform(name, tensor)``, where given, replaces each tensor as it is read (without a plan)."""
     from safetensors import safe_open  # not needed for dummy weights (GPU benchmarks)
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
+    keep = transform or (lambda _name, tensor: tensor)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -56,10 +61,10 @@ def read_safetensors(
                 if parts is not None:
                     whole = f.get_tensor(stored)
                     for (part, _), tensor in zip(parts, whole.split([n for _, n in parts]), strict=True):
-                        tensors[part] = _take(plan, part, tensor)
+                        tensors[part] = keep(part, _take(plan, part, tensor))
                     continue
                 if plan is None:
-                    tensors[name] = f.get_tensor(stored)
+                    tensors[name] = keep(name, f.get_tensor(stored))
                     continue
                 view = f.get_slice(stored)
 
@@ -315,26 +320,22 @@ def load_weights(
             if plan is not None:
                 raw = {name: plan.take(name, _region_reader(w)) for name, w in raw.items()}
         else:
-            raw = read_safetensors(local, plan, family_of(config.architecture), raw_config)
-    merged = merge_weights(config, raw, dtype, device)
-    if quantization == "fp8":
-        quantize_linears(merged, torch.float8_e4m3fn)
-    return merged
+            fp8 = _quantize_linear if quantization == "fp8" else None
+            raw = read_safetensors(local, plan, family_of(config.architecture), raw_config, fp8)
+    return merge_weights(config, raw, dtype, device)
 
 
-# The decoder's dense linear layers after merge_weights: what quantization="fp8" quantizes. The
-# embedding and LM head (a row lookup and the logits' precision) and the stacked MoE experts stay float.
-_LINEARS = (
-    "self_attn.qkv_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_up_proj.weight",
-    "mlp.down_proj.weight",
-)
+# The decoder's dense linear layers, by canonical name: what quantization="fp8" quantizes. The
+# embedding and LM head (a row lookup and the logits' precision) and MoE experts stay float.
+_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
 
 
-def quantize_linears(weights: dict[str, Any], code: torch.dtype) -> None:
-    """Replaces each float decoder linear in ``weights`` with its per-channel ``code`` quantization,
-    on the weight's device (one layer's float32 copy at a time)."""
-    for name, weight in weights.items():
-        if name.endswith(_LINEARS) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
-            weights[name] = quantize_per_channel(weight, code)
+def _quantize_linear(name: str, tensor: torch.Tensor) -> Any:
+    """A decoder linear as fp8 codes with per-channel scales, made on the CPU as the checkpoint is read:
+    each float tensor is dropped once quantized, so loading never holds the float model (and a GPU
+    never sees it). Rows are independent, so q/k/v quantized apart are the fused qkv quantized. Every
+    other tensor is copied out of safetensors' file mapping, which otherwise stays mapped (and its pages
+    resident) while any tensor read from it lives: the whole file's, for an embedding's sake."""
+    if _LINEAR.fullmatch(name) is None:
+        return tensor.clone()
+    return quantize_per_channel(tensor, torch.float8_e4m3fn)

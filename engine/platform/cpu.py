@@ -72,3 +72,22 @@ def cpu_auto_dtype() -> torch.dtype:
         ", ".join(units) or "none",
     )
     return dtype
+
+
+def release_freed_heap() -> None:
+    """Hands the pages glibc's heap holds free back to the OS (``malloc_trim``). Loading leaves many:
+    a checkpoint's float tensors quantized and dropped, kernel and packing scratch, each a few MB and
+    interleaved with live allocations, which glibc keeps for reuse. Measured on the default model with
+    ``quantization="fp8"``: the heap after start-up 234-556 MiB across runs, 211 MiB after this; the
+    process's resident memory is then what it serves with, run to run. A no-op off glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        trim = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return
+    trim(0)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.quant.channel import ChannelWeight, channel_linear
 from engine.quant.gguf_weights import Weight, embedding_rows, read_gguf_weights
 from engine.quant.linear import quant_linear
 from engine.quant.weight import QuantizedWeight
@@ -54,7 +55,9 @@ class LlamaShape:
         )
 
 
-def _linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: Weight | ChannelWeight) -> torch.Tensor:
+    if isinstance(w, ChannelWeight):
+        return channel_linear(x, w)
     return quant_linear(x, w) if isinstance(w, QuantizedWeight) else F.linear(x, w)
 
 
@@ -71,7 +74,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 @torch.inference_mode()
 def llama_logits(
-    weights: dict[str, Weight], shape: LlamaShape, token_ids: torch.Tensor, attend: Attend | None = None
+    weights: dict[str, Any], shape: LlamaShape, token_ids: torch.Tensor, attend: Attend | None = None
 ) -> torch.Tensor:
     """[T, vocab] float32 logits of a causal Llama over ``token_ids`` [T]; ``attend`` replaces the
     attention (bench/kv_dtype.py passes the engine's backends over a paged cache)."""
@@ -106,7 +109,7 @@ def llama_logits(
     return _linear(x, weights.get("lm_head.weight", embed))
 
 
-def perplexity_of_ids(weights: dict[str, Weight], shape: LlamaShape, token_ids: torch.Tensor) -> float:
+def perplexity_of_ids(weights: dict[str, Any], shape: LlamaShape, token_ids: torch.Tensor) -> float:
     logits = llama_logits(weights, shape, token_ids)
     nll = F.cross_entropy(logits[:-1].float(), token_ids[1:].long())
     return math.exp(float(nll))

@@ -78,20 +78,18 @@ INLINE VF load_i8(const uint8_t* p) {
 // load_f8(p): VF's lane count of fp8 e4m3 codes at p as their values times 2^-8 (callers fold 2^8 into the
 // row's scale): each byte's sign, exponent and mantissa moved under an fp16's, which the hardware
 // converts (F16C: subnormals included, no fp8 instructions needed; engine/quant/channel.py,
-// decode_e4m3, writes the same in torch). Exact: every e4m3 value times 2^-8 is an fp16.
+// decode_e4m3, writes the same in torch). Exact: every e4m3 value times 2^-8 is an fp16. The byte
+// sign-extended to 16 bits and shifted left 7 puts its low 7 bits at 7..13 and its sign at 14 and 15;
+// clearing bit 14 leaves the fp16.
 #if QUANT_ISA == 2
 INLINE VF load_f8(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7),
-                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-  return (VF)_mm512_cvtph_ps(h);
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return (VF)_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(-0x4080)));
 }
 #elif QUANT_ISA == 1
 INLINE VF load_f8(const uint8_t* p) {
-  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7),
-                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8));
-  return (VF)_mm256_cvtph_ps(h);
+  const __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return (VF)_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16(-0x4080)));
 }
 #else
 INLINE VF load_f8(const uint8_t* p) {
