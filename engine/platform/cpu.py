@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine import envs
 
@@ -80,14 +80,16 @@ def release_freed_heap() -> None:
     interleaved with live allocations, which glibc keeps for reuse. Measured on the default model with
     ``quantization="fp8"``: the heap after start-up 234-556 MiB across runs, 211 MiB after this; the
     process's resident memory is then what it serves with, run to run. A no-op off glibc."""
-    import ctypes
-    import ctypes.util
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
+
+@functools.cache
+def _malloc_trim() -> Any:
+    import ctypes
+
     try:
-        trim = ctypes.CDLL(name).malloc_trim
+        return ctypes.CDLL(None).malloc_trim  # the process's own symbols: libc's where it is glibc
     except (OSError, AttributeError):  # musl and others have no malloc_trim
-        return
-    trim(0)
+        return None
