@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.quant.linear import Path, cpu_kernels_loaded
+from engine.quant.linear import Path, check_input, cpu_kernels_loaded
 
 # The codes a ChannelWeight holds, and each one's largest magnitude (what a row's largest |w| maps to).
 CODES: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -150,10 +150,7 @@ def channel_linear(
     w: ChannelWeight,
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [T, out_features] in x's dtype
-    if x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"x must be [T, {w.in_features}], got {list(x.shape)}")
-    if x.device != w.device:
-        raise ValueError(f"x is on {x.device}, the weight on {w.device}")
+    check_input(x, w.in_features, w.device)
     path = path_for(w)
     if path == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
         out: torch.Tensor = torch.ops.inflight_cpu.w8_linear(x, w.qweight, w.scale, bias)

@@ -117,6 +117,14 @@ def dequantize_for_step(
     return w.dequantize().to(dtype)
 
 
+def check_input(x: torch.Tensor, in_features: int, device: torch.device) -> None:
+    """Raises ValueError unless x is [T, in_features] on the weight's device."""
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x must be [T, {in_features}], got {list(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"x is on {x.device}, the weight on {device}")
+
+
 def reference_linear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The definition: float32 x times the dequantized float32 weight, plus bias, in x's dtype."""
     return reference.quant_matmul(x, w.blocks, w.format, w.in_features, bias)
@@ -127,10 +135,7 @@ def quant_linear(
     w: QuantizedWeight,
     bias: torch.Tensor | None = None,  # [out_features]
 ) -> torch.Tensor:  # [T, out_features] in x's dtype
-    if x.dim() != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"x must be [T, {w.in_features}], got {list(x.shape)}")
-    if x.device != w.device:
-        raise ValueError(f"x is on {x.device}, the weight on {w.device}")
+    check_input(x, w.in_features, w.device)
     path = path_for(x.device)
     if path == "cpu":
         ops = torch.ops.inflight_cpu

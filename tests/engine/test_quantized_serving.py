@@ -84,8 +84,8 @@ def test_gguf_quantization_needs_a_gguf_file(tmp_path: Path) -> None:
     checkpoint = write_hf_checkpoint(tmp_path / "hf", "llama3", seed=1)
     with pytest.raises(ValueError, match=r"needs a \.gguf checkpoint"):
         LLM(str(checkpoint), quantization="gguf")
-    with pytest.raises(ValueError, match="unsupported quantization 'fp8'"):
-        LLM(str(checkpoint), quantization="fp8")
+    with pytest.raises(ValueError, match="unsupported quantization 'int4'"):
+        LLM(str(checkpoint), quantization="int4")
 
 
 @pytest.mark.skipif(not onednn.can_prepack(torch.float32), reason="torch without oneDNN's packed float32")

@@ -173,17 +173,27 @@ def main() -> int:
         consts = {"HEAD_SIZE": 128, "BLOCK_D": 128, "QUANT": True, "QMAX": 127.0 if round_int8 else 448.0}
         consts["ROUND"] = round_int8
         ok &= compile_one(f"kv store {code_type[1:]}", cache._store_kvcache_kernel, store_types, consts)
-    # W8A16 linear, bf16 activations on the tensor cores: a decode tile and a prefill tile.
-    w8_types = {
-        "out_ptr": "*bf16",
-        "x_ptr": "*bf16",
-        "q_ptr": "*i8",
-        "scale_ptr": "*fp32",
-        "bias_ptr": "*bf16",
-    }
-    for block_m in (16, 64):
-        consts = {"HAS_BIAS": True, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 64, "DOT_FP32": False}
-        ok &= compile_one(f"w8 linear (BLOCK_M {block_m})", w8_matmul._w8_matmul_kernel, w8_types, consts)
+    # Per-channel 8-bit linear, bf16 activations on the tensor cores: a decode tile and a prefill tile,
+    # int8 codes and fp8 e4m3 codes (read as bytes).
+    for code, q_type in (("int8", "*i8"), ("fp8", "*u8")):
+        w8_types = {
+            "out_ptr": "*bf16",
+            "x_ptr": "*bf16",
+            "q_ptr": q_type,
+            "scale_ptr": "*fp32",
+            "bias_ptr": "*bf16",
+        }
+        for block_m in (16, 64):
+            consts = {
+                "HAS_BIAS": True,
+                "BLOCK_M": block_m,
+                "BLOCK_N": 64,
+                "BLOCK_K": 64,
+                "DOT_FP32": False,
+                "FP8": code == "fp8",
+            }
+            name = f"{code} linear (BLOCK_M {block_m})"
+            ok &= compile_one(name, w8_matmul._w8_matmul_kernel, w8_types, consts)
     return 0 if ok else 1
 
 
