@@ -11,13 +11,17 @@ Optionally the same engine with static batching joins the runs, and the decode p
 step at a full batch vs the model's own linear layers alone on its packed weights, same rows; see
 bench/micro.py) runs per thread count and dtype.
 
-Writes ``peers.json`` and prints a Markdown table. Needs ``make bench-peers`` for vllm.
+Writes ``peers.json`` and prints a Markdown table. Needs ``make bench-peers`` for vllm. With
+``--llamacpp FORMATS`` llama.cpp joins too (``make bench-llamacpp``), on the shipped GGUF in those file
+types, in its own table (bench/llamacpp.py: perplexity, prefill, batch-1 decode and bursts beside this
+engine on the same files), kept in ``peers.json`` under ``llamacpp``.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
 import time
@@ -63,7 +67,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the engine's async_scheduling (auto: its own rule); both: runs with it off (the main "
         "figures), then once with it on, and reports async_tok_s and async_over_sync",
     )
+    p.add_argument(
+        "--llamacpp",
+        default="",
+        metavar="FORMATS",
+        help="also run llama.cpp against this engine on the shipped GGUF in these llama.cpp file types "
+        "(comma list, e.g. Q4_1,Q8_0,Q4_K_M; `python -m bench llamacpp` at the first thread count, "
+        "its defaults otherwise): vLLM reads the float checkpoint, llama.cpp its GGUF files, so each "
+        "peer gets its own table (default: none)",
+    )
     p.add_argument("--out", default="bench-results/peers")
+
+
+def llamacpp_args(formats: str, threads: int, out: Path) -> argparse.Namespace:
+    """``bench llamacpp``'s arguments for ``--llamacpp``: its defaults, these formats and threads."""
+    from bench import llamacpp
+
+    parser = argparse.ArgumentParser()
+    llamacpp.add_arguments(parser)
+    return parser.parse_args(
+        ["--formats", formats, "--threads", str(threads), "--out", str(out / "llamacpp.json")]
+    )
 
 
 def _tok_s(summary: dict[str, Any]) -> float:
@@ -218,7 +242,17 @@ def main(args: argparse.Namespace) -> int:
                 for batch, budget in batches:
                     rows.append(run_config(model, dtype, batch, budget, threads, args, out))
                     write_json(out / "peers.json", {"host": host, "probes": probes, "rows": rows})
-    write_json(out / "peers.json", {"host": host, "probes": probes, "rows": rows})
+    report: dict[str, Any] = {"host": host, "probes": probes, "rows": rows}
+    write_json(out / "peers.json", report)
     print(table(rows))
+    if args.llamacpp:
+        from bench import llamacpp
+
+        print(f"\nllama.cpp, {args.llamacpp} ({thread_counts[0]} thread(s)):", flush=True)
+        lc_args = llamacpp_args(args.llamacpp, thread_counts[0], out)
+        if llamacpp.main(lc_args) != 0:
+            return 2
+        report["llamacpp"] = json.loads(Path(lc_args.out).read_text())
+        write_json(out / "peers.json", report)
     print(f"done in {time.time() - started:.0f} s", flush=True)
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -100,3 +101,32 @@ def test_peers_runs_every_thread_count(tiny_model: Path, tmp_path: Path, keep_th
     lines = table(result["rows"]).splitlines()
     assert lines[0].startswith("| threads |")
     assert lines[2].startswith("| 1 |") and lines[3].startswith("| 2 |")
+
+
+def test_llamacpp_joins_with_its_own_arguments(
+    tiny_model: Path, tmp_path: Path, keep_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--llamacpp FORMATS`` runs ``bench llamacpp`` after the engine's rows, at the first thread
+    count, with its own defaults otherwise; without llama.cpp's virtualenv it says so and fails, the
+    engine's rows already written."""
+    from bench import peers
+
+    args = peers.llamacpp_args("Q4_1,Q8_0", 2, tmp_path)
+    assert (args.formats, args.threads, args.out) == ("Q4_1,Q8_0", 2, str(tmp_path / "llamacpp.json"))
+    assert args.bursts == "16,64" and args.skip == ""  # bench llamacpp's own defaults
+    seen: list[tuple[str, int]] = []
+
+    def no_venv(formats: str, threads: int, out: Path) -> Any:
+        seen.append((formats, threads))
+        made = peers.llamacpp_args(formats, threads, out)
+        made.llamacpp_python = str(tmp_path / "missing" / "python")
+        return made
+
+    monkeypatch.setattr(peers, "llamacpp_args", no_venv)
+    out = tmp_path / "peers"
+    argv = ["peers", "--no-vllm", "--models", str(tiny_model), "--dtypes", "float32", "--threads", "2,1"]
+    argv += ["--batches", "4:64", "--num-requests", "4", "--out", str(out), "--llamacpp", "Q4_1"]
+    assert main(argv) == 2
+    assert seen == [("Q4_1", 2)]
+    result = json.loads((out / "peers.json").read_text())
+    assert len(result["rows"]) == 2 and "llamacpp" not in result
