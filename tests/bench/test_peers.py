@@ -115,10 +115,11 @@ def test_llamacpp_joins_with_its_own_arguments(
     assert (args.formats, args.threads, args.out) == ("Q4_1,Q8_0", 2, str(tmp_path / "llamacpp.json"))
     assert args.bursts == "16,64" and args.skip == ""  # bench llamacpp's own defaults
     seen: list[tuple[str, int]] = []
+    original = peers.llamacpp_args
 
     def no_venv(formats: str, threads: int, out: Path) -> Any:
         seen.append((formats, threads))
-        made = peers.llamacpp_args(formats, threads, out)
+        made = original(formats, threads, out)
         made.llamacpp_python = str(tmp_path / "missing" / "python")
         return made
 
