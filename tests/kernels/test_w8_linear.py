@@ -102,6 +102,20 @@ def test_cpu_kernel_on_every_instruction_set(code: torch.dtype) -> None:
 
 
 @CODES
+def test_dequantize_for_step_is_the_dequantized_weight(code: torch.dtype) -> None:
+    """The C++ dequantizer (a prefill's many-row step) gives ``dequantize``'s float32 values exactly, and
+    those rounded to bf16 (ties to even) for a bf16 model; widths it cannot step through fall back."""
+    from engine.quant.linear import dequantize_for_step
+
+    for in_features in (96, 40):
+        w = _weight(37, in_features, seed=9, code=code)
+        want = w.dequantize()
+        assert torch.equal(dequantize_for_step(w, torch.float32), want)
+        got = dequantize_for_step(w, torch.bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+
+
+@CODES
 def test_channel_linear_dispatch_and_fallback(code: torch.dtype) -> None:
     """Widths the C++ kernel cannot step through (not a multiple of 16) take the torch reference;
     the rest the kernel, where it is built. Both give the dequantized weight's product."""

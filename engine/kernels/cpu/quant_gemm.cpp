@@ -392,15 +392,16 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* q,
 // The weight in float32, or (bf16) rounded to bf16 row by row from a float32 row in cache: a many-row
 // bf16 product then reads half the bytes, and no float32 copy of the whole weight is written and read
 // back to convert it.
-at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t in_features, int64_t isa, bool bf16) {
-  const Job job = make_job(blocks, fmt, in_features);
+// A job's weight rows dequantized into a new [n, k] float32 or bf16 tensor.
+at::Tensor dequantize_job(const Job& job, const at::TensorOptions& options, int64_t isa, bool bf16) {
+  const int64_t in_features = job.k;
   const int64_t chosen = pick(isa);
   RowFn row_fn = isa_portable::row_to;
 #ifdef QUANT_X86
   if (chosen >= kAvx512) row_fn = isa_avx512::row_to;
   if (chosen == kAvx2) row_fn = isa_avx2::row_to;
 #endif
-  at::Tensor out = at::empty({job.n, in_features}, blocks.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
+  at::Tensor out = at::empty({job.n, in_features}, options.dtype(bf16 ? at::kBFloat16 : at::kFloat));
   if (!bf16) {
     float* dst = out.data_ptr<float>();
     at::parallel_for(0, job.n, 16, [&](int64_t r0, int64_t r1) {
@@ -431,21 +432,20 @@ at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t in_fe
   return out;
 }
 
-// Per-channel int8 or fp8 e4m3 weights (weight-only): out = x @ (scale[:, None] * qweight).T (+ bias).
-at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
-                     const c10::optional<at::Tensor>& bias, int64_t isa) {
+at::Tensor quant_dequantize(const at::Tensor& blocks, int64_t fmt, int64_t in_features, int64_t isa, bool bf16) {
+  return dequantize_job(make_job(blocks, fmt, in_features), blocks.options(), isa, bf16);
+}
+
+// A per-channel weight's job (kW8 or kF8), its tensors checked.
+Job channel_job(const at::Tensor& qweight, const at::Tensor& scale) {
   const bool fp8 = qweight.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(qweight.device().is_cpu() && (fp8 || qweight.scalar_type() == at::kChar) && qweight.dim() == 2 &&
                   qweight.is_contiguous(),
               "qweight must be a contiguous int8 or float8_e4m3fn [out features, in features] CPU tensor");
   const int64_t n = qweight.size(0), k = qweight.size(1);
-  TORCH_CHECK(k > 0 && k % 16 == 0, "w8_linear needs in features in multiples of 16, got ", k);
+  TORCH_CHECK(k > 0 && k % 16 == 0, "per-channel weights need in features in multiples of 16, got ", k);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.numel() == n && scale.is_contiguous(),
               "scale must be a contiguous float32 [out features] tensor");
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
-              "x must be a 2-D float32 or bfloat16 CPU tensor");
-  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
   Job job{};
   job.w = static_cast<const uint8_t*>(qweight.data_ptr());
   job.row_bytes = k;
@@ -453,6 +453,23 @@ at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::T
   job.k = k;
   job.fmt = fp8 ? kF8 : kW8;
   job.scales = scale.data_ptr<float>();
+  return job;
+}
+
+// A per-channel weight dequantized (scale * q in float32, or that rounded to bf16), for a many-row step.
+at::Tensor w8_dequantize(const at::Tensor& qweight, const at::Tensor& scale, int64_t isa, bool bf16) {
+  return dequantize_job(channel_job(qweight, scale), qweight.options(), isa, bf16);
+}
+
+// Per-channel int8 or fp8 e4m3 weights (weight-only): out = x @ (scale[:, None] * qweight).T (+ bias).
+at::Tensor w8_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& bias, int64_t isa) {
+  Job job = channel_job(qweight, scale);
+  const int64_t n = job.n, k = job.k;
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && (dtype == at::kFloat || dtype == at::kBFloat16),
+              "x must be a 2-D float32 or bfloat16 CPU tensor");
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
   at::Tensor xf = x.to(at::kFloat);
   if (xf.stride(1) != 1) xf = xf.contiguous();
   at::Tensor bf;
@@ -578,6 +595,7 @@ TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
   m.def("quant_dequantize(Tensor blocks, int fmt, int in_features, int isa=-1, bool bf16=False) -> Tensor");
   m.def("round_rows_int8(Tensor x) -> Tensor");
   m.def("w8_linear(Tensor x, Tensor qweight, Tensor scale, Tensor? bias, int isa=-1) -> Tensor");
+  m.def("w8_dequantize(Tensor qweight, Tensor scale, int isa=-1, bool bf16=False) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("quant_linear_isa() -> int", &quant_linear_isa);
 }
@@ -588,4 +606,5 @@ TORCH_LIBRARY_IMPL(inflight_cpu, CPU, m) {
   m.impl("quant_dequantize", &quant_dequantize);
   m.impl("round_rows_int8", &round_rows_int8);
   m.impl("w8_linear", &w8_linear);
+  m.impl("w8_dequantize", &w8_dequantize);
 }
