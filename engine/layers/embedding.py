@@ -39,7 +39,7 @@ class VocabEmbedding:
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
         if isinstance(self.table, QuantizedWeight):  # tensor parallel refuses block formats
             hidden = embedding_rows(self.table, input_ids).to(self.dtype)
-        elif isinstance(self.table, ChannelWeight):  # and int8 weights
+        elif isinstance(self.table, ChannelWeight):  # and per-channel 8-bit weights
             rows = input_ids.long()
             hidden = (self.table.qweight[rows].float() * self.table.scale[rows, None]).to(self.dtype)
         elif not self.tp.enabled:

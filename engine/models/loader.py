@@ -79,10 +79,10 @@ def read_safetensors(
 
 
 def read_compressed_tensors(
-    path: Path, family: Family, raw_config: dict[str, Any], keep_int8: bool
+    path: Path, family: Family, raw_config: dict[str, Any], keep_codes: bool
 ) -> dict[str, torch.Tensor | ChannelWeight]:
     """A compressed-tensors checkpoint's tensors under their canonical names, each quantized linear a
-    ``ChannelWeight`` (int8 or fp8 codes; ``keep_int8``) or its dequantised float32 weight. No
+    ``ChannelWeight`` (int8 or fp8 codes; ``keep_codes``) or its dequantised float32 weight. No
     tensor-parallel slicing (refused with 8-bit weights; the dequantised copy is read whole)."""
     from safetensors.torch import load_file
 
@@ -99,7 +99,7 @@ def read_compressed_tensors(
         stored.update(load_file(str(file)))
     out: dict[str, torch.Tensor | ChannelWeight] = {}
     for stored_name, weight in combine(stored).items():
-        if isinstance(weight, ChannelWeight) and not keep_int8:
+        if isinstance(weight, ChannelWeight) and not keep_codes:
             weight = weight.dequantize()
         name = family.canonical(stored_name)
         parts = family.fused(name, raw_config) if family.fused else None
@@ -204,15 +204,16 @@ Weight = torch.Tensor | QuantizedWeight | ChannelWeight | StackedWeight
 
 
 def _cat(parts: list[Weight]) -> Weight:
-    """Rows one after another: q/k/v into qkv, gate/up into gate_up (block and int8 rows as stored).
+    """Rows one after another: q/k/v into qkv, gate/up into gate_up (block and 8-bit rows as stored).
 
     Parts in different formats (llama.cpp's mixes: Q4_K_M keeps v in Q6_K, or Q8_0 where rows are not
-    whole 256s, beside Q4_K or Q5_0 q and k) stay as they are, side by side (engine/quant/stacked.py):
-    each is multiplied on its own kernel."""
+    whole 256s, beside Q4_K or Q5_0 q and k; int8 beside fp8 codes) stay as they are, side by side
+    (engine/quant/stacked.py): each is multiplied on its own kernel."""
     blocks = [p for p in parts if isinstance(p, QuantizedWeight)]
     if len(blocks) == len(parts) and len({(p.format, p.in_features) for p in blocks}) == 1:
         return QuantizedWeight.cat_rows(blocks)
-    if all(isinstance(p, ChannelWeight) for p in parts):
+    codes = {p.qweight.dtype for p in parts if isinstance(p, ChannelWeight)}
+    if all(isinstance(p, ChannelWeight) for p in parts) and len(codes) == 1:
         return ChannelWeight.cat_rows(parts)  # type: ignore[arg-type]
     if all(isinstance(p, torch.Tensor) for p in parts):
         return torch.cat(parts)  # type: ignore[arg-type]
@@ -232,8 +233,8 @@ def merge_weights(
 ) -> dict[str, Any]:
     """Cast, move, fuse q/k/v and gate/up (two fewer matmuls a layer), and stack each MoE layer's
     experts into ``mlp.experts.w13`` [E, 2I, H] (gate rows, then up) and ``mlp.experts.w2`` [E, H, I].
-    Weights kept in a GGUF block format (``QuantizedWeight``) or as int8 (``ChannelWeight``) are fused by
-    whole rows, never cast."""
+    Weights kept in a GGUF block format (``QuantizedWeight``) or as 8-bit codes (``ChannelWeight``) are
+    fused by whole rows, never cast."""
 
     def take(name: str) -> Any:
         if name not in raw:

@@ -145,3 +145,19 @@ def test_triton_kernel(code: torch.dtype) -> None:
     got = w8_matmul(x16.to(DEVICE), q, s)
     assert got.dtype == torch.bfloat16
     _check(got, x16, w, None)
+
+
+def test_int8_and_fp8_rows_of_one_fused_weight_stay_side_by_side() -> None:
+    """q/k/v whose checkpoint quantized them in different codes: fused as a stack of parts (each on its
+    own kernel), whose product is the parts' products side by side."""
+    from engine.layers.kernels import Kernels
+    from engine.layers.linear import Linear
+    from engine.models.loader import _cat
+    from engine.quant.stacked import StackedWeight
+
+    q, k = _weight(32, 64, seed=11), _weight(16, 64, seed=12, code=torch.float8_e4m3fn)
+    fused = _cat([q, k])
+    assert isinstance(fused, StackedWeight) and fused.out_features == 48
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(13))
+    want = torch.cat([channel_linear(x, q), channel_linear(x, k)], dim=1)
+    assert torch.allclose(Linear(fused, Kernels())(x), want, rtol=1e-5, atol=1e-6)

@@ -462,6 +462,19 @@ INLINE bool blocks_direct(const Job& job, int64_t t0, int64_t t1) {
 }
 #endif
 
+// One or two rows of x times per-channel weights (a decode step), tile by tile, from registers.
+template <bool F8>
+INLINE void channel_direct_tiles(const Job& job, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t col = t * kTileRows, rows = std::min<int64_t>(kTileRows, job.n - col);
+    if (job.m == 2) {
+      multiply_channel_direct<2, F8>(job, 0, col, rows);
+    } else {
+      multiply_channel_direct<1, F8>(job, 0, col, rows);
+    }
+  }
+}
+
 INLINE void dq_any_row(const Job& job, int64_t row, float* out) {
   const uint8_t* w = job.w + row * job.row_bytes;
   if (job.fmt == kW8) {
@@ -475,16 +488,7 @@ INLINE void dq_any_row(const Job& job, int64_t row, float* out) {
 
 INLINE void run_tiles(const Job& job, int64_t t0, int64_t t1) {
   if ((job.fmt == kW8 || job.fmt == kF8) && job.m <= 2) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t col = t * kTileRows, rows = std::min<int64_t>(kTileRows, job.n - col);
-      if (job.fmt == kF8) {
-        job.m == 2 ? multiply_channel_direct<2, true>(job, 0, col, rows)
-                   : multiply_channel_direct<1, true>(job, 0, col, rows);
-      } else {
-        job.m == 2 ? multiply_channel_direct<2, false>(job, 0, col, rows)
-                   : multiply_channel_direct<1, false>(job, 0, col, rows);
-      }
-    }
+    job.fmt == kF8 ? channel_direct_tiles<true>(job, t0, t1) : channel_direct_tiles<false>(job, t0, t1);
     return;
   }
 #if QUANT_ISA == 2
