@@ -7,7 +7,7 @@ as fp8 (its float copy quantized at load, ``quantization="fp8"``) and as its flo
 the same process, batch-1 decode tok/s. One child process per configuration, so no one's pages stay
 behind.
 
-Computed: the largest of the planner's model shapes (inflight/plan/presets.py) that fits a host of
+Computed: the largest of the planner's model shapes (inflight/plan/shapes.py) that fits a host of
 ``--host-gb`` GB for each weight format, by the planner's arithmetic (``activation_reserve``: 1 GiB of
 runtime plus a full-budget step's activations; the weights; a KV cache holding ``--context`` tokens
 in the activations' dtype). Block formats count their bytes per value as stored (Q4_K: 144 bytes per
