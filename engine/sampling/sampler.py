@@ -231,6 +231,29 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def _cpu_race(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    tokens: torch.Tensor = torch.ops.inflight_cpu.exponential_race(logits, keys)
+    return tokens
+
+
+def race(logits: torch.Tensor, seeds: list[int], steps: list[int]) -> torch.Tensor:
+    """argmax(logits - log q) per row, q = ``exponential_noise(seeds, steps, ...)``: the exponential race's
+    winners. On a CPU with the C++ kernels (and a torch with MKL), a row at a time in cache-sized chunks
+    (engine/kernels/cpu/sampling.cpp: the same scores bit for bit, without the noise's whole-vocabulary
+    int64 and float64 temporaries, which cost about 1 ms a row of a 49k vocabulary); elsewhere the
+    noise, then its log, then ``argmax_rows``."""
+    cpu = logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+    if cpu and logits.stride(1) == 1 and logits.shape[1] > 0:
+        from engine.kernels import cpu as cpu_kernels
+
+        if cpu_kernels.load() and torch.ops.inflight_cpu.exponential_race_supported():
+            return _cpu_race(logits, torch.tensor(row_keys(seeds, steps), dtype=torch.int64))
+    q = exponential_noise(seeds, steps, logits.shape[1], logits.device)
+    # argmax(p / q) == argmax(logits - log q): softmax's normaliser is the same for every token,
+    # and the log form keeps precision for tokens whose probability underflows.
+    return argmax_rows(logits - q.log())
+
+
 def _draw_fused(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The torch path's draw in one Triton launch; per-row settings travel in one host-to-device copy."""
     from engine.kernels.sampling import sample
@@ -403,10 +426,7 @@ class Sampler:
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
             logits = apply_min_p(logits, min_p)
-        q = exponential_noise([r.seed for r in rows], [r.num_output_tokens for r in rows], vocab, device)
-        # argmax(p / q) == argmax(logits - log q): softmax's normaliser is the same for every token,
-        # and the log form keeps precision for tokens whose probability underflows.
-        return argmax_rows(logits - q.log())
+        return race(logits, [r.seed for r in rows], [r.num_output_tokens for r in rows])
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> SampledTensors:

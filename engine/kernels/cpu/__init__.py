@@ -1,8 +1,9 @@
 """The CPU engine's C++ kernels: paged attention and the KV store (read in place through block tables),
 the layer's fused pointwise ops (RMSNorm with the residual add, rotary, SiLU-and-mul), the linear
-layers on weights packed into column panels (gemm.cpp, AVX-512 hosts), and the linear layers on weights
-kept in GGUF block formats (quant_gemm.cpp). The 8-bit KV cache's attention and store (kv_quant.cpp) are a
-library of their own, built by ``load_kv_quant()`` the first time an engine keeps such a cache.
+layers on weights packed into column panels (gemm.cpp, AVX-512 hosts), the linear layers on weights
+kept in GGUF block formats (quant_gemm.cpp), and the sampler's random draw (sampling.cpp). The 8-bit
+KV cache's attention and store (kv_quant.cpp) are a library of their own, built by ``load_kv_quant()``
+the first time an engine keeps such a cache.
 
 ``load()`` builds them on first use (a torch extension compiled with the host's g++, cached per source
 and torch version in ``engine.paths.cpu_ext_root()``; ``make setup`` builds it ahead of time, and a build
@@ -34,8 +35,9 @@ _SOURCES = [
     _HERE / "pointwise.cpp",
     _HERE / "gemm.cpp",
     _HERE / "quant_gemm.cpp",
+    _HERE / "sampling.cpp",
 ]
-_HEADERS = [_HERE / "vec.h", _HERE / "quant_gemm_isa.h", _HERE / "quant_gemm_int8.h"]
+_HEADERS = [_HERE / "vec.h", _HERE / "argmax.h", _HERE / "quant_gemm_isa.h", _HERE / "quant_gemm_int8.h"]
 _KV_QUANT_SOURCES = [_HERE / "kv_quant.cpp"]
 _KV_QUANT_HEADERS = [_HERE / "vec.h", _HERE / "kv_quant_rows.h"]
 _FLAGS = ["-O3", "-fopenmp", "-Wno-psabi"]

@@ -1,0 +1,93 @@
+"""The C++ exponential race (engine/kernels/cpu/sampling.cpp) against the sampler's torch definition:
+the same scores bit for bit on both vector paths, the same winners, and the sampler drawing through it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import cpu as cpu_kernels
+from engine.sampling import sampler as sampler_mod
+from engine.sampling.sampler import Sampler, SamplingRow, exponential_noise, row_keys
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_kernels.load() and torch.ops.inflight_cpu.exponential_race_supported()),
+    reason="no C++ CPU kernels here, or the CPU has neither AVX-512 nor AVX2, or torch has no MKL",
+)
+
+CPU = torch.device("cpu")
+# 0: the best vector code here (AVX-512 where the CPU has it), 2: AVX2, run on the same host.
+ISAS = [0, 2]
+
+
+def _case(rows: int, vocab: int, seed: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    seeds = [int(s) for s in torch.randint(0, 2**62, (rows,), generator=g)]
+    steps = [int(s) for s in torch.randint(0, 5000, (rows,), generator=g)]
+    return logits, seeds, steps
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("rows", "vocab"), [(5, 49152), (3, 151936), (4, 1000), (2, 17), (1, 1)])
+def test_scores_bit_for_bit(isa, rows, vocab):
+    # 17 and 1000: tails shorter than a vector; 1: a vocabulary of one token.
+    logits, seeds, steps = _case(rows, vocab, vocab)
+    logits[0, vocab // 2] = float("-inf")  # a masked token scores -inf
+    want = logits - exponential_noise(seeds, steps, vocab, CPU).log()
+    scores = torch.empty_like(logits)
+    keys = torch.tensor(row_keys(seeds, steps), dtype=torch.int64)
+    tokens = torch.ops.inflight_cpu.exponential_race(logits, keys, scores, isa)
+    assert torch.equal(scores, want)  # every value, not just the winners
+    assert torch.equal(tokens, want.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_winners_and_torch_argmax_semantics(isa):
+    logits, seeds, steps = _case(6, 4096, 7)
+    logits[1] = float("-inf")
+    logits[1, 4095] = 0.0  # one allowed token: it must win
+    logits[2, 9] = float("nan")  # NaN counts as the maximum, as in torch.argmax
+    keys = torch.tensor(row_keys(seeds, steps), dtype=torch.int64)
+    got = torch.ops.inflight_cpu.exponential_race(logits, keys, None, isa)
+    assert got.tolist()[1:3] == [4095, 9]
+    want = (logits - exponential_noise(seeds, steps, 4096, CPU).log()).argmax(dim=-1)
+    assert torch.equal(got, want)
+    # Strided rows (a slice of a wider tensor) read as their own rows.
+    wide = torch.zeros(6, 5000)
+    wide[:, :4096] = logits
+    assert torch.equal(torch.ops.inflight_cpu.exponential_race(wide[:, :4096], keys, None, isa), got)
+
+
+def test_refuses_bad_input():
+    keys = torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.inflight_cpu.exponential_race(torch.zeros(2, 8, dtype=torch.float64), keys)
+    with pytest.raises(RuntimeError, match="keys"):
+        torch.ops.inflight_cpu.exponential_race(torch.zeros(3, 8), keys)
+    with pytest.raises(RuntimeError, match="isa"):
+        torch.ops.inflight_cpu.exponential_race(torch.zeros(2, 8), keys, None, 1)
+
+
+def test_sampler_draws_through_the_kernel(monkeypatch):
+    """The sampler's random rows go through the kernel and draw what the torch definition draws."""
+    vocab = 3000
+    logits, _, _ = _case(8, vocab, 11)
+    rows = [
+        SamplingRow(SamplingParams(temperature=0.7 + 0.1 * i, seed=100 + i), [1, 2, 3], [5] * i, seed=100 + i)
+        for i in range(8)
+    ]
+    calls = []
+    real = torch.ops.inflight_cpu.exponential_race
+
+    def counted(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(sampler_mod, "_cpu_race", counted)
+    got = Sampler().sample(logits, rows).tokens
+    assert calls == [torch.Size([8, vocab])]
+    scaled = logits / torch.tensor([r.params.temperature for r in rows])[:, None]
+    noise = exponential_noise([r.seed for r in rows], [r.num_output_tokens for r in rows], vocab, CPU)
+    assert torch.equal(got, (scaled - noise.log()).argmax(dim=-1))
