@@ -91,3 +91,13 @@ def test_sampler_draws_through_the_kernel(monkeypatch):
     scaled = logits / torch.tensor([r.params.temperature for r in rows])[:, None]
     noise = exponential_noise([r.seed for r in rows], [r.num_output_tokens for r in rows], vocab, CPU)
     assert torch.equal(got, (scaled - noise.log()).argmax(dim=-1))
+
+
+def test_sampler_bench_prints_both_paths(capsys):
+    from bench import sampler_bench
+
+    assert sampler_bench.main(["--rows", "1,3", "--vocab", "1000", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "torch/kernel" in lines[1]
+    assert [line.split()[0] for line in lines[2:]] == ["1", "3"]  # one row a row count, both timed
+    assert all(float(line.split()[1]) > 0 and float(line.split()[2]) > 0 for line in lines[2:])
