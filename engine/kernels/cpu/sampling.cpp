@@ -21,11 +21,15 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <utility>
 #include <cstring>
 #include <vector>
 
 #include "argmax.h"
+#include "vec.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -183,12 +187,106 @@ at::Tensor exponential_race(const at::Tensor& logits, const at::Tensor& keys, co
   return out;
 }
 
+// ---- top-p ------------------------------------------------------------------------------------
+// The nucleus without sorting the vocabulary (torch's sort of [32, 49152] float32 took 144 ms on one
+// core). A token stays when the probability of the tokens strictly more likely than it is below
+// top_p; as a threshold on the logit, the kept tokens are {x >= T}, T the smallest kept logit, so a
+// tie at T stays whole (as the GPU kernel, engine/kernels/sampling.py, keeps it; torch's sort keeps an
+// order-dependent part of it).
+//
+// How: each token's weight e = exp(x - max) into a histogram of kBins bins of the logit over the
+// kSpan nats below the maximum (a monotone binning: a larger logit never lands in a lower bin, ties
+// share one); the bins' running mass from the top finds the one bin where the mass before reaches
+// top_p * sum(e); only that bin's tokens are sorted. Every token of an earlier bin stays, every one
+// of a later bin goes. Below kSpan nats a token weighs under e^-40 of the top one: the whole tail of
+// a vocabulary weighs less than the rounding of top_p itself, so those tokens go.
+constexpr int kBins = 2048;
+constexpr float kSpan = 40.f;
+
+// e[i] = exp(x[i] - top); returns their sum.
+INFLIGHT_CLONES double weights(const float* x, int64_t n, float top, float* e) {
+  using inflight_cpu::kLanes;
+  const int64_t nv = n / kLanes * kLanes;
+  double z = 0.0;
+  for (int64_t i = 0; i < nv; i += kLanes) {
+    const inflight_cpu::vfloat v = inflight_cpu::vexp(inflight_cpu::load16(x + i) - top);
+    std::memcpy(e + i, &v, sizeof(v));
+    float part = 0.f;
+    for (int j = 0; j < kLanes; ++j) part += v[j];
+    z += part;
+  }
+  for (int64_t i = nv; i < n; ++i) {
+    e[i] = std::exp(x[i] - top);
+    z += e[i];
+  }
+  return z;
+}
+
+struct TopPScratch {
+  std::vector<float> e;
+  std::vector<double> mass;
+  std::vector<std::pair<float, float>> edge;  // (logit, weight) of the crossing bin's tokens
+};
+
+void top_p_row(float* x, int64_t n, float top_p, TopPScratch& t) {
+  const float top = *std::max_element(x, x + n);
+  if (!(top_p < 1.f) || !std::isfinite(top)) return;  // everything stays; or a row of -inf / NaN
+  t.e.resize(static_cast<size_t>(n));
+  const double bound = static_cast<double>(top_p) * weights(x, n, top, t.e.data());
+  const float scale = static_cast<float>(kBins) / kSpan;
+  auto bin = [&](float v) {  // 0 for the top; kBins for everything past the span (and -inf, NaN)
+    const float d = (top - v) * scale;
+    return d < static_cast<float>(kBins) ? static_cast<int>(d) : kBins;
+  };
+  t.mass.assign(kBins + 1, 0.0);
+  for (int64_t i = 0; i < n; ++i) t.mass[bin(x[i])] += t.e[i];
+  double before = 0.0;
+  int crossing = 0;
+  while (crossing < kBins && before + t.mass[crossing] < bound) before += t.mass[crossing++];
+  float threshold = -std::numeric_limits<float>::infinity();  // no crossing (rounding): all stay
+  if (crossing < kBins) {
+    t.edge.clear();
+    for (int64_t i = 0; i < n; ++i) {
+      if (bin(x[i]) == crossing) t.edge.emplace_back(x[i], t.e[i]);
+    }
+    std::sort(t.edge.begin(), t.edge.end(), [](const auto& l, const auto& r) { return l.first > r.first; });
+    for (const auto& [v, w] : t.edge) {
+      if (before >= bound) break;
+      threshold = v;
+      before += w;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (x[i] < threshold) x[i] = -std::numeric_limits<float>::infinity();
+  }
+}
+
+// In place: each row of logits [rows, vocab] keeps its nucleus of top_p[row] (>= 1: the whole row).
+void top_p_mask_(at::Tensor logits, const at::Tensor& top_p) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat, "logits must be float32 on the CPU");
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "logits must be [rows, vocab] with contiguous rows");
+  TORCH_CHECK(top_p.scalar_type() == at::kFloat && top_p.dim() == 1 && top_p.size(0) == logits.size(0),
+              "top_p must be float32 [rows]");
+  const at::Tensor p = top_p.contiguous();
+  const float* pp = p.data_ptr<float>();
+  float* x = logits.data_ptr<float>();
+  const int64_t n = logits.size(1), stride = logits.stride(0);
+  at::parallel_for(0, logits.size(0), 1, [&](int64_t r0, int64_t r1) {
+    TopPScratch scratch;
+    for (int64_t r = r0; r < r1; ++r) top_p_row(x + r * stride, n, pp[r], scratch);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inflight_cpu, m) {
   m.def("exponential_race(Tensor logits, Tensor keys, Tensor(a!)? scores=None, int isa=0) -> Tensor");
   // No tensor to dispatch on: one kernel for every backend.
   m.def("exponential_race_supported() -> bool", &race_supported);
+  m.def("top_p_mask_(Tensor(a!) logits, Tensor top_p) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(inflight_cpu, CPU, m) { m.impl("exponential_race", &exponential_race); }
+TORCH_LIBRARY_IMPL(inflight_cpu, CPU, m) {
+  m.impl("exponential_race", &exponential_race);
+  m.impl("top_p_mask_", &top_p_mask_);
+}

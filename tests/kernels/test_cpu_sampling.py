@@ -1,5 +1,6 @@
-"""The C++ exponential race (engine/kernels/cpu/sampling.cpp) against the sampler's torch definition:
-the same scores bit for bit on both vector paths, the same winners, and the sampler drawing through it."""
+"""The sampler's C++ CPU kernels (engine/kernels/cpu/sampling.cpp) against its torch definitions: the
+exponential race (the same scores bit for bit on both vector paths, the same winners, the sampler
+drawing through it) and the top-p nucleus (the same tokens kept as the sort's, ties kept whole)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from engine.kernels import cpu as cpu_kernels
 from engine.sampling import sampler as sampler_mod
-from engine.sampling.sampler import Sampler, SamplingRow, exponential_noise, row_keys
+from engine.sampling.sampler import Sampler, SamplingRow, apply_top_p, exponential_noise, row_keys
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -101,3 +102,44 @@ def test_sampler_bench_prints_both_paths(capsys):
     assert "torch/kernel" in lines[1]
     assert [line.split()[0] for line in lines[2:]] == ["1", "3"]  # one row a row count, both timed
     assert all(float(line.split()[1]) > 0 and float(line.split()[2]) > 0 for line in lines[2:])
+
+
+def _sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The definition by sorting: a token stays while the mass strictly before it is below top_p."""
+    ordered, order = logits.sort(dim=-1, descending=True)
+    probs = ordered.softmax(dim=-1)
+    ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, ordered)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "scale"), [(49152, 3.0), (49152, 0.5), (151936, 2.0), (1000, 6.0), (17, 1.0)]
+)
+def test_top_p_keeps_the_sorts_nucleus(vocab, scale):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=g) * scale  # no ties: the sort's choice is the nucleus
+    top_p = torch.rand(12, generator=g) * 0.98 + 0.01
+    top_p[0] = 1.0  # the whole row stays (the sort's float32 running sum can reach 1 before the end)
+    top_p[1] = 1e-6  # only the most likely token
+    logits[2, : vocab // 2] = float("-inf")  # masked earlier (top-k, a grammar): stays masked
+    got = apply_top_p(logits, top_p)
+    want = _sorted_top_p(logits, top_p)
+    assert torch.equal(torch.isinf(got[1:]), torch.isinf(want[1:]))
+    assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])  # kept logits unchanged
+    assert int((~torch.isinf(got[1])).sum()) == 1
+    assert not torch.isinf(got[0]).any()
+
+
+def test_top_p_keeps_a_tie_at_the_threshold_whole():
+    # probs 0.4, 0.2, 0.2, 0.2 (two tied tokens of 0.2 after the first): top_p 0.5 reaches into the tie,
+    # and both tied tokens at the threshold stay (the sort would keep one, by its order).
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.1, 0.1]]))
+    got = apply_top_p(logits, torch.tensor([0.5]))
+    assert (~torch.isinf(got)).tolist() == [[True, True, True, False, False]]
+
+
+def test_top_p_refuses_bad_input():
+    with pytest.raises(RuntimeError, match="top_p"):
+        torch.ops.inflight_cpu.top_p_mask_(torch.zeros(2, 8), torch.ones(3))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.inflight_cpu.top_p_mask_(torch.zeros(2, 8, dtype=torch.float64), torch.ones(2))
