@@ -206,7 +206,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     and top_p 0.5: the mass before each token is (0, 0.4, 0.7, 0.9), so tokens 0 and 1 stay.
 
     On a CPU with the C++ kernels, without a sort of the vocabulary (engine/kernels/cpu/sampling.cpp:
-    a threshold on the logit, about 30x faster at 32 rows of 49k); a tie at the threshold then stays
+    a threshold on the logit, about 10x faster at 32 rows of 49k); a tie at the threshold then stays
     whole, where the sort keeps an order-dependent part of it.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:

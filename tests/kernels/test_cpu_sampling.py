@@ -99,9 +99,10 @@ def test_sampler_bench_prints_both_paths(capsys):
 
     assert sampler_bench.main(["--rows", "1,3", "--vocab", "1000", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert "torch/kernel" in lines[1]
-    assert [line.split()[0] for line in lines[2:]] == ["1", "3"]  # one row a row count, both timed
-    assert all(float(line.split()[1]) > 0 and float(line.split()[2]) > 0 for line in lines[2:])
+    assert "torch/kernel" in lines[1] and "sort/kernel" in lines[5]
+    for rows in (lines[2:4], lines[6:8]):  # the race, then top-p: one line a row count, both timed
+        assert [line.split()[0] for line in rows] == ["1", "3"]
+        assert all(float(line.split()[1]) > 0 and float(line.split()[2]) > 0 for line in rows)
 
 
 def _sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
