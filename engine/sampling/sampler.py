@@ -131,40 +131,57 @@ def _row_token_pairs(lists: list[list[int]], device: torch.device) -> tuple[torc
     )
 
 
+def _unique_pairs(
+    lists: list[list[int]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each distinct (row, token) of ``lists`` once, as flat indices row * vocab + token, with how many
+    times it occurs."""
+    rows, tokens = _row_token_pairs(lists, device)
+    flat, counts = torch.unique(rows * vocab + tokens, return_counts=True)
+    return flat, counts
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Penalised copy of ``logits`` [N, V]; ``logits`` itself (unchanged) when no row has penalties.
 
     repetition (HF / CTRL): for every token seen in prompt or output, logit / p if positive else * p.
     presence / frequency (OpenAI): logit -= presence * (count > 0) + frequency * count, output only.
+
+    Only the tokens a row has seen change, so only those are touched: the distinct (row, token) pairs
+    are gathered, penalised and written back, where whole [N, V] tensors of counts and masks cost
+    tens of milliseconds a step on a CPU (20 ms at 32 rows of 49k, 66 ms at 152k).
     """
     vocab = logits.shape[1]
     device = logits.device
-    rep = {i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0}
-    freq = {
+    rep = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    freq = [
         i for i, r in enumerate(rows) if r.params.presence_penalty != 0.0 or r.params.frequency_penalty != 0.0
-    }
+    ]
     if not rep and not freq:
         return logits
-    idx = sorted(rep | freq)
-    every_row = len(idx) == len(rows)
-    counts = torch.zeros(len(idx), vocab, dtype=logits.dtype, device=device)  # output counts [n_pen, V]
-    r_idx, t_idx = _row_token_pairs([rows[i].output_token_ids for i in idx], device)
-    counts.index_put_((r_idx, t_idx), torch.ones_like(t_idx, dtype=logits.dtype), accumulate=True)
-    sub = logits if every_row else logits[idx]  # [n_pen, V]; the ops below never write in place
-    if rep:
-        seen = counts > 0
-        r_idx, t_idx = _row_token_pairs([rows[i].prompt_token_ids if i in rep else [] for i in idx], device)
-        seen[r_idx, t_idx] = True
-        p = torch.tensor([rows[i].params.repetition_penalty for i in idx], device=device)[:, None]
-        sub = torch.where(seen, torch.where(sub > 0, sub / p, sub * p), sub)
-    if freq:
-        pres = torch.tensor([rows[i].params.presence_penalty for i in idx], device=device)[:, None]
-        fr = torch.tensor([rows[i].params.frequency_penalty for i in idx], device=device)[:, None]
-        sub = sub - fr * counts - pres * (counts > 0).to(sub.dtype)
-    if every_row:
-        return sub
     out = logits.clone()
-    out[idx] = sub
+    flat_out = out.view(-1)
+    if rep:
+        seen, _ = _unique_pairs(
+            [
+                rows[i].prompt_token_ids + rows[i].output_token_ids if i in rep else []
+                for i in range(len(rows))
+            ],
+            vocab,
+            device,
+        )
+        p = torch.tensor([r.params.repetition_penalty for r in rows], dtype=logits.dtype, device=device)
+        p = p[torch.div(seen, vocab, rounding_mode="floor")]
+        x = flat_out[seen]
+        flat_out[seen] = torch.where(x > 0, x / p, x * p)
+    if freq:
+        outputs = [r.output_token_ids if i in freq else [] for i, r in enumerate(rows)]
+        found, counts = _unique_pairs(outputs, vocab, device)
+        row_of = torch.div(found, vocab, rounding_mode="floor")
+        pres = torch.tensor([r.params.presence_penalty for r in rows], dtype=logits.dtype, device=device)
+        fr = torch.tensor([r.params.frequency_penalty for r in rows], dtype=logits.dtype, device=device)
+        # The dense form's arithmetic, element for element: x - fr * count - pres * 1.
+        flat_out[found] = flat_out[found] - fr[row_of] * counts.to(logits.dtype) - pres[row_of]
     return out
 
 

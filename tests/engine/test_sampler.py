@@ -233,6 +233,46 @@ def test_penalties_match_the_formulas() -> None:
     assert apply_penalties(logits, [rows[3]] * 4) is logits  # nothing to do: no copy
 
 
+def _dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The penalties over whole [N, V] tensors of counts and masks (what the sampler computed before it
+    touched only the seen tokens): the same arithmetic on every element."""
+    vocab = logits.shape[1]
+    counts = torch.zeros_like(logits)
+    seen = torch.zeros(logits.shape, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        for t in r.output_token_ids:
+            counts[i, t] += 1
+        for t in r.prompt_token_ids + r.output_token_ids:
+            seen[i, t] = r.params.repetition_penalty != 1.0
+    p = torch.tensor([r.params.repetition_penalty for r in rows])[:, None].expand(-1, vocab)
+    x = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+    pres = torch.tensor([r.params.presence_penalty for r in rows])[:, None]
+    fr = torch.tensor([r.params.frequency_penalty for r in rows])[:, None]
+    return x - fr * counts - pres * (counts > 0).to(x.dtype)
+
+
+def test_penalties_equal_the_dense_form_bit_for_bit() -> None:
+    rng = random.Random(3)
+    vocab = 5000
+    logits = logits_for(6, seed=12, vocab=vocab) * 4
+    logits[0, :100] = float("-inf")  # masked before (logit_bias, a grammar): stays -inf
+    rows = [
+        row(
+            prompt=[rng.randrange(vocab) for _ in range(300)] + list(range(50)),
+            out=[rng.randrange(200) for _ in range(80)],  # repeats: counts above 1
+            repetition_penalty=rng.choice([0.7, 1.05, 1.3]),
+            presence_penalty=rng.choice([0.0, 0.4, -0.5]),
+            frequency_penalty=rng.choice([0.0, 0.3]),
+        )
+        for _ in range(5)
+    ] + [row(prompt=[1, 2], out=[3])]  # a row without penalties beside them
+    before = logits.clone()
+    got = apply_penalties(logits, rows)
+    assert torch.equal(got, _dense_penalties(logits, rows))
+    assert torch.equal(logits, before)  # the caller's logits stay as they were
+    assert torch.equal(got[5], logits[5])
+
+
 def test_repetition_penalty_changes_greedy_choice() -> None:
     logits = torch.tensor([[3.0, 2.5, -1.0, 0.0]])
     assert Sampler()(logits, [row(temperature=0.0, out=[0])]).token_ids == [0]
