@@ -1,4 +1,4 @@
-"""The CPU sampler's random draw and its top-p cut: through torch against the C++ kernels.
+"""The CPU sampler's random draw, top-p cut and penalties: the torch forms against the faster ones.
 
     python -m bench.sampler_bench [--rows 1,8,32,64] [--vocab 49152] [--top-p 0.9] [--threads 1]
 
@@ -10,12 +10,14 @@ cache-sized chunks); then top-p by torch's sort of the vocabulary and by the ker
 row count also checks that both draw the same tokens, and counts the tokens whose top-p fate differs
 (the sort sums the mass in float32, the kernel in float64: a token at the boundary may fall either
 way; where they differed, a float64 sort kept what the kernel kept). The logits are Gaussian, scale
-3: flatter than a trained model's, so a large nucleus.
+3: flatter than a trained model's, so a large nucleus. Last, the repetition penalty over whole
+[rows, vocab] tensors against the sampler's, which touches only the tokens each row has seen.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +25,15 @@ from collections.abc import Callable
 import torch
 
 from bench.run_support import run_cpu_kernel_bench
-from engine.sampling.sampler import apply_top_p, argmax_rows, exponential_noise, row_keys
+from engine.sampling.sampler import (
+    SamplingRow,
+    apply_penalties,
+    apply_top_p,
+    argmax_rows,
+    exponential_noise,
+    row_keys,
+)
+from engine.sampling_params import SamplingParams
 
 Draw = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 
@@ -83,6 +93,50 @@ def report_top_p(rows_list: list[int], vocab: int, top_p: float, repeats: int) -
         )
 
 
+def dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty over whole [rows, vocab] tensors of counts and masks, the form the sampler
+    had before it touched only the seen tokens."""
+    counts = torch.zeros_like(logits)
+    r_idx = torch.tensor([i for i, r in enumerate(rows) for _ in r.output_token_ids])
+    t_idx = torch.tensor([t for r in rows for t in r.output_token_ids])
+    counts.index_put_((r_idx, t_idx), torch.ones(len(t_idx)), accumulate=True)
+    seen = counts > 0
+    seen[
+        torch.tensor([i for i, r in enumerate(rows) for _ in r.prompt_token_ids]),
+        torch.tensor([t for r in rows for t in r.prompt_token_ids]),
+    ] = True
+    p = torch.tensor([r.params.repetition_penalty for r in rows])[:, None]
+    return torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+
+
+def report_penalties(rows_list: list[int], vocab: int, repeats: int) -> None:
+    print(f"repetition penalty 1.05, 128 prompt and 64 output tokens a row, {vocab}-token vocabulary")
+    print(f"{'rows':>5} {'dense ms':>9} {'seen ms':>10} {'dense/seen':>13}")
+    for n in rows_list:
+        rng = random.Random(n)
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n))
+        rows = [
+            SamplingRow(
+                SamplingParams(temperature=0.7, repetition_penalty=1.05),
+                [rng.randrange(vocab) for _ in range(128)],
+                [rng.randrange(vocab) for _ in range(64)],
+                seed=i,
+            )
+            for i in range(n)
+        ]
+        if not torch.equal(apply_penalties(logits, rows), dense_penalties(logits, rows)):
+            raise SystemExit(f"the penalties differ from the dense form at {n} rows")
+        t_dense = t_seen = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dense_penalties(logits, rows)
+            t_dense = min(t_dense, time.perf_counter() - start)
+            start = time.perf_counter()
+            apply_penalties(logits, rows)
+            t_seen = min(t_seen, time.perf_counter() - start)
+        print(f"{n:>5} {t_dense * 1e3:>9.2f} {t_seen * 1e3:>10.2f} {t_dense / t_seen:>12.1f}x")
+
+
 def report(rows_list: list[int], vocab: int, repeats: int) -> None:
     print(f"exponential race over a {vocab}-token vocabulary, {torch.get_num_threads()} thread(s)")
     print(f"{'rows':>5} {'torch ms':>9} {'kernel ms':>10} {'torch/kernel':>13} {'ns a token':>11}")
@@ -124,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     def both() -> None:
         report(rows, args.vocab, args.repeats)
         report_top_p(rows, args.vocab, args.top_p, args.repeats)
+        report_penalties(rows, args.vocab, args.repeats)
 
     return run_cpu_kernel_bench("sampler_bench", args.threads, both)
 
