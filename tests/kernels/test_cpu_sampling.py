@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.sampler_bench import sorted_top_p
 from engine.kernels import cpu as cpu_kernels
-from engine.sampling import sampler as sampler_mod
+from engine.sampling import race as race_mod
 from engine.sampling.sampler import Sampler, SamplingRow, apply_top_p, exponential_noise, row_keys
 from engine.sampling_params import SamplingParams
 
@@ -86,7 +87,7 @@ def test_sampler_draws_through_the_kernel(monkeypatch):
         calls.append(args[0].shape)
         return real(*args)
 
-    monkeypatch.setattr(sampler_mod, "_cpu_race", counted)
+    monkeypatch.setattr(race_mod, "_cpu_race", counted)
     got = Sampler().sample(logits, rows).tokens
     assert calls == [torch.Size([8, vocab])]
     scaled = logits / torch.tensor([r.params.temperature for r in rows])[:, None]
@@ -105,14 +106,6 @@ def test_sampler_bench_prints_both_paths(capsys):
         assert all(float(line.split()[1]) > 0 and float(line.split()[2]) > 0 for line in rows)
 
 
-def _sorted_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The definition by sorting: a token stays while the mass strictly before it is below top_p."""
-    ordered, order = logits.sort(dim=-1, descending=True)
-    probs = ordered.softmax(dim=-1)
-    ordered = ordered.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, ordered)
-
-
 @pytest.mark.parametrize(
     ("vocab", "scale"), [(49152, 3.0), (49152, 0.5), (151936, 2.0), (1000, 6.0), (17, 1.0)]
 )
@@ -124,7 +117,7 @@ def test_top_p_keeps_the_sorts_nucleus(vocab, scale):
     top_p[1] = 1e-6  # only the most likely token
     logits[2, : vocab // 2] = float("-inf")  # masked earlier (top-k, a grammar): stays masked
     got = apply_top_p(logits, top_p)
-    want = _sorted_top_p(logits, top_p)
+    want = sorted_top_p(logits, top_p)
     assert torch.equal(torch.isinf(got[1:]), torch.isinf(want[1:]))
     assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])  # kept logits unchanged
     assert int((~torch.isinf(got[1])).sum()) == 1
