@@ -94,3 +94,20 @@ def test_argmax_rows_matches_torch(rows, vocab):
     assert torch.equal(torch.ops.inflight_cpu.argmax_rows(strided), strided.argmax(dim=-1))
     all_inf = torch.full((1, vocab), float("-inf"))
     assert torch.equal(torch.ops.inflight_cpu.argmax_rows(all_inf), all_inf.argmax(dim=-1))
+
+
+def _twice(t: torch.Tensor) -> torch.Tensor:
+    """Columns 32..47 a copy of columns 0..15: the first 32 go through the bf16 pair path (two values a
+    32-bit word), the next 16 through the 16-lane path."""
+    t = t.clone()
+    t[:, 32:48] = t[:, :16]
+    return t
+
+
+def test_bf16_pair_path_rounds_as_the_sixteen_lane_path():
+    h = _twice((torch.randn(5, 48, generator=_gen(11)) * 3).to(torch.bfloat16))
+    residual = _twice(torch.randn(5, 48, generator=_gen(12)).to(torch.bfloat16))
+    w = _twice(torch.randn(1, 48, generator=_gen(13)).to(torch.bfloat16))[0]
+    torch.ops.inflight_cpu.rms_norm(h, h, residual, w, 1e-6)
+    assert torch.equal(residual[:, :16], residual[:, 32:48])
+    assert torch.equal(h[:, :16], h[:, 32:48])

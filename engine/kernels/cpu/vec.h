@@ -74,6 +74,26 @@ __attribute__((always_inline)) inline vfloat round_to(at::BFloat16, vfloat v) {
   return r;
 }
 
+// 32 bf16 values as two float vectors, without load16's widening (whose 16-to-32-bit conversion costs
+// cross-lane shuffles on every vector): a 32-bit word holds two bf16 values, so its low half shifted up is
+// the even-indexed value and its high half masked is the odd one. Elementwise work whose inputs and output
+// all take this order needs no reordering; store32_split rounds as store16 does, bit for bit.
+__attribute__((always_inline)) inline void load32_split(const at::BFloat16* p, vfloat& even, vfloat& odd) {
+  vu32 w;
+  std::memcpy(&w, p, sizeof(w));
+  const vu32 e = w << 16, o = w & 0xffff0000u;
+  std::memcpy(&even, &e, sizeof(even));
+  std::memcpy(&odd, &o, sizeof(odd));
+}
+__attribute__((always_inline)) inline void store32_split(at::BFloat16* p, vfloat even, vfloat odd) {
+  const vfloat re = round_to(at::BFloat16{}, even), ro = round_to(at::BFloat16{}, odd);
+  vu32 e, o;
+  std::memcpy(&e, &re, sizeof(e));
+  std::memcpy(&o, &ro, sizeof(o));
+  const vu32 w = (e >> 16) | o;
+  std::memcpy(p, &w, sizeof(w));
+}
+
 // exp, to about 2 ulp, for x <= 88 (larger x would overflow; callers stay below): 2^n * p(r) with x = n ln2 + r,
 // |r| <= ln2 / 2, p a degree-6 Taylor polynomial; below -87 the result flushes to 0.
 __attribute__((always_inline)) inline vfloat vexp(vfloat x) {
