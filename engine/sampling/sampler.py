@@ -347,18 +347,26 @@ class Sampler:
         params = [r.params for r in rows]
         if self._use_fused(device):
             return _draw_fused(logits, rows)
-        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
-        logits = logits / temps[:, None]
+        # Dividing by 1 changes no value, so a batch all at temperature 1 (what a request that sends no
+        # temperature gets) skips a pass over the logits; the steps below then must not write into the
+        # caller's tensor.
+        owned = any(p.temperature != 1.0 for p in params)
+        if owned:
+            temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+            logits = logits / temps[:, None]
         # Fast path: no top-k / top-p work unless some row asks; the sort covers only top-p rows.
         if any(0 < p.effective_top_k < vocab for p in params):
             top_k = [p.effective_top_k if p.effective_top_k < vocab else 0 for p in params]
-            logits = apply_top_k(logits, torch.tensor(top_k, device=device))
+            masked = apply_top_k(logits, torch.tensor(top_k, device=device))
+            owned = owned or masked is not logits
+            logits = masked
         p_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
         if p_rows:
             top_p = torch.tensor([params[j].top_p for j in p_rows], dtype=logits.dtype, device=device)
             if len(p_rows) == len(params):
                 logits = apply_top_p(logits, top_p)
             else:
+                logits = logits if owned else logits.clone()
                 logits[p_rows] = apply_top_p(logits[p_rows], top_p)
         if any(p.min_p > 0.0 for p in params):
             min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)

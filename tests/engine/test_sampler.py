@@ -71,6 +71,20 @@ def test_input_logits_are_not_modified() -> None:
     assert torch.equal(logits, before)
 
 
+def test_temperature_one_batch_keeps_the_callers_logits_and_draws() -> None:
+    # All rows at temperature 1: no division, so top-p on some rows must not write into the caller's
+    # logits; each row draws what it draws alone (and a temperature-1 row in a batch that divides).
+    logits = logits_for(3, seed=4)
+    before = logits.clone()
+    rows = [row(seed=1, top_p=0.6), row(seed=2), row(seed=3, top_p=0.3)]
+    got = Sampler()(logits, rows).token_ids
+    assert torch.equal(logits, before)
+    alone = [Sampler()(logits[i : i + 1].clone(), [r]).token_ids[0] for i, r in enumerate(rows)]
+    assert got == alone
+    divided = Sampler()(torch.cat([logits, logits[:1]]), [*rows, row(seed=9, temperature=0.5)]).token_ids
+    assert divided[:3] == got
+
+
 def test_seeded_draw_does_not_depend_on_the_batch() -> None:
     rng = random.Random(0)
     sampler = Sampler()
