@@ -38,6 +38,22 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, n] with contiguous rows");
 }
 
+// dst[i] = f(a[i], b[i]) over the whole vectors of n (a multiple of 16; the caller does the rest). bf16
+// goes two values a 32-bit word (load32_split) as far as it can: no cross-lane widening, the same bits.
+template <typename T, typename F>
+__attribute__((always_inline)) inline void map2(T* dst, const T* a, const T* b, int64_t n, F f) {
+  int64_t i = 0;
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
+      vfloat ae, ao, be, bo;
+      load32_split(a + i, ae, ao);
+      load32_split(b + i, be, bo);
+      store32_split(dst + i, f(ae, be), f(ao, bo));
+    }
+  }
+  for (; i + kLanes <= n; i += kLanes) store16(dst + i, f(load16(a + i), load16(b + i)));
+}
+
 // out[r] = weight * round(x[r] / rms(x[r])); with a residual: residual[r] = round(x[r] + residual[r])
 // first, and the norm is of the new residual.
 template <typename T>
@@ -50,16 +66,7 @@ INFLIGHT_CLONES void norm_rows(T* out, int64_t out_stride, const T* x, int64_t x
     const T* src = xr;
     if (residual != nullptr) {
       T* res = residual + r * res_stride;
-      int64_t i = 0;
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-          vfloat xe, xo, re, ro;
-          load32_split(xr + i, xe, xo);
-          load32_split(res + i, re, ro);
-          store32_split(res + i, xe + re, xo + ro);
-        }
-      }
-      for (; i < nv; i += kLanes) store16(res + i, load16(xr + i) + load16(res + i));
+      map2(res, xr, res, n, [](vfloat a, vfloat b) __attribute__((always_inline)) { return a + b; });
       for (int64_t i = nv; i < n; ++i) res[i] = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(res[i]));
       src = res;
     }
@@ -73,16 +80,8 @@ INFLIGHT_CLONES void norm_rows(T* out, int64_t out_stride, const T* x, int64_t x
     for (int64_t i = nv; i < n; ++i) sq += static_cast<float>(src[i]) * static_cast<float>(src[i]);
     const float inv = 1.f / std::sqrt(sq / static_cast<float>(n) + eps);
     // Round the normalised value to T (a no-op for float), then scale by the weight and round.
-    int64_t i = 0;
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      for (; i + 2 * kLanes <= n; i += 2 * kLanes) {
-        vfloat se, so, we, wo;
-        load32_split(src + i, se, so);
-        load32_split(weight + i, we, wo);
-        store32_split(o + i, round_to(T{}, se * inv) * we, round_to(T{}, so * inv) * wo);
-      }
-    }
-    for (; i < nv; i += kLanes) store16(o + i, round_to(T{}, load16(src + i) * inv) * load16(weight + i));
+    map2(o, src, weight, n,
+         [inv](vfloat v, vfloat w) __attribute__((always_inline)) { return round_to(T{}, v * inv) * w; });
     for (int64_t i = nv; i < n; ++i) {
       const T normed = static_cast<T>(static_cast<float>(src[i]) * inv);
       o[i] = static_cast<T>(static_cast<float>(normed) * static_cast<float>(weight[i]));
