@@ -149,9 +149,12 @@ class AttentionBackend(Protocol):
         *,
         sliding_window: int | None = None,  # None: full causal context; W: the last W positions
         logits_soft_cap: float | None = None,  # None: off; c: scores -> c * tanh(scores / c)
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # the K/V store_kv just stored
     ) -> torch.Tensor:  # [T, num_heads, head_size]
         """Attention of the step's queries over their cached context. Keys before a query's window are
-        never read, so their blocks may hold anything (another request's K/V, or NaN)."""
+        never read, so their blocks may hold anything (another request's K/V, or NaN). ``new_kv``, the
+        step's own keys and values ([T, num_kv_heads, head_size] each, in the cache's dtype), lets a
+        backend attend a request whose whole context is this step's from them instead of the cache."""
         ...
 
 

@@ -107,6 +107,7 @@ class CpuAttentionBackend:
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         if _on_quant_kernel(kv_cache):
             # The kernel takes float32 or bf16 queries; a float16 model's attend in float32.
@@ -164,9 +165,14 @@ class CpuAttentionBackend:
         )
         if sdpa:
             starts, lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+            # The step's K/V as stored (in the cache's dtype, as the query is here): a whole prompt's
+            # context, attended without gathering it back from the cache.
+            own = new_kv if new_kv is not None and new_kv[0].dtype == kv_cache.dtype else None
             for r in range(metadata.num_seqs):
                 q_start, q_end = starts[r], starts[r + 1]
                 if q_end - q_start >= PREFILL_SDPA_MIN:
+                    # A prompt in one chunk attends its own K/V.
+                    prompt_kv = own if own is not None and q_end - q_start == lens[r] else None
                     out[q_start:q_end] = cpu_prefill.sdpa_prefill(
                         query[q_start:q_end],
                         kv_cache,
@@ -175,5 +181,8 @@ class CpuAttentionBackend:
                         scale,
                         sliding_window,
                         logits_soft_cap,
+                        own_kv=None
+                        if prompt_kv is None
+                        else (prompt_kv[0][q_start:q_end], prompt_kv[1][q_start:q_end]),
                     )
         return out

@@ -135,22 +135,27 @@ def sdpa_prefill(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    own_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # this chunk's K/V, [L, Hkv, D] each
 ) -> torch.Tensor:  # [L, Hq, D]
     """One request's chunk through torch's SDPA, its context gathered once (O(context), small next to
     the attention) and the bottom-right causal mask. With a window the context is gathered from the
     page holding the first query's window start (pages before it are never read) and the mask also
     hides keys at or before q - W; a soft cap (which SDPA does not take) goes through the torch
-    backend's explicit softmax."""
+    backend's explicit softmax. A whole prompt (L == seq_len) given ``own_kv``, the values the cache
+    holds for it, attends them as they are: no gather."""
     num_queries = query.shape[0]
     block_size = kv_cache.shape[3]
     first = window_start(seq_len - num_queries, sliding_window)
-    first_block = first // block_size
-    blocks = block_table[first_block : -(-seq_len // block_size)].long()
-    # One copy of the context from `first`, whole pages: [nb, Hkv, block_size, D] -> [1, Hkv, N, D],
-    # K's pages from their key-interleaved lines; key j of it sits at position first + j.
-    keep = slice(first - first_block * block_size, seq_len - first_block * block_size)
-    k = key_pages(kv_cache[0].index_select(0, blocks)).transpose(0, 1).flatten(1, 2)[None, :, keep]
-    v = kv_cache[1].index_select(0, blocks).transpose(0, 1).flatten(1, 2)[None, :, keep]
+    if own_kv is not None and num_queries == seq_len:
+        k, v = (t.transpose(0, 1)[None] for t in own_kv)  # [1, Hkv, L, D]; first is 0
+    else:
+        first_block = first // block_size
+        blocks = block_table[first_block : -(-seq_len // block_size)].long()
+        # One copy of the context from `first`, whole pages: [nb, Hkv, block_size, D] -> [1, Hkv, N, D],
+        # K's pages from their key-interleaved lines; key j of it sits at position first + j.
+        keep = slice(first - first_block * block_size, seq_len - first_block * block_size)
+        k = key_pages(kv_cache[0].index_select(0, blocks)).transpose(0, 1).flatten(1, 2)[None, :, keep]
+        v = kv_cache[1].index_select(0, blocks).transpose(0, 1).flatten(1, 2)[None, :, keep]
     q = query.transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
     if num_queries == seq_len and sliding_window is None and logits_soft_cap is None:
         # A whole prompt: the usual causal mask.

@@ -88,6 +88,7 @@ class TorchAttentionBackend:
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # unused: the cache is read
     ) -> torch.Tensor:  # [T, Hq, D]; padding rows are zero
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
         starts = metadata.query_start_loc_cpu

@@ -43,6 +43,7 @@ class TritonAttentionBackend:
         *,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,  # unused: the cache is read
     ) -> torch.Tensor:  # [T, Hq, D]; padding rows are zero
         # The host-side maxima size the grid without a device sync (and keep CUDA graphs capturable).
         return paged_attention(

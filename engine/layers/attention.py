@@ -66,6 +66,7 @@ class Attention:
             self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            new_kv=(k, v),
         ).reshape(real, self.q_size)
         if out is not None:
             out[:real].copy_(attn)

@@ -204,17 +204,31 @@ def test_long_chunks_match_dense_through_either_prefill_route(
 ):
     calls = []
     real = cpu_prefill.sdpa_prefill
-    monkeypatch.setattr(cpu_prefill, "sdpa_prefill", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+
+    def counted(*a, **kw):
+        calls.append((a[0].shape[0], kw.get("own_kv") is not None))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(cpu_prefill, "sdpa_prefill", counted)
     monkeypatch.setenv("INFLIGHT_CPU_PREFILL_ATTENTION", route)
-    _store_then_attend_matches_dense(
+    got = _store_then_attend_matches_dense(
         paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype
     )
     long_chunks = [n for n in query_lens if n >= PREFILL_SDPA_MIN]
-    assert calls == (long_chunks if route == "sdpa" else [])
+    assert calls == ([(n, False) for n in long_chunks] if route == "sdpa" else [])
+    # Given the step's own K/V (as the model passes them), a whole prompt attends them instead of the
+    # cache (a later chunk still reads the cache), with the same result.
+    calls.clear()
+    own = _store_then_attend_matches_dense(
+        paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype, own_kv=True
+    )
+    whole = [n == s for n, s in zip(query_lens, seq_lens, strict=True) if n >= PREFILL_SDPA_MIN]
+    assert calls == ([(n, w) for n, w in zip(long_chunks, whole, strict=True)] if route == "sdpa" else [])
+    assert torch.equal(own, got)
 
 
 def _store_then_attend_matches_dense(
-    paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype
+    paged_batch, dense_attention, query_lens, seq_lens, hq, hkv, head_size, block_size, dtype, own_kv=False
 ):
     backend = _backend()
     layout = backend.kv_layout(dtype, head_size, CPU)
@@ -226,8 +240,10 @@ def _store_then_attend_matches_dense(
     new_k, new_v = _fresh_step(batch)
     metadata = batch.metadata()
     backend.store_kv(new_k, new_v, batch.kv_cache, metadata)
-    got = backend.forward(batch.query, batch.kv_cache, metadata, head_size**-0.5)
+    new_kv = (new_k, new_v) if own_kv else None
+    got = backend.forward(batch.query, batch.kv_cache, metadata, head_size**-0.5, new_kv=new_kv)
     torch.testing.assert_close(got.float(), want, **TOL[dtype])
+    return got
 
 
 @pytest.mark.parametrize(("head_size", "dtype"), [(24, torch.float32), (64, torch.float16)])

@@ -79,6 +79,7 @@ def test_the_prefill_bench_prints_both_paths_and_the_pick(capsys: pytest.Capture
         assert kernel_ms > 0 and sdpa_ms > 0
         assert ratio == pytest.approx(sdpa_ms / kernel_ms, rel=0.02, abs=0.01)
         assert row[7] in ("kernel", "sdpa")
+        assert float(row[8]) > 0  # SDPA on the prompt's own K/V
         if abs(ratio * cpu_prefill.SDPA_MARGIN - 1) > 0.05:  # printed times are rounded: not at the edge
             assert row[7] == cpu_prefill.pick(kernel_ms, sdpa_ms)
     # one query token sees one key: QK and PV are one multiply-add per head dimension each

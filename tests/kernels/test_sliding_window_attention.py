@@ -67,6 +67,7 @@ STEPS = [
     ([1, 1, 1], [7, 32, 93]),  # decodes only (a context of 32: equal to the window 32)
     ([24, 1, 9, 1], [24, 57, 70, 5]),  # a whole prompt, decodes, a later chunk
     ([40, 3], [120, 45]),  # long later chunk
+    ([48, 1], [48, 60]),  # a whole prompt long enough for the CPU's SDPA route, a decode
 ]
 # Off, tiny, not a multiple of any block size, a multiple (and one context's length), > every context.
 WINDOWS = [None, 5, 13, 32, 200]
@@ -232,18 +233,41 @@ def test_cpu_kernel(
 @needs_cpu_kernels
 @pytest.mark.parametrize("route", ["kernel", "sdpa"])
 @pytest.mark.parametrize(("window", "cap"), [(None, None), (13, None), (32, 1.5), (200, None)])
+@pytest.mark.parametrize("step", [2, 3])
 def test_cpu_backend_through_either_prefill_route(
-    monkeypatch: pytest.MonkeyPatch, route: str, window: int | None, cap: float | None
+    monkeypatch: pytest.MonkeyPatch, route: str, window: int | None, cap: float | None, step: int
 ) -> None:
-    # The 40-token chunk of step 2 is long enough for the SDPA route; the decode stays on the kernel.
+    # The 40-token chunk of step 2 and the 48-token prompt of step 3 are long enough for the SDPA route;
+    # the decodes stay on the kernel. Given the step's own K/V, as the model passes them, the whole
+    # prompt attends them instead of its cached copy: the same result.
     monkeypatch.setenv("INFLIGHT_CPU_PREFILL_ATTENTION", route)
-    batch = _batch(2, (4, 2), 32, 16, torch.float32, KVLayout.HEAD_MAJOR_KT, torch.device("cpu"))
+    batch = _batch(step, (4, 2), 32, 16, torch.float32, KVLayout.HEAD_MAJOR_KT, torch.device("cpu"))
     poison_before_windows(batch, window)
     backend = get_attention_backend("cpu")
     got = backend.forward(
         batch.query, batch.kv_cache, _metadata(batch), SCALE, sliding_window=window, logits_soft_cap=cap
     )
     _check(got, dense_window_attention(batch, SCALE, window, cap), torch.float32)
+    starts = batch.query_start_loc.tolist()
+    new_k, new_v = (
+        torch.cat([t[t.shape[0] - (b - a) :] for t, a, b in zip(ts, starts, starts[1:], strict=False)])
+        for ts in (batch.keys, batch.values)
+    )
+    if route == "sdpa":
+        batch.kv_cache.fill_(float("nan"))  # the whole prompt must not read the cache; the rest reads NaN
+    own = backend.forward(
+        batch.query,
+        batch.kv_cache,
+        _metadata(batch),
+        SCALE,
+        sliding_window=window,
+        logits_soft_cap=cap,
+        new_kv=(new_k, new_v),
+    )
+    prompt = slice(0, 48) if step == 3 else slice(0, 0)
+    assert torch.equal(own[prompt], got[prompt])
+    if route == "kernel":
+        assert torch.equal(own, got)  # the kernel reads the cache in place: new_kv changes nothing
 
 
 def test_triton_backend_passes_window_and_cap() -> None:
