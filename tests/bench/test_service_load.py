@@ -52,6 +52,28 @@ def test_saturation_counts_completions_until_a_full_batch_is_no_longer_possible(
     )
 
 
+def test_targets_allow_the_bursty_trace_twice_the_poisson_ones_added_ttft() -> None:
+    def result(poisson_added: float, gamma_added: float) -> dict:
+        trace = lambda added: {"ttft": {"p99_ms": 100.0 + added}}  # noqa: E731
+        engine = {"ttft": {"p99_ms": 100.0}}
+        return {
+            "stack": {"poisson": trace(poisson_added), "gamma": trace(gamma_added)},
+            "engine": {"poisson": engine, "gamma": engine},
+            "throughput_ratio": 0.96,
+        }
+
+    verdicts = {k: v["passed"] for k, v in service_load.judge(result(24.0, 49.0)).items()}
+    assert verdicts == {
+        "poisson: TTFT p99 stack - engine (ms)": True,
+        "gamma: TTFT p99 stack - engine (ms)": True,
+        "saturation: throughput stack / engine": True,
+    }
+    missed = service_load.judge(result(26.0, 51.0))
+    assert not missed["poisson: TTFT p99 stack - engine (ms)"]["passed"]
+    assert not missed["gamma: TTFT p99 stack - engine (ms)"]["passed"]
+    assert missed["gamma: TTFT p99 stack - engine (ms)"]["bound"] == "<= 50"
+
+
 def test_stages_add_up_to_the_clients_ttft() -> None:
     # Sent at 100.000; the gateway enqueued at .004, the worker claimed at .012 and had its first token
     # 0.030 s after its fetch; the client read it at .050.
