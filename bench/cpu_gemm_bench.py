@@ -8,6 +8,8 @@ copy of the same random weights, the paths interleaved; the best of --repeats pa
 dtype and row count: each path's time, the weights' read rate of the engine's kernels (bytes of every
 weight over the pass's time: what bounds a decode step) and oneDNN's time over theirs. torch's matmul is
 timed only with --torch (MKL's float32 sgemm is slow on AMD CPUs, and bf16 without AMX slower still).
+On an AMX CPU, bf16 rows that are a multiple of 16 also run the AMX tile kernel over oneDNN's packed
+weights (engine/models/amx_gemm.py; column "tiles ms", and oneDNN's time over it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.run_support import add_layer_shape, cpu_kernel_parser, run_cpu_kernel_bench
-from engine.models import cpu_gemm, onednn
+from engine.models import amx_gemm, cpu_gemm, onednn
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -29,6 +31,12 @@ def shapes(args: argparse.Namespace) -> list[tuple[int, int]]:
     """(out, in) of one layer's linears."""
     h, inter, d = args.hidden, args.intermediate, args.head_dim
     return [(d * (args.heads + 2 * args.kv_heads), h), (d * args.heads, h), (2 * inter, h), (h, inter)]
+
+
+def _tiles(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    panels = amx_gemm.panels_of(packed)
+    assert panels is not None
+    return amx_gemm.linear(x, panels)
 
 
 def best_pass(calls: list[tuple[Linear, torch.Tensor, torch.Tensor]]) -> float:
@@ -54,7 +62,7 @@ def report(args: argparse.Namespace) -> None:
     print(f"linear layers of {args.layers} x {shapes(args)} + LM head {args.vocab}, {args.threads} thread(s)")
     print(
         f"{'dtype':<9} {'rows':>5} {'inflight ms':>11} {'GB/s':>6} {'oneDNN ms':>10} {'oneDNN/own':>10} "
-        f"{'torch ms':>9}"
+        f"{'torch ms':>9} {'tiles ms':>9} {'oneDNN/tiles':>12}"
     )
     for name in args.dtypes:
         dtype = getattr(torch, name)
@@ -70,7 +78,12 @@ def report(args: argparse.Namespace) -> None:
             "inflight": (cpu_gemm.linear, [cpu_gemm.pack(w) for w in [*weights, head]])
         }
         if onednn.can_prepack(dtype):
-            paths["onednn"] = (onednn.linear, [onednn.pack(w, args.head_rows) for w in [*weights, head]])
+            packed_dnn = [onednn.pack(w, args.head_rows) for w in [*weights, head]]
+            paths["onednn"] = (onednn.linear, packed_dnn)
+            if dtype == torch.bfloat16 and amx_gemm.supported():
+                shared = all(amx_gemm.attach(p, w) for p, w in zip(packed_dnn, [*weights, head], strict=True))
+                if shared:
+                    paths["tiles"] = (_tiles, packed_dnn)
         if args.torch:
             paths["torch"] = (F.linear, [*weights, head])
         inputs = {
@@ -85,6 +98,8 @@ def report(args: argparse.Namespace) -> None:
                 ]
                 for path, (fn, packed) in paths.items()
             }
+            if rows % 16:  # the tile kernel takes whole tiles of rows
+                calls.pop("tiles", None)
             best = {path: float("inf") for path in calls}
             for _ in range(args.repeats):
                 for path, c in calls.items():
@@ -94,8 +109,11 @@ def report(args: argparse.Namespace) -> None:
             if "onednn" in best:
                 dnn = f"{best['onednn'] * 1e3:>10.2f} {best['onednn'] / own:>10.2f}"
             tch = f"{best['torch'] * 1e3:>9.2f}" if "torch" in best else f"{'-':>9}"
+            tiles = f"{'-':>9} {'-':>12}"
+            if "tiles" in best and "onednn" in best:
+                tiles = f"{best['tiles'] * 1e3:>9.2f} {best['onednn'] / best['tiles']:>12.2f}"
             rate = nbytes / own / 1e9
-            print(f"{name:<9} {rows:>5} {own * 1e3:>11.2f} {rate:>6.1f} {dnn} {tch}", flush=True)
+            print(f"{name:<9} {rows:>5} {own * 1e3:>11.2f} {rate:>6.1f} {dnn} {tch} {tiles}", flush=True)
 
 
 if __name__ == "__main__":

@@ -66,7 +66,9 @@ CPU_GEMM = EnvVar(
     "sizes; `onednn`: weights packed into oneDNN's blocked layout (on AMD CPUs torch's float32 matmul, "
     "MKL's sgemm, is 2-2.5x slower); `torch`: plain weights and torch's own matmul. `auto`: `inflight` "
     "where the CPU has the instructions and no AMX (whose bf16 tiles oneDNN uses), else `onednn` where "
-    "torch and the CPU can pack, else `torch`.",
+    "torch and the CPU can pack, else `torch`; on an AMX CPU `auto` also runs bf16 GEMMs of up to 64 "
+    "rows (decode steps) on the engine's own AMX tile kernel over oneDNN's packed weights, in place, "
+    "where `onednn` keeps oneDNN at every size.",
 )
 CPU_MALLOC = EnvVar(
     "INFLIGHT_CPU_MALLOC",

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.models import cpu_gemm, onednn
+from engine.models import amx_gemm, cpu_gemm, onednn
 
 
 @dataclass
@@ -29,6 +29,9 @@ class Kernels:
     # With oneDNN's packed weights, a step's row count is rounded up to whole GEMM tiles (engine/models/
     # onednn.py) up to this many rows (the token budget); None: not padded.
     row_padding: onednn.RowPadding | None = None
+    # On an AMX CPU, bf16 GEMMs of up to this many rows read oneDNN's packed weights on the engine's own
+    # tile kernel (engine/models/amx_gemm.py); 0: oneDNN at every size.
+    amx_rows: int = 0
 
     @property
     def packed(self) -> bool:
@@ -40,7 +43,10 @@ class Kernels:
             return cpu_gemm.pack(weight)
         if not self.prepack_rows or weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16):
             return weight
-        return onednn.pack(weight, self.prepack_rows)
+        packed = onednn.pack(weight, self.prepack_rows)
+        if self.amx_rows:
+            amx_gemm.attach(packed, weight)
+        return packed
 
     def padded_rows(self, n: int) -> int:
         return n if self.row_padding is None else self.row_padding.padded(n)

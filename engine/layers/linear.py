@@ -3,7 +3,8 @@
 The weight kind decides the kernel, in ``matmul`` and nowhere else: a GGUF block format
 (``QuantizedWeight``: engine/quant, multiplied as stored), per-channel int8 (``ChannelWeight``, W8A16),
 column panels (3-D, the engine's own CPU
-kernels: engine/models/cpu_gemm.py), oneDNN's packed weights (CPU), or a plain [out, in] tensor
+kernels: engine/models/cpu_gemm.py), oneDNN's packed weights (CPU; at decode sizes on an AMX CPU, the
+engine's tile kernel over the same memory: engine/models/amx_gemm.py), or a plain [out, in] tensor
 (torch's matmul; cuBLAS on a GPU).
 
 Tensor parallelism (Megatron): the loader hands each layer its rank's shard
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.layers.kernels import Kernels
-from engine.models import cpu_gemm, onednn
+from engine.models import amx_gemm, cpu_gemm, onednn
 from engine.platform.cpu import cpu_flags, cpu_has_bf16_matmul
 from engine.quant.channel import ChannelWeight, channel_linear
 from engine.quant.linear import dequantize_for_step, quant_linear, round_activations, rounds_activations
@@ -113,5 +114,10 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
     if weight.dim() == 3:  # column panels (cpu_gemm.pack)
         return cpu_gemm.linear(x, weight, bias)
     if kernels.prepack_rows:
+        rows = x.shape[0]
+        if rows <= kernels.amx_rows and rows % 16 == 0:
+            panels = amx_gemm.panels_of(weight)
+            if panels is not None:
+                return amx_gemm.linear(x, panels, bias)
         return onednn.linear(x, weight, bias)
     return F.linear(x, weight, bias)

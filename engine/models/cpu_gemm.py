@@ -11,10 +11,11 @@ within 1-3% of each other. No row padding either: nothing is built per row count
 
 Which path (``INFLIGHT_CPU_GEMM``, default ``auto``): these kernels where the CPU has their
 instructions (AVX-512 for float32; AVX512_BF16 for bf16), except bf16 on an AMX CPU: there oneDNN
-multiplies bf16 on AMX's tiles, whose peak is several times what vdpbf16ps reaches (the two were not
-timed side by side: no AMX host ran these kernels); else oneDNN's packed weights where torch and the
-CPU can pack (engine/models/onednn.py); else torch's own matmul. A weight whose out features are not
-a multiple of 16 stays with oneDNN (or torch) under any choice.
+multiplies bf16 on AMX's tiles, and these kernels fall behind from 16 rows on (an AMX Xeon, one thread:
+38.7 ms at 16 rows against oneDNN's 13.0; 19.5 against 16.4 at one row), and at decode sizes the
+engine's tile kernel reads oneDNN's packed weights (engine/models/amx_gemm.py); else oneDNN's packed
+weights where torch and the CPU can pack (engine/models/onednn.py); else torch's own matmul. A weight
+whose out features are not a multiple of 16 stays with oneDNN (or torch) under any choice.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.kernels import kv_quant
 from engine.kv_cache.manager import cdiv
 from engine.layers.kernels import Kernels
-from engine.models import cpu_gemm, onednn
+from engine.models import amx_gemm, cpu_gemm, onednn
 from engine.models.decoder import DecoderModel
 from engine.models.loader import load_weights
 from engine.platform import memory
@@ -112,6 +112,9 @@ class ModelRunner:
                 cpu=use_cpu_kernels,
                 gemm=gemm,
                 prepack_rows=config.max_num_seqs if prepack else 0,
+                amx_rows=(
+                    amx_gemm.MAX_ROWS if use_cpu_kernels and prepack and amx_gemm.enabled(config.dtype) else 0
+                ),
                 row_padding=(
                     onednn.RowPadding(onednn.row_grain(config.dtype), max_rows)
                     if prepack and gemm == "onednn" and not any_kept_quantized(weights.values())

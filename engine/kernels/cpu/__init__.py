@@ -1,6 +1,7 @@
 """The CPU engine's C++ kernels: paged attention and the KV store (read in place through block tables),
 the layer's fused pointwise ops (RMSNorm with the residual add, rotary, SiLU-and-mul), the linear
-layers on weights packed into column panels (gemm.cpp, AVX-512 hosts), the linear layers on weights
+layers on weights packed into column panels (gemm.cpp, AVX-512 hosts), bf16 linear layers at decode
+sizes on AMX tiles over oneDNN's packed weights (amx_gemm.cpp), the linear layers on weights
 kept in GGUF block formats (quant_gemm.cpp), and the sampler's random draw (sampling.cpp). The 8-bit
 KV cache's attention and store (kv_quant.cpp) are a library of their own, built by ``load_kv_quant()``
 the first time an engine keeps such a cache.
@@ -34,6 +35,7 @@ _SOURCES = [
     _HERE / "paged_attention.cpp",
     _HERE / "pointwise.cpp",
     _HERE / "gemm.cpp",
+    _HERE / "amx_gemm.cpp",
     _HERE / "quant_gemm.cpp",
     _HERE / "sampling.cpp",
 ]
