@@ -24,7 +24,10 @@ def _greedy(path: Path) -> tuple[LLM, list[list[int]]]:
     # 4 sequences (a 16-row decode step once padded), one prompt longer than the 64-row bound.
     prompts = [[5, 6, 7, 8, 9], [40, 41, 42], list(range(100, 180)), [7] * 21]
     llm = LLM(str(path), dtype="bfloat16", block_size=8, max_num_seqs=8, max_num_batched_tokens=128)
-    return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # A prefill on oneDNN after decode steps on the tiles, in the same threads: each sets up its own.
+    tokens += [o.outputs[0].token_ids for o in llm.generate([list(range(200, 300))], params)]
+    return llm, tokens
 
 
 def test_decode_rows_on_the_tiles_prefill_on_onednn(

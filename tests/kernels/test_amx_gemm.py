@@ -123,3 +123,24 @@ def test_the_bench_times_the_tiles_at_whole_tiles_of_rows(capsys: pytest.Capture
     }
     assert float(rows[16][7]) > 0 and float(rows[16][8]) > 0
     assert rows[9][7:] == ["-", "-"]
+
+
+def test_threads_split_the_panels_and_agree_with_one() -> None:
+    """Each thread configures its own tiles (the permission is the process's): two threads give the
+    single thread's products bit for bit, between oneDNN calls on the same threads."""
+    w, bias = _weights(3072, 576, 6)
+    packed = onednn.pack(w, 64)
+    assert amx_gemm.attach(packed, w)
+    panels = amx_gemm.panels_of(packed)
+    assert panels is not None
+    x = torch.randn(32, 576).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = amx_gemm.linear(x, panels, bias)
+        torch.set_num_threads(2)
+        onednn.linear(torch.randn(256, 576).bfloat16(), packed)  # oneDNN's own tile set-up in between
+        two = amx_gemm.linear(x, panels, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
