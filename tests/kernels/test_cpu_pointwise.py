@@ -111,3 +111,15 @@ def test_bf16_pair_path_rounds_as_the_sixteen_lane_path():
     torch.ops.inflight_cpu.rms_norm(h, h, residual, w, 1e-6)
     assert torch.equal(residual[:, :16], residual[:, 32:48])
     assert torch.equal(h[:, :16], h[:, 32:48])
+
+
+def test_silu_and_mul_bf16_pair_path_rounds_as_the_sixteen_lane_path():
+    gate = _twice((torch.randn(5, 48, generator=_gen(14)) * 4).to(torch.bfloat16))
+    up = _twice(torch.randn(5, 48, generator=_gen(15)).to(torch.bfloat16))
+    gate[0, 0] = gate[0, 32] = -200.0  # exp(-x) past float range, on both paths
+    gate[1, 1] = gate[1, 33] = float("nan")
+    out = torch.empty(5, 48, dtype=torch.bfloat16)
+    torch.ops.inflight_cpu.silu_and_mul(out, torch.cat([gate, up], dim=1))
+    assert torch.equal(out[:, :16].view(torch.int16), out[:, 32:48].view(torch.int16))
+    want = reference.silu_and_mul(torch.cat([gate[:, :16], up[:, :16]], dim=1))
+    torch.testing.assert_close(out[:, :16], want, equal_nan=True, **TOL[torch.bfloat16])
