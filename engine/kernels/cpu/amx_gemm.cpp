@@ -25,7 +25,10 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__linux__)
+// Built with GCC 12 or later only (AMX's intrinsics and CPU-feature names need a recent compiler; 12 is
+// what it is tested with); elsewhere the library comes without it: supported() is false, oneDNN keeps
+// every size.
+#if defined(__x86_64__) && defined(__linux__) && !defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 12
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
