@@ -12,6 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.kernels import cpu as cpu_kernels
 from engine.models import amx_gemm, onednn
+from tests.kernels.test_amx_gemm import count_tile_calls
 
 pytestmark = pytest.mark.skipif(
     not (cpu_kernels.load() and amx_gemm.supported() and onednn.can_prepack(torch.bfloat16)),
@@ -33,14 +34,7 @@ def _greedy(path: Path) -> tuple[LLM, list[list[int]]]:
 def test_decode_rows_on_the_tiles_prefill_on_onednn(
     tiny_llama_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rows: list[int] = []
-    real = amx_gemm.linear
-
-    def counted(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows.append(x.shape[0])
-        return real(x, panels, bias)
-
-    monkeypatch.setattr(amx_gemm, "linear", counted)
+    rows = count_tile_calls(monkeypatch)
     monkeypatch.setenv("INFLIGHT_CPU_GEMM", "auto")
     llm, tokens = _greedy(tiny_llama_path)
     model = llm.engine.runner.model

@@ -25,6 +25,29 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(n, k, generator=gen).bfloat16(), torch.randn(n, generator=gen).bfloat16()
 
 
+def _shared(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(oneDNN's packed weight, its panels, a bias) of a random [n, k] bf16 weight."""
+    w, bias = _weights(n, k, seed)
+    packed = onednn.pack(w, 64)
+    assert amx_gemm.attach(packed, w)
+    panels = amx_gemm.panels_of(packed)
+    assert panels is not None
+    return packed, panels, bias
+
+
+def count_tile_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every call that reaches the tile kernel from now on (the engine's tests use it too)."""
+    rows: list[int] = []
+    real = amx_gemm.linear
+
+    def counted(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return real(x, panels, bias)
+
+    monkeypatch.setattr(amx_gemm, "linear", counted)
+    return rows
+
+
 @pytest.mark.parametrize(
     "n,k,hint",
     # SmolLM2-135M's qkv, o, gate_up, down and a slice of its LM head at the engine's packing hint;
@@ -78,14 +101,7 @@ def test_a_layout_that_does_not_read_back_is_refused() -> None:
 def test_rows_past_the_bound_or_off_the_tile_grain_take_onednn(monkeypatch: pytest.MonkeyPatch) -> None:
     """A Linear on an engine with amx_rows=64: 16-64 rows (multiples of 16) on the tiles, 80 rows and 17
     rows (no row padding) on oneDNN; the outputs agree wherever each ran."""
-    calls: list[int] = []
-    real = amx_gemm.linear
-
-    def counted(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        calls.append(x.shape[0])
-        return real(x, panels, bias)
-
-    monkeypatch.setattr(amx_gemm, "linear", counted)
+    calls = count_tile_calls(monkeypatch)
     w, bias = _weights(256, 128, 4)
     kernels = Kernels(cpu=True, gemm="onednn", prepack_rows=64, amx_rows=amx_gemm.MAX_ROWS)
     layer = Linear(w, kernels, bias)
@@ -98,11 +114,7 @@ def test_rows_past_the_bound_or_off_the_tile_grain_take_onednn(monkeypatch: pyte
 
 
 def test_strided_rows() -> None:
-    w, _ = _weights(64, 64, 5)
-    packed = onednn.pack(w, 64)
-    assert amx_gemm.attach(packed, w)
-    panels = amx_gemm.panels_of(packed)
-    assert panels is not None
+    _, panels, _ = _shared(64, 64, 5)
     wide = torch.randn(32, 128).bfloat16()
     x = wide[:, :64]  # rows 128 apart
     assert torch.equal(amx_gemm.linear(x, panels), amx_gemm.linear(x.contiguous(), panels))
@@ -128,11 +140,7 @@ def test_the_bench_times_the_tiles_at_whole_tiles_of_rows(capsys: pytest.Capture
 def test_threads_split_the_panels_and_agree_with_one() -> None:
     """Each thread configures its own tiles (the permission is the process's): two threads give the
     single thread's products bit for bit, between oneDNN calls on the same threads."""
-    w, bias = _weights(3072, 576, 6)
-    packed = onednn.pack(w, 64)
-    assert amx_gemm.attach(packed, w)
-    panels = amx_gemm.panels_of(packed)
-    assert panels is not None
+    packed, panels, bias = _shared(3072, 576, 6)
     x = torch.randn(32, 576).bfloat16()
     threads = torch.get_num_threads()
     try:
