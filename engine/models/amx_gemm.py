@@ -83,6 +83,9 @@ def attach(packed: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def panels_of(packed: torch.Tensor) -> torch.Tensor | None:
+    """The panels ``attach`` proved for ``packed``, or None. They are ``packed``'s own memory and do not
+    keep it alive (a reference back would make a cycle of every weight): use them while holding
+    ``packed``, as a layer does."""
     found: torch.Tensor | None = getattr(packed, _ATTR, None)
     return found
 

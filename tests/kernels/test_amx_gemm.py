@@ -26,7 +26,8 @@ def _weights(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _shared(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(oneDNN's packed weight, its panels, a bias) of a random [n, k] bf16 weight."""
+    """(oneDNN's packed weight, its panels, a bias) of a random [n, k] bf16 weight; the panels are the
+    packed weight's memory, so a test holds both."""
     w, bias = _weights(n, k, seed)
     packed = onednn.pack(w, 64)
     assert amx_gemm.attach(packed, w)
@@ -114,12 +115,13 @@ def test_rows_past_the_bound_or_off_the_tile_grain_take_onednn(monkeypatch: pyte
 
 
 def test_strided_rows() -> None:
-    _, panels, _ = _shared(64, 64, 5)
+    packed, panels, _ = _shared(64, 64, 5)
     wide = torch.randn(32, 128).bfloat16()
     x = wide[:, :64]  # rows 128 apart
     assert torch.equal(amx_gemm.linear(x, panels), amx_gemm.linear(x.contiguous(), panels))
     with pytest.raises(RuntimeError, match="multiple of 16"):
         amx_gemm.linear(torch.randn(5, 64).bfloat16(), panels)
+    assert amx_gemm.panels_of(packed) is panels  # held to here: the panels are its memory
 
 
 def test_the_bench_times_the_tiles_at_whole_tiles_of_rows(capsys: pytest.CaptureFixture[str]) -> None:
