@@ -76,7 +76,7 @@ class EngineCore:
             config.device,
             str(config.dtype).removeprefix("torch."),
             config.attention_backend,
-            self.runner.model.kernels.gemm,
+            self.runner.model.kernels.label,
             torch.get_num_threads(),
             self.runner.num_blocks,
             config.block_size,

@@ -34,6 +34,11 @@ class Kernels:
     amx_rows: int = 0
 
     @property
+    def label(self) -> str:
+        """Who multiplies the linear layers, as the engine's start-up line says it."""
+        return f"{self.gemm} (AMX tiles up to {self.amx_rows} rows)" if self.amx_rows else self.gemm
+
+    @property
     def packed(self) -> bool:
         return self.gemm == "inflight" or self.prepack_rows > 0
 

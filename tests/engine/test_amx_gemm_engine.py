@@ -39,6 +39,7 @@ def test_decode_rows_on_the_tiles_prefill_on_onednn(
     llm, tokens = _greedy(tiny_llama_path)
     model = llm.engine.runner.model
     assert model.kernels.gemm == "onednn" and model.kernels.amx_rows == amx_gemm.MAX_ROWS
+    assert model.kernels.label == f"onednn (AMX tiles up to {amx_gemm.MAX_ROWS} rows)"  # the start-up line's
     weights = [w for w, _ in model.linear_weights()]
     assert weights and all(isinstance(w, torch.Tensor) and amx_gemm.panels_of(w) is not None for w in weights)
     assert rows and all(r % 16 == 0 and r <= amx_gemm.MAX_ROWS for r in rows)
@@ -47,5 +48,6 @@ def test_decode_rows_on_the_tiles_prefill_on_onednn(
     rows.clear()
     monkeypatch.setenv("INFLIGHT_CPU_GEMM", "onednn")  # a named path: oneDNN at every size
     other, expected = _greedy(tiny_llama_path)
-    assert other.engine.runner.model.kernels.amx_rows == 0 and rows == []
+    kernels = other.engine.runner.model.kernels
+    assert kernels.amx_rows == 0 and kernels.label == "onednn" and rows == []
     assert tokens == expected
