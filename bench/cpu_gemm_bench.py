@@ -98,7 +98,7 @@ def report(args: argparse.Namespace) -> None:
                 ]
                 for path, (fn, packed) in paths.items()
             }
-            if rows % 16:  # the tile kernel takes whole tiles of rows
+            if rows % amx_gemm.TILE_ROWS:
                 calls.pop("tiles", None)
             best = {path: float("inf") for path in calls}
             for _ in range(args.repeats):

@@ -114,10 +114,8 @@ def matmul(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None, kernels: 
     if weight.dim() == 3:  # column panels (cpu_gemm.pack)
         return cpu_gemm.linear(x, weight, bias)
     if kernels.prepack_rows:
-        rows = x.shape[0]
-        if rows <= kernels.amx_rows and rows % 16 == 0:
-            panels = amx_gemm.panels_of(weight)
-            if panels is not None:
-                return amx_gemm.linear(x, panels, bias)
+        panels = amx_gemm.panels_for(weight, x.shape[0], kernels.amx_rows)
+        if panels is not None:
+            return amx_gemm.linear(x, panels, bias)
         return onednn.linear(x, weight, bias)
     return F.linear(x, weight, bias)

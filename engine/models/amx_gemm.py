@@ -27,6 +27,7 @@ from engine.platform.cpu import cpu_flags
 # Rows up to which a step's linear runs here (a multiple of 16: AMX's tile rows, and the grain the
 # engine pads a step's rows to on these CPUs). Past it oneDNN's blocking of the rows wins.
 MAX_ROWS = 64
+TILE_ROWS = 16  # the kernel takes rows in whole tiles
 _WIDTHS = (32, 64, 16, 48)  # panel widths to try, the one oneDNN picked for SmolLM2's shapes first
 _ATTR = "_inflight_amx_panels"
 
@@ -80,6 +81,14 @@ def attach(packed: torch.Tensor, weight: torch.Tensor) -> bool:
             setattr(packed, _ATTR, panels)
             return True
     return False
+
+
+def panels_for(packed: torch.Tensor, rows: int, max_rows: int) -> torch.Tensor | None:
+    """The panels of ``packed`` where a GEMM of ``rows`` rows runs here (whole tiles, at most
+    ``max_rows``), else None: oneDNN's."""
+    if rows > max_rows or rows % TILE_ROWS:
+        return None
+    return panels_of(packed)
 
 
 def panels_of(packed: torch.Tensor) -> torch.Tensor | None:

@@ -20,14 +20,13 @@ from engine.config import EngineConfig
 from engine.distributed.parallel_state import SINGLE, TensorParallel
 from engine.kernels import kv_quant
 from engine.kv_cache.manager import cdiv
-from engine.layers.kernels import Kernels
-from engine.models import amx_gemm, cpu_gemm, onednn
 from engine.models.decoder import DecoderModel
 from engine.models.loader import load_weights
 from engine.platform import memory
 from engine.quant.stacked import any_kept_quantized
 from engine.runner.cuda_graph import GraphedDecode
 from engine.runner.input_batch import CachedRequestState, InputBatch
+from engine.runner.kernel_choice import choose_kernels
 from engine.runner.piecewise_graph import PiecewiseGraphs, piecewise_buckets
 from engine.runner.prompt_scoring import PromptScores, blocks, plan_prompt_scoring, score_prompt
 from engine.runner.staging import InputStaging
@@ -80,19 +79,9 @@ class ModelRunner:
             plan = ShardPlan(mc, tp.rank, tp.size)
         # A model whose every layer shares one window attends within it (its freed blocks are never read).
         self.backend = get_attention_backend(config.attention_backend)
-        use_triton_ops = config.attention_backend == "triton" and self.device.type == "cuda"
-        # The C++ pointwise ops come with the C++ attention (same build), for the dtypes they take.
-        use_cpu_kernels = config.attention_backend == "cpu" and config.dtype in (
-            torch.float32,
-            torch.bfloat16,
-        )
         if self.device.type == "cpu":
             # Before the weights: a step's activations then reuse pages instead of faulting new ones.
             memory.reuse_freed_memory()
-        gemm = cpu_gemm.choose(config.dtype, cpu_kernels=True) if use_cpu_kernels else "torch"
-        # oneDNN packs what the engine's own kernels do not take (all of it when it is the choice).
-        prepack = gemm != "torch" and onednn.can_prepack(config.dtype)
-        max_rows = max(config.max_num_batched_tokens, config.max_num_seqs)
         weights = load_weights(
             config.model_path,
             mc,
@@ -107,20 +96,7 @@ class ModelRunner:
             mc,
             weights,
             self.backend,
-            Kernels(
-                triton=use_triton_ops,
-                cpu=use_cpu_kernels,
-                gemm=gemm,
-                prepack_rows=config.max_num_seqs if prepack else 0,
-                amx_rows=(
-                    amx_gemm.MAX_ROWS if use_cpu_kernels and prepack and amx_gemm.enabled(config.dtype) else 0
-                ),
-                row_padding=(
-                    onednn.RowPadding(onednn.row_grain(config.dtype), max_rows)
-                    if prepack and gemm == "onednn" and not any_kept_quantized(weights.values())
-                    else None
-                ),
-            ),
+            choose_kernels(config, self.device, any_kept_quantized(weights.values())),
             config.max_model_len,
             tp,
         )
@@ -139,7 +115,7 @@ class ModelRunner:
         self.sampler = Sampler()
         # On CUDA, inputs go through persistent pinned mirrors of persistent device buffers.
         self.staging = self._make_staging(pin=True) if self.device.type == "cuda" else None
-        if use_triton_ops:
+        if self.model.kernels.triton:
             # Every Triton variant a step can pick compiles now, not in the middle of serving.
             from engine.kernels.warmup import warm_up
 

@@ -3,7 +3,8 @@
 // Why. On an AMX CPU oneDNN multiplies bf16 on the tiles and wins at prefill sizes, but a decode step
 // multiplies each weight by a few to a few tens of rows, and there its packed kernels read the weights
 // well below what one core streams: SmolLM2-135M's linear layers and LM head at one thread on an
-// AMX Xeon, 16 rows 14.9-16.4 ms, 32 rows 23.5 (python -m bench.cpu_gemm_bench). This kernel streams
+// AMX Xeon, 16 rows 13.0 ms against this kernel's 10.1, 32 rows 15.3 against 11.5 (python -m
+// bench.cpu_gemm_bench; docs/benchmarks.md). This kernel streams
 // each weight once per call, whatever the row count up to a few tiles, and leaves the rest to oneDNN
 // (engine/models/amx_gemm.py decides, per call, by rows).
 //
